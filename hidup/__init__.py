@@ -1,0 +1,1 @@
+"""HiDup: SPMD sharding with Duplex computation-communication overlap."""

@@ -1,0 +1,212 @@
+"""Capture: an nn.Module and example inputs -> a Graph whose nodes carry shape, dtype, FLOPs and bytes.
+
+We use `torch.export` (ATen-level graph, shapes from fake tensors, no hand rules for composite
+modules such as nn.MultiheadAttention). The executor runs the same ATen ops node by node.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.export.graph_signature import InputKind
+from torch.utils import _pytree as pytree
+
+from hidup.flops import forward_flops
+
+
+class CaptureError(RuntimeError):
+    """A model could not be captured; the message names the node and op where known."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return getattr(torch, self.dtype).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def is_float(self) -> bool:
+        return getattr(torch, self.dtype).is_floating_point
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{','.join(map(str, self.shape))}]"
+
+
+@dataclass(frozen=True)
+class Ref:
+    """Stands in a node's args for its `index`-th tensor input."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class Node:
+    """One graph node: a parameter, a buffer, a user input, or one ATen op call."""
+
+    name: str
+    kind: str  # 'param' | 'buffer' | 'input' | 'op'
+    op: str  # e.g. 'aten.linear.default'; '' for placeholders
+    inputs: tuple[str, ...]  # producer names of the tensor inputs, in argument order
+    out: TensorMeta
+    flops: float = 0.0
+    bytes: float = 0.0
+    target: Any = field(default=None, compare=False, repr=False)
+    args: tuple = field(default=(), compare=False, repr=False)  # tensors replaced by Ref
+    kwargs: dict = field(default_factory=dict, compare=False, repr=False)
+    source: str = ""  # parameter / buffer fully-qualified name, or the user input's name
+
+    def in_metas(self, graph: Graph) -> tuple[TensorMeta, ...]:
+        return tuple(graph.node(i).out for i in self.inputs)
+
+    def __str__(self) -> str:
+        ins = ", ".join(self.inputs)
+        return f"{self.name} = {self.op or self.kind}({ins}) -> {self.out}"
+
+
+@dataclass(frozen=True)
+class Graph:
+    nodes: tuple[Node, ...]
+    loss: str
+    fingerprint: str
+    _index: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._index.update({n.name: n for n in self.nodes})
+
+    def node(self, name: str) -> Node:
+        return self._index[name]
+
+    def consumers(self, name: str) -> list[Node]:
+        return [n for n in self.nodes if name in n.inputs]
+
+    @property
+    def ops(self) -> list[Node]:
+        return [n for n in self.nodes if n.kind == "op"]
+
+    @property
+    def params(self) -> list[Node]:
+        return [n for n in self.nodes if n.kind == "param"]
+
+    @property
+    def user_inputs(self) -> list[Node]:
+        return [n for n in self.nodes if n.kind == "input"]
+
+    def __str__(self) -> str:
+        return "\n".join(str(n) for n in self.nodes)
+
+
+_KIND = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer", InputKind.USER_INPUT: "input",
+         InputKind.CONSTANT_TENSOR: "buffer"}
+
+
+def capture(model: torch.nn.Module, example_inputs: tuple) -> Graph:
+    """Export `model(*example_inputs)` (which must return a scalar loss) to a Graph."""
+    try:
+        exported = torch.export.export(model, tuple(example_inputs))
+    except Exception as exc:  # torch.export names the failing op in its own message
+        raise CaptureError(f"torch.export failed for {type(model).__name__}: {exc}") from exc
+    sources = {spec.arg.name: (_KIND.get(spec.kind), spec.target or spec.arg.name)
+               for spec in exported.graph_signature.input_specs}
+    nodes: list[Node] = []
+    loss = None
+    for fx_node in exported.graph.nodes:
+        try:
+            if fx_node.op == "placeholder":
+                nodes.append(_placeholder(fx_node, sources))
+            elif _is_broadcast(fx_node):
+                continue  # its getitem users become expand nodes
+            elif fx_node.op == "call_function":
+                nodes.append(_op_node(_broadcast_item(fx_node)))
+            elif fx_node.op == "output":
+                loss = _loss_name(fx_node)
+        except CaptureError:
+            raise
+        except Exception as exc:
+            raise CaptureError(f"node {fx_node.name} ({fx_node.target}): {exc}") from exc
+    return Graph(tuple(nodes), loss, _fingerprint(nodes))
+
+
+def _meta(fx_node) -> TensorMeta:
+    val = fx_node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        raise CaptureError(f"node {fx_node.name} ({fx_node.target}) does not produce one tensor "
+                           f"(got {type(val).__name__}); multi-output ops are not supported yet")
+    return TensorMeta(tuple(int(s) for s in val.shape), str(val.dtype).removeprefix("torch."))
+
+
+def _placeholder(fx_node, sources) -> Node:
+    kind, source = sources[fx_node.name]
+    if kind is None:
+        raise CaptureError(f"input {fx_node.name}: unsupported input kind")
+    return Node(fx_node.name, kind, "", (), _meta(fx_node), source=source)
+
+
+def _op_node(fx_node) -> Node:
+    inputs: list[str] = []
+
+    def to_ref(a):
+        if isinstance(a, torch.fx.Node):
+            inputs.append(a.name)
+            return Ref(len(inputs) - 1)
+        return a
+
+    args = pytree.tree_map(to_ref, tuple(fx_node.args))
+    kwargs = pytree.tree_map(to_ref, dict(fx_node.kwargs))
+    out = _meta(fx_node)
+    in_metas = [_meta(a) for a in pytree.tree_leaves((fx_node.args, fx_node.kwargs))
+                if isinstance(a, torch.fx.Node)]
+    op = str(fx_node.target)
+    flops = forward_flops(op, [m.shape for m in in_metas], out.shape, args)
+    nbytes = sum(m.nbytes for m in in_metas) + out.nbytes
+    return Node(fx_node.name, "op", op, tuple(inputs), out, flops, nbytes, fx_node.target,
+                args, kwargs)
+
+
+def _is_broadcast(fx_node) -> bool:
+    return fx_node.op == "call_function" and fx_node.target == torch.ops.aten.broadcast_tensors.default
+
+
+def _broadcast_item(fx_node):
+    """`broadcast_tensors(xs)[i]` is `expand(xs[i], shape)`: rewrite it so every node has one output."""
+    if fx_node.target is operator.getitem and _is_broadcast(fx_node.args[0]):
+        source = fx_node.args[0].args[0][fx_node.args[1]]
+        with fx_node.graph.inserting_after(fx_node):
+            node = fx_node.graph.create_node("call_function", torch.ops.aten.expand.default,
+                                             (source, list(fx_node.meta["val"].shape)),
+                                             name=fx_node.name + "_expand")
+        node.meta["val"] = fx_node.meta["val"]
+        fx_node.replace_all_uses_with(node)
+        node.name = fx_node.name
+        return node
+    return fx_node
+
+
+def _loss_name(fx_node) -> str:
+    outs = pytree.tree_leaves(fx_node.args)
+    if len(outs) != 1 or not isinstance(outs[0], torch.fx.Node):
+        raise CaptureError(f"the model must return exactly one tensor (the loss), got {len(outs)}")
+    val = outs[0].meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != 0:
+        raise CaptureError(f"the model must return a scalar loss; {outs[0].name} has shape "
+                           f"{tuple(getattr(val, 'shape', ()))}")
+    return outs[0].name
+
+
+def _fingerprint(nodes: list[Node]) -> str:
+    text = "\n".join(f"{n.name}|{n.kind}|{n.op}|{n.inputs}|{n.out}|{n.source}" for n in nodes)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

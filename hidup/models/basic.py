@@ -1,0 +1,86 @@
+"""Small models for tests and examples: an MLP regressor and a causal transformer language model."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MLP_SIZES = {"tiny": dict(dim=16, hidden=64, layers=2, batch=8),
+             "small": dict(dim=512, hidden=2048, layers=4, batch=64)}
+TRANSFORMER_SIZES = {"tiny": dict(vocab=64, dim=32, heads=4, layers=2, seq=16, batch=8),
+                     "small": dict(vocab=4096, dim=256, heads=8, layers=4, seq=64, batch=16)}
+
+
+class MLP(nn.Module):
+    """Layers of Linear -> ReLU -> Linear with a residual; mean-squared-error loss."""
+
+    def __init__(self, dim: int, hidden: int, layers: int):
+        super().__init__()
+        self.up = nn.ModuleList(nn.Linear(dim, hidden) for _ in range(layers))
+        self.down = nn.ModuleList(nn.Linear(hidden, dim) for _ in range(layers))
+
+    def forward(self, x, target):
+        for up, down in zip(self.up, self.down):
+            x = x + down(F.relu(up(x)))
+        return F.mse_loss(x, target)
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: causal multi-head attention (per-head views, so heads can be split)
+    and a GELU feed-forward."""
+
+    def __init__(self, dim: int, heads: int, dropout: float = 0.0):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        h = self.ln1(x)
+        q, k, v = (f(h).view(b, s, self.heads, d // self.heads).transpose(1, 2)
+                   for f in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, s, d)))
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+
+
+class TransformerLM(nn.Module):
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int, seq: int):
+        super().__init__()
+        self.vocab = vocab
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens, targets):
+        x = self.tok(tokens) + self.pos
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.reshape(-1, self.vocab), targets.reshape(-1))
+
+
+def spec(name: str, size: str, model_spec):
+    if name == "mlp":
+        cfg = MLP_SIZES[size]
+        dim = cfg["dim"]
+
+        def inputs(batch, gen):
+            return (torch.randn(batch, dim, generator=gen), torch.randn(batch, dim, generator=gen))
+
+        return model_spec(f"mlp:{size}", lambda: MLP(dim, cfg["hidden"], cfg["layers"]), inputs,
+                          cfg["batch"])
+    cfg = TRANSFORMER_SIZES[size]
+
+    def lm_inputs(batch, gen):
+        tokens = torch.randint(0, cfg["vocab"], (batch, cfg["seq"] + 1), generator=gen)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    build = lambda: TransformerLM(cfg["vocab"], cfg["dim"], cfg["heads"], cfg["layers"], cfg["seq"])  # noqa: E731
+    return model_spec(f"transformer:{size}", build, lm_inputs, cfg["batch"])

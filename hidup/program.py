@@ -1,0 +1,376 @@
+"""The Program: one training step of one rank as ordered tasks (compute, conversions, waits), each
+tagged with its micro-batch. `lower` builds it; the executor runs it, the simulator times it."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hidup.capture import Graph
+from hidup.flops import backward_flops, forward_flops
+from hidup.placement import Partial, Placement, R, Replicate, Shard, ShardingOption
+from hidup.strategy import Strategy, conversion, microbatch_split
+
+COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+
+
+@dataclass(frozen=True)
+class Compute:
+    """A kernel on compute stream `stream`: a node's forward or backward, the optimizer update,
+    or the seed gradient of the loss (op 'hidup.ones')."""
+
+    id: int
+    node: str
+    op: str
+    phase: str  # 'fwd' | 'bwd' | 'update'
+    mb: int | None  # micro-batch; None: once per step
+    flops: float
+    bytes: float
+    in_shapes: tuple[tuple[int, ...], ...]
+    out_shape: tuple[int, ...]
+    inputs: tuple[str, ...]  # value keys read
+    outputs: tuple[str, ...]  # value keys written (gradients accumulate; a backward task has one
+    #                           per forward input, '' where that input needs no gradient)
+    option: ShardingOption | None = None
+    mb_partial: bool = False  # the micro-batches' outputs are summed (a loss over the batch)
+    root_only: tuple[str, ...] = ()  # outputs added on rank 0 only (replicated into Partial)
+    stream: int = 0
+
+    def __str__(self) -> str:
+        mb = "*" if self.mb is None else self.mb
+        return f"#{self.id} {self.phase} {self.node or self.op} mb{mb} {self.op} {self.option or ''}"
+
+
+@dataclass(frozen=True)
+class Convert:
+    """A placement conversion of one tensor: a collective on the communication stream, or a local
+    slice / alias on the compute stream. Its result is usable after the matching Wait."""
+
+    id: int
+    kind: str  # all_gather | all_reduce | reduce_scatter | all_to_all | slice | alias
+    tensor: str
+    src: Placement
+    dst: Placement
+    phase: str
+    mb: int | None
+    shape: tuple[int, ...]  # local input shape
+    bytes: int  # the whole (gathered / reduced) tensor on one rank
+    group: tuple[int, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    root_only: tuple[str, ...] = ()
+
+    @property
+    def collective(self) -> bool:
+        return self.kind in COLLECTIVES
+
+    def __str__(self) -> str:
+        mb = "*" if self.mb is None else self.mb
+        return (f"#{self.id} {self.phase} {self.kind} {self.tensor} mb{mb} {self.src}->{self.dst} "
+                f"{self.bytes}B")
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Compute stream `stream` waits until collective `collective` has finished."""
+
+    id: int
+    collective: int
+    stream: int = 0
+
+    def __str__(self) -> str:
+        return f"#{self.id} wait #{self.collective}"
+
+
+Task = Compute | Convert | Wait
+
+
+@dataclass(frozen=True)
+class Program:
+    model: str
+    fingerprint: str
+    strategy: str
+    world: int
+    k: int
+    tasks: tuple[Task, ...]
+    loss_keys: tuple[str, ...]  # replicated per-micro-batch losses (summed = the step's loss)
+    param_grads: dict[str, str] = field(hash=False)  # parameter node -> final gradient key
+
+    @property
+    def collectives(self) -> list[Convert]:
+        return [t for t in self.tasks if isinstance(t, Convert) and t.collective]
+
+    def __str__(self) -> str:
+        head = f"program {self.model} {self.strategy} world={self.world} k={self.k}"
+        return "\n".join([head] + [f"  {t}" for t in self.tasks])
+
+
+def vkey(t: str, p: Placement, mb: int | None) -> str:
+    return f"{t}@{p}/{'*' if mb is None else mb}"
+
+
+def gkey(t: str, p: Placement, mb: int | None) -> str:
+    return "d" + vkey(t, p, mb)
+
+
+class LoweringError(ValueError):
+    """A strategy cannot be lowered (a split that does not divide, a batch that cannot be split)."""
+
+
+def local_shape(shape, placement: Placement, mb_placement: Placement, world: int, k: int,
+                where: str = "") -> tuple[int, ...]:
+    """The shape one rank holds for one micro-batch: the micro-batch split first, then the mesh split."""
+    out = list(shape)
+    for p, n, what in ((mb_placement, k, "micro-batches"), (placement, world, "ranks")):
+        if isinstance(p, Shard) and n > 1:
+            if out[p.dim] % n:
+                raise LoweringError(f"{where}: dim {p.dim} of size {out[p.dim]} (shape "
+                                    f"{tuple(shape)}) does not split into {n} {what}; choose a "
+                                    f"batch or model size divisible by it")
+            out[p.dim] //= n
+    return tuple(out)
+
+
+def lower(graph: Graph, strategy: Strategy, world: int, k: int = 1, model: str = "") -> Program:
+    """Strategy + world size + k micro-batches -> the Program of one training step of any rank."""
+    if k < 1 or world < 1:
+        raise LoweringError(f"world size ({world}) and micro-batches k ({k}) must be at least 1")
+    return _Lowering(graph, strategy, world, k, model).run()
+
+
+class _Lowering:
+    """Forward: node-major, micro-batch-minor; each conversion is issued right after its producer
+    and waited for right before its consumer, so with k >= 2 one micro-batch's communication runs
+    while the next one computes. Backward: the same in reverse, each gradient conversion issued as
+    soon as its gradient is complete. Parameter gradients are reduced once per step."""
+
+    def __init__(self, graph: Graph, strategy: Strategy, world: int, k: int, model: str):
+        self.g, self.s, self.world, self.k, self.model = graph, strategy, world, k, model
+        self.mbs_split = microbatch_split(graph, k)
+        self.group = tuple(range(world))
+        self.tasks: list[Task] = []
+        self.pending: dict[str, list[int]] = {}  # value key -> collectives that write it
+        self.waited: set[int] = set()
+        self.uses = {n.name: [] for n in graph.nodes}  # tensor -> [(consumer, position, placement)]
+        for node in graph.ops:
+            for i, (t, p) in enumerate(zip(node.inputs, strategy.options[node.name].inputs)):
+                self.uses[t].append((node, i, p))
+        self._grad_analysis()
+
+    # -- shapes and micro-batches -------------------------------------------------------------
+    def mb_place(self, t: str) -> Placement:
+        return self.mbs_split.home(t)
+
+    def mbs(self, t: str) -> list[int | None]:
+        return [None] if isinstance(self.mb_place(t), Replicate) else list(range(self.k))
+
+    def in_mb(self, t: str, m: int | None) -> int | None:
+        return None if isinstance(self.mb_place(t), Replicate) else m
+
+    def shape(self, t: str, p: Placement) -> tuple[int, ...]:
+        return local_shape(self.g.node(t).out.shape, p, self.mb_place(t), self.world, self.k,
+                           f"tensor {t} as {p}")
+
+    def nbytes(self, t: str, p: Placement) -> int:
+        return math.prod(self.shape(t, p)) * self.g.node(t).out.itemsize
+
+    # -- gradients: which tensors get one, and replicated gradients' kind (R or P) ------------
+    def _grad_analysis(self) -> None:
+        g, s = self.g, self.s
+        needs = {n.name for n in g.params if n.out.is_float}
+        for node in g.ops:
+            if node.out.is_float and any(t in needs for t in node.inputs):
+                needs.add(node.name)
+        self.has_grad = {g.loss} & needs
+        self.r_kinds: dict[str, set[str]] = {}  # tensor -> kinds of contributions to grad of its R value
+        for node in reversed(g.ops):
+            if node.name not in self.has_grad:
+                continue
+            self._conversion_kinds(node.name)
+            out_g = self.gplace(node.name, s.home(node.name))
+            for t, p in zip(node.inputs, s.options[node.name].inputs):
+                if t in needs:
+                    self.has_grad.add(t)
+                    if p == R:
+                        kind = "R" if (s.options[node.name].output == R and out_g == R) else "P"
+                        self.r_kinds.setdefault(t, set()).add(kind)
+        for p in g.params:
+            self._conversion_kinds(p.name)
+        self.expected: dict[str, int] = {}
+        for node in g.ops:
+            if node.name not in self.has_grad:
+                continue
+            for t, p in zip(node.inputs, s.options[node.name].inputs):
+                if t in self.has_grad:
+                    for m in self.mbs(node.name):
+                        key = gkey(t, p, self.in_mb(t, m))
+                        self.expected[key] = self.expected.get(key, 0) + 1
+        for t in self.has_grad:
+            for p in self.converted(t):
+                for m in self.mbs(t):
+                    key = gkey(t, self.s.home(t), m)
+                    self.expected[key] = self.expected.get(key, 0) + 1
+
+    def _conversion_kinds(self, t: str) -> None:
+        if self.s.home(t) == R and any(p != R for p in self.converted(t)):
+            self.r_kinds.setdefault(t, set()).add("R")  # a slice's gradient is all-gathered
+
+    def gplace(self, t: str, p: Placement) -> Placement:
+        """Placement of the gradient of tensor t held as p."""
+        if isinstance(p, Partial):
+            return R
+        if isinstance(p, Shard):
+            return p
+        return Partial() if "P" in self.r_kinds.get(t, ()) else R
+
+    def converted(self, t: str) -> list[Placement]:
+        """Placements that consumers need t in, other than its home (each needs a conversion)."""
+        home = self.s.home(t)
+        return list(dict.fromkeys(p for _, _, p in self.uses[t] if p != home))
+
+    # -- emitting tasks -----------------------------------------------------------------------
+    def emit_convert(self, kind, t, src, dst, phase, m, in_key, out_key, shape, nbytes,
+                     root_only=False) -> None:
+        task = Convert(len(self.tasks), kind, t, src, dst, phase, m, shape, nbytes,
+                       self.group if kind in COLLECTIVES else (), (in_key,), (out_key,),
+                       (out_key,) if root_only else ())
+        self.tasks.append(task)
+        if task.collective:
+            self.pending.setdefault(out_key, []).append(task.id)
+
+    def wait_for(self, key: str) -> None:
+        for cid in self.pending.get(key, []):
+            if cid not in self.waited:
+                self.waited.add(cid)
+                self.tasks.append(Wait(len(self.tasks), cid))
+
+    def convert_for_consumers(self, t: str, m: int | None) -> None:
+        home = self.s.home(t)
+        for p in self.converted(t):
+            kind = conversion(home, p)
+            nbytes = max(self.nbytes(t, home), self.nbytes(t, p))
+            self.emit_convert(kind, t, home, p, "fwd", m, vkey(t, home, m), vkey(t, p, m),
+                              self.shape(t, home), nbytes)
+
+    def forward(self) -> list[str]:
+        for node in self.g.nodes:
+            if node.kind != "op":
+                for m in self.mbs(node.name):
+                    self.convert_for_consumers(node.name, m)
+        loss_keys = []
+        for node in self.g.ops:
+            opt = self.s.options[node.name]
+            for m in self.mbs(node.name):
+                keys = [vkey(t, p, self.in_mb(t, m)) for t, p in zip(node.inputs, opt.inputs)]
+                for key in keys:
+                    self.wait_for(key)
+                ins = tuple(self.shape(t, p) for t, p in zip(node.inputs, opt.inputs))
+                out = self.shape(node.name, opt.output)
+                flops = forward_flops(node.op, ins, out, node.args)
+                nbytes = sum(self.nbytes(t, p) for t, p in zip(node.inputs, opt.inputs))
+                self.tasks.append(Compute(
+                    len(self.tasks), node.name, node.op, "fwd", m, flops,
+                    nbytes + self.nbytes(node.name, opt.output), ins, out, tuple(keys),
+                    (vkey(node.name, opt.output, m),), opt,
+                    isinstance(self.mbs_split.options[node.name].output, Partial)))
+                self.convert_for_consumers(node.name, m)
+                if node.name == self.g.loss:
+                    loss_keys.append(self._report_loss(m))
+        return loss_keys
+
+    def _report_loss(self, m) -> str:
+        t, home = self.g.loss, self.s.home(self.g.loss)
+        if home == R:
+            return vkey(t, R, m)
+        self.emit_convert("all_reduce", t, home, R, "fwd", m, vkey(t, home, m), vkey(t, R, m),
+                          self.shape(t, home), self.nbytes(t, home))
+        return vkey(t, R, m)
+
+    def backward(self) -> dict[str, str]:
+        self.final: dict[str, str] = {}
+        loss = self.g.loss
+        for m in self.mbs(loss):
+            shape = self.shape(loss, self.s.home(loss))
+            self.tasks.append(Compute(len(self.tasks), loss, "hidup.ones", "bwd", m, 0.0, 0.0, (),
+                                      shape, (), (gkey(loss, self.s.home(loss), m),)))
+        for node in reversed(self.g.ops):
+            if node.name in self.has_grad:
+                for m in self.mbs(node.name):
+                    self.backward_node(node, m)
+        return self.final
+
+    def backward_node(self, node, m) -> None:
+        opt, home = self.s.options[node.name], self.s.home(node.name)
+        grad_in = gkey(node.name, home, m)
+        self.wait_for(grad_in)
+        fwd_keys = tuple(vkey(t, p, self.in_mb(t, m)) for t, p in zip(node.inputs, opt.inputs))
+        outs, root, done = [], [], []
+        for t, p in zip(node.inputs, opt.inputs):
+            if t not in self.has_grad:
+                outs.append("")
+                continue
+            key = gkey(t, p, self.in_mb(t, m))
+            outs.append(key)
+            done.append((t, p, self.in_mb(t, m)))
+            out_kind_r = opt.output == R and self.gplace(node.name, home) == R
+            if p == R and out_kind_r and self.gplace(t, p) != R:
+                root.append(key)
+        ins = tuple(self.shape(t, p) for t, p in zip(node.inputs, opt.inputs))
+        out = self.shape(node.name, home)
+        fwd = forward_flops(node.op, ins, out, node.args)
+        nbytes = 2 * sum(self.nbytes(t, p) for t, p in zip(node.inputs, opt.inputs))
+        self.tasks.append(Compute(
+            len(self.tasks), node.name, node.op, "bwd", m, backward_flops(node.op, fwd),
+            nbytes + self.nbytes(node.name, home), ins, out, (grad_in,) + fwd_keys, tuple(outs),
+            opt, isinstance(self.mbs_split.options[node.name].output, Partial), tuple(root)))
+        for t, p, mm in done:
+            self.contributed(t, p, mm)
+
+    def contributed(self, t: str, p: Placement, m: int | None) -> None:
+        """One more contribution to the gradient of t held as p; once complete, send it on."""
+        key = gkey(t, p, m)
+        self.expected[key] -= 1
+        if self.expected[key]:
+            return
+        home = self.s.home(t)
+        if p != home:
+            self.grad_conversion(t, p, home, m)
+        elif self.g.node(t).kind == "param":
+            self.param_grad(t, home)
+
+    def grad_conversion(self, t, p, home, m) -> None:
+        src, dst = self.gplace(t, p), self.gplace(t, home)
+        root = isinstance(dst, Partial) and isinstance(src, Shard)
+        kind = "alias" if src == dst else conversion(src, R if root else dst)
+        nbytes = max(self.nbytes(t, p), self.nbytes(t, home))
+        out = gkey(t, home, m)
+        self.emit_convert(kind, t, src, dst, "bwd", m, gkey(t, p, m), out, self.shape(t, p),
+                          nbytes, root)
+        self.contributed(t, home, m)
+
+    def param_grad(self, t: str, home: Placement) -> None:
+        key = gkey(t, home, None)
+        if not isinstance(self.gplace(t, home), Partial):
+            self.final[t] = key
+            return
+        self.emit_convert("all_reduce", t, Partial(), R, "bwd", None, key, "grad:" + t,
+                          self.shape(t, home), self.nbytes(t, home))
+        self.final[t] = "grad:" + t
+
+    def update(self) -> None:
+        for key in self.final.values():
+            self.wait_for(key)
+        numel = sum(math.prod(self.shape(p, self.s.home(p))) for p in self.final)
+        self.tasks.append(Compute(len(self.tasks), "", "optimizer.step", "update", None,
+                                  2.0 * numel, 12.0 * numel, (), (), tuple(self.final.values()),
+                                  ()))
+        for task in list(self.tasks):
+            if isinstance(task, Convert) and task.collective and task.id not in self.waited:
+                self.waited.add(task.id)
+                self.tasks.append(Wait(len(self.tasks), task.id))
+
+    def run(self) -> Program:
+        loss_keys = self.forward()
+        final = self.backward()
+        self.update()
+        return Program(self.model, self.g.fingerprint, self.s.name, self.world, self.k,
+                       tuple(self.tasks), tuple(loss_keys), final)

@@ -1,0 +1,181 @@
+"""Strategies: one sharding option per op node and a home placement per parameter and input;
+the fixed expert strategies (data parallel, Megatron tensor parallel); versioned plan files."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hidup import ops
+from hidup.capture import Graph, Node
+from hidup.placement import (P, R, Partial, Placement, Replicate, Shard, ShardingOption,
+                             parse_option, parse_placement)
+
+PLAN_FORMAT, PLAN_VERSION = "hidup-plan", 1
+
+
+class PlanError(ValueError):
+    """A plan file cannot be used for this model or world size."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    placements: dict[str, Placement] = field(hash=False)  # parameters, buffers, user inputs
+    options: dict[str, ShardingOption] = field(hash=False)  # op nodes
+
+    def home(self, name: str) -> Placement:
+        """Where a tensor lives after it is produced (before any conversion for a consumer)."""
+        return self.placements[name] if name in self.placements else self.options[name].output
+
+    def __str__(self) -> str:
+        lines = [f"strategy {self.name}"]
+        lines += [f"  {n}: {p}" for n, p in self.placements.items()]
+        lines += [f"  {n}: {o}" for n, o in self.options.items()]
+        return "\n".join(lines)
+
+
+def conversion(src: Placement, dst: Placement) -> str | None:
+    """The collective (or local op) that turns `src` into `dst`; None when they are equal."""
+    if src == dst:
+        return None
+    if isinstance(dst, Replicate):
+        return "all_gather" if isinstance(src, Shard) else "all_reduce"
+    if isinstance(dst, Shard):
+        return {Shard: "all_to_all", Partial: "reduce_scatter", Replicate: "slice"}[type(src)]
+    raise ValueError(f"no conversion from {src} to {dst}: nothing becomes Partial")
+
+
+_COST = {"all_gather": 1.0, "all_reduce": 2.0, "reduce_scatter": 1.0, "slice": 0.0}
+
+
+def conversion_cost(src: Placement, dst: Placement, nbytes: int, world: int) -> float:
+    """Relative traffic of a conversion (ring collectives); used to rank options greedily."""
+    kind = conversion(src, dst)
+    if kind is None:
+        return 0.0
+    return nbytes * (1.0 / world if kind == "all_to_all" else _COST[kind])
+
+
+def propagate(graph: Graph, world: int, name: str, seeds: dict[str, Placement],
+              shard_params: bool, allowed: set[str] | None = None,
+              replicate_fallback: bool = False) -> Strategy:
+    """Greedy in topological order: each op takes the option that needs the least conversion traffic,
+    then the fewest conversions, then the most split parameters (if `shard_params`), then split work.
+    Parameters are placed by their first consumer; `allowed` limits the conversions used."""
+    placements: dict[str, Placement] = {n.name: R for n in graph.nodes if n.kind == "buffer"}
+    placements.update(seeds)
+    choices: dict[str, ShardingOption] = {}
+    for node in graph.ops:
+        cands = ops.options(node, node.in_metas(graph), replicate_fallback)
+        scored = [(_score(graph, node, o, placements, choices, world, shard_params, allowed), i, o)
+                  for i, o in enumerate(cands)]
+        best_score, _, best = min(scored, key=lambda s: (s[0], s[1]))
+        if math.isinf(best_score[0]):
+            raise ValueError(f"strategy {name}: node {node.name} ({node.op}) has no option reachable "
+                             f"with conversions {sorted(allowed or [])}")
+        choices[node.name] = best
+        for t, p in zip(node.inputs, best.inputs):
+            placements.setdefault(t, p)  # a parameter's home is what its first consumer wants
+    return Strategy(name, {n.name: placements.get(n.name, R) for n in graph.nodes
+                           if n.kind != "op"}, choices)
+
+
+def _score(graph, node: Node, opt: ShardingOption, placements, choices, world, shard_params, allowed):
+    comm, n_conv, n_split = 0.0, 0, 0
+    for t, want in zip(node.inputs, opt.inputs):
+        src = placements.get(t) or (choices[t].output if t in choices else None)
+        if src is None:  # an unplaced parameter goes where this consumer wants it
+            if not shard_params and want != R or isinstance(want, Partial):
+                return (math.inf,)
+            n_split += want != R
+            continue
+        kind = conversion(src, want) if not isinstance(want, Partial) or src == want else "bad"
+        if kind == "bad" or (kind is not None and allowed is not None and kind not in allowed):
+            return (math.inf,)
+        comm += conversion_cost(src, want, graph.node(t).out.nbytes, world)
+        n_conv += kind is not None
+    return (comm, n_conv, -n_split, opt.output == R)
+
+
+def data_parallel(graph: Graph, world: int, batch_dim: int = 0) -> Strategy:
+    """DDP: user inputs split along the batch, parameters replicated."""
+    seeds = {n.name: Shard(batch_dim) for n in graph.user_inputs}
+    return propagate(graph, world, "ddp", seeds, shard_params=False)
+
+
+def megatron(graph: Graph, world: int) -> Strategy:
+    """Megatron-LM tensor parallel: inputs replicated; a linear on a replicated input is split by
+    columns, one on a column-split input by rows (Partial output, all-reduced where needed)."""
+    seeds = {n.name: R for n in graph.user_inputs}
+    return propagate(graph, world, "megatron", seeds, shard_params=True,
+                     allowed={"all_gather", "all_reduce", "slice"})
+
+
+def microbatch_split(graph: Graph, k: int, batch_dim: int = 0) -> Strategy:
+    """How the k micro-batches split each tensor: data parallel over k with no conversion at all.
+    Shard(d): split along d; R: computed once per step (depends on parameters only); P: summed."""
+    seeds = {n.name: Shard(batch_dim) for n in graph.user_inputs}
+    try:
+        return propagate(graph, k, "micro-batches", seeds, shard_params=False, allowed=set())
+    except ValueError as exc:
+        raise ValueError(f"the batch cannot be split into micro-batches: {exc}") from exc
+
+
+FIXED = {"ddp": data_parallel, "megatron": megatron}
+
+
+def fixed_strategy(name: str, graph: Graph, world: int) -> Strategy:
+    if name not in FIXED:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {sorted(FIXED)} or a plan file")
+    return FIXED[name](graph, world)
+
+
+def check(graph: Graph, strategy: Strategy) -> None:
+    """Every op's option is one its rule offers, and no parameter or input is Partial."""
+    for node in graph.ops:
+        opt = strategy.options.get(node.name)
+        if opt is None or opt not in ops.options(node, node.in_metas(graph), True):
+            raise PlanError(f"node {node.name} ({node.op}): option {opt} is not one of its options")
+    for name, p in strategy.placements.items():
+        if isinstance(p, Partial):
+            raise PlanError(f"{name}: parameters and inputs cannot be Partial")
+
+
+def save_plan(path: Path, graph: Graph, strategy: Strategy, world: int, model: str) -> None:
+    doc = {"format": PLAN_FORMAT, "version": PLAN_VERSION, "model": model,
+           "fingerprint": graph.fingerprint, "world": world, "mesh": [world],
+           "strategy": strategy.name,
+           "placements": {n: str(p) for n, p in strategy.placements.items()},
+           "options": {n: str(o) for n, o in strategy.options.items()}}
+    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def load_plan(path: Path, graph: Graph, world: int) -> Strategy:
+    """Read a plan file; refuse it, saying why, for another model, world size or format version."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PlanError(f"plan file {path}: cannot read it ({exc})") from exc
+    if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
+        raise PlanError(f"plan file {path}: not a HiDup plan (no \"format\": \"{PLAN_FORMAT}\")")
+    if doc.get("version") != PLAN_VERSION:
+        raise PlanError(f"plan file {path}: version {doc.get('version')}, this HiDup reads version "
+                        f"{PLAN_VERSION}; re-create the plan")
+    if doc.get("fingerprint") != graph.fingerprint:
+        raise PlanError(f"plan file {path} was made for model {doc.get('model')!r} with fingerprint "
+                        f"{doc.get('fingerprint')}, but this model's fingerprint is "
+                        f"{graph.fingerprint}; make a plan for this model (and batch size)")
+    if doc.get("world") != world:
+        raise PlanError(f"plan file {path} was made for world size {doc.get('world')}, this run has "
+                        f"{world} ranks; make a plan for {world} ranks")
+    strategy = Strategy(doc.get("strategy", Path(path).stem),
+                        {n: parse_placement(p) for n, p in doc["placements"].items()},
+                        {n: parse_option(o) for n, o in doc["options"].items()})
+    check(graph, strategy)
+    return strategy
+
+
+__all__ = ["P", "R", "Shard", "Strategy", "PlanError", "conversion", "propagate", "data_parallel",
+           "megatron", "microbatch_split", "fixed_strategy", "save_plan", "load_plan", "check"]
