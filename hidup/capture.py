@@ -131,7 +131,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Graph:
             elif _is_broadcast(fx_node):
                 continue  # its getitem users become expand nodes
             elif fx_node.op == "call_function":
-                nodes.append(_op_node(_broadcast_item(fx_node)))
+                nodes.append(_broadcast_item(fx_node) or _op_node(fx_node))
             elif fx_node.op == "output":
                 loss = _loss_name(fx_node)
         except CaptureError:
@@ -181,19 +181,15 @@ def _is_broadcast(fx_node) -> bool:
     return fx_node.op == "call_function" and fx_node.target == torch.ops.aten.broadcast_tensors.default
 
 
-def _broadcast_item(fx_node):
-    """`broadcast_tensors(xs)[i]` is `expand(xs[i], shape)`: rewrite it so every node has one output."""
-    if fx_node.target is operator.getitem and _is_broadcast(fx_node.args[0]):
-        source = fx_node.args[0].args[0][fx_node.args[1]]
-        with fx_node.graph.inserting_after(fx_node):
-            node = fx_node.graph.create_node("call_function", torch.ops.aten.expand.default,
-                                             (source, list(fx_node.meta["val"].shape)),
-                                             name=fx_node.name + "_expand")
-        node.meta["val"] = fx_node.meta["val"]
-        fx_node.replace_all_uses_with(node)
-        node.name = fx_node.name
-        return node
-    return fx_node
+def _broadcast_item(fx_node) -> Node | None:
+    """`broadcast_tensors(xs)[i]` is `expand(xs[i], shape)`: so every node has one output."""
+    if fx_node.target is not operator.getitem or not _is_broadcast(fx_node.args[0]):
+        return None
+    source = fx_node.args[0].args[0][fx_node.args[1]]
+    out = _meta(fx_node)
+    return Node(fx_node.name, "op", "aten.expand.default", (source.name,), out, float(out.numel),
+                float(_meta(source).nbytes + out.nbytes), torch.ops.aten.expand.default,
+                (Ref(0), list(out.shape)))
 
 
 def _loss_name(fx_node) -> str:

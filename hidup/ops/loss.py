@@ -48,8 +48,9 @@ def point_loss(node, ins):
 
 @register_local(CLASS_LOSSES + POINT_LOSSES)
 def local_loss(node, option, ctx):
-    """A split mean is this rank's sum divided by the global number of terms."""
-    if _reduction(node) != MEAN or option.output != P:
+    """A mean is this rank's sum over the global number of terms: right for any split of the batch,
+    across ranks or across micro-batches."""
+    if _reduction(node) != MEAN:
         return default_local(node, option, ctx)
     is_class = node.op in map(str, CLASS_LOSSES)
     index = 3 if is_class else 2

@@ -14,11 +14,8 @@ _RULES: dict[str, RuleFn] = {}
 _LOCALS: dict[str, Callable] = {}
 
 
-class NoRuleError(KeyError):
+class NoRuleError(ValueError):
     """An op has no sharding rule."""
-
-    def __str__(self) -> str:
-        return self.args[0]
 
 
 def _keys(ops) -> list[str]:

@@ -1,0 +1,213 @@
+"""The executor: runs a Program task by task on this rank with torch.distributed (gloo on CPU,
+nccl on GPU). Forward ops record a small autograd graph each, so that backward tasks can run in
+the Program's order, interleaving micro-batches; collectives are asynchronous until their Wait."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hidup import ops
+from hidup.capture import Graph
+from hidup.placement import Partial, Placement, Shard
+from hidup.program import Compute, Convert, Program, Wait, vkey
+from hidup.strategy import Strategy, microbatch_split
+
+log = logging.getLogger(__name__)
+
+
+def shard_of(full: torch.Tensor, placement: Placement, mb_placement: Placement, k: int,
+             mb: int | None, rank: int, world: int) -> torch.Tensor:
+    """This rank's piece of micro-batch `mb` of a whole tensor: micro-batch split first, then mesh."""
+    x = full
+    if isinstance(mb_placement, Shard) and mb is not None:
+        x = x.chunk(k, dim=mb_placement.dim)[mb]
+    if isinstance(placement, Shard):
+        x = x.chunk(world, dim=placement.dim)[rank]
+    return x.contiguous()
+
+
+@dataclass
+class _Pending:
+    work: object
+    finish: object  # callable(): puts the collective's result into the environment
+
+
+class Executor:
+    """Holds this rank's parameter shards and runs one Program step at a time."""
+
+    def __init__(self, graph: Graph, strategy: Strategy, program: Program,
+                 params: dict[str, torch.Tensor], lr: float = 0.01,
+                 device: torch.device | str = "cpu", group=None):
+        self.g, self.s, self.p = graph, strategy, program
+        self.world, self.k, self.device = program.world, program.k, torch.device(device)
+        self.group = group
+        self.rank = dist.get_rank(group) if self.world > 1 else 0
+        self.mbs = microbatch_split(graph, program.k)
+        self.params = {}  # param node name -> local shard (a leaf the optimizer updates)
+        for node in graph.params:
+            full = params[node.source].detach().to(self.device)
+            shard = shard_of(full, strategy.home(node.name), self.mbs.home(node.name), self.k,
+                             None, self.rank, self.world)
+            self.params[node.name] = torch.nn.Parameter(shard)
+        self.optimizer = torch.optim.SGD(self.params.values(), lr=lr)
+        self._fns = {}
+
+    # -- one step ---------------------------------------------------------------------------
+    def step(self, inputs: dict[str, torch.Tensor], buffers: dict | None = None,
+             update: bool = True) -> float:
+        """One training step on the global batch `inputs` (user input name -> whole tensor);
+        returns the step's loss. With update=False the gradients are left in `self.grads`."""
+        env: dict[str, torch.Tensor] = {}
+        for name, p in self.params.items():
+            env[vkey(name, self.s.home(name), None)] = p
+        for node in self.g.nodes:
+            if node.kind in ("input", "buffer"):
+                full = (inputs if node.kind == "input" else buffers or {})[node.source]
+                for m in ([None] if node.kind == "buffer" else range(self.k)):
+                    env[vkey(node.name, self.s.home(node.name), m)] = shard_of(
+                        full.to(self.device), self.s.home(node.name), self.mbs.home(node.name),
+                        self.k, m, self.rank, self.world)
+        self.saved, self.pending, self.env = {}, {}, env
+        for task in self.p.tasks:
+            with torch.profiler.record_function(_label(task)):
+                self.run_task(task)
+        self.grads = {n: env[key] for n, key in self.p.param_grads.items()}
+        loss = sum(float(env[k]) for k in self.p.loss_keys)
+        self.saved = self.env = None
+        return loss
+
+    def run_task(self, task) -> None:
+        if isinstance(task, Wait):
+            pending = self.pending.pop(task.collective)
+            if pending.work is not None:
+                pending.work.wait()
+            pending.finish()
+        elif isinstance(task, Convert):
+            self.convert(task)
+        elif task.phase == "fwd":
+            self.forward(task)
+        elif task.phase == "bwd":
+            self.backward(task)
+        else:
+            self.update(task)
+
+    def accumulate(self, key: str, value: torch.Tensor, root_only: bool = False) -> None:
+        if root_only and self.rank != 0:
+            value = torch.zeros_like(value)
+        self.env[key] = value if key not in self.env else self.env[key] + value
+
+    # -- compute ----------------------------------------------------------------------------
+    def forward(self, task: Compute) -> None:
+        node = self.g.node(task.node)
+        fn = self._fns.get(task.id)
+        if fn is None:
+            root = (self.rank == 0 or task.option.output != Partial()) and \
+                   (not task.mb_partial or task.mb in (0, None))
+            ctx = ops.LocalContext(self.rank, self.world, task.in_shapes, task.out_shape,
+                                   node.out.shape, tuple(m.shape for m in node.in_metas(self.g)),
+                                   root)
+            fn = self._fns[task.id] = ops.local_callable(node, task.option, ctx)
+        leaves = []
+        for key in task.inputs:
+            x = self.env[key]
+            leaves.append(x.detach().requires_grad_(True) if x.is_floating_point() else x)
+        with torch.enable_grad():
+            out = fn(leaves)
+        if tuple(out.shape) != task.out_shape:
+            raise RuntimeError(f"node {task.node} ({task.op}) mb {task.mb}: local output shape "
+                               f"{tuple(out.shape)}, the Program expects {task.out_shape}")
+        self.saved[(task.node, task.mb)] = (leaves, out)
+        self.env[task.outputs[0]] = out.detach()
+
+    def backward(self, task: Compute) -> None:
+        if task.op == "hidup.ones":
+            self.env[task.outputs[0]] = torch.ones(task.out_shape, device=self.device)
+            return
+        leaves, out = self.saved.pop((task.node, task.mb))
+        wanted = [i for i, key in enumerate(task.outputs) if key]
+        grads = [None] * len(wanted)
+        if out.requires_grad and wanted:
+            grads = torch.autograd.grad(out, [leaves[i] for i in wanted],
+                                        self.env[task.inputs[0]], allow_unused=True)
+        for i, g in zip(wanted, grads):
+            g = torch.zeros_like(leaves[i]) if g is None else g
+            self.accumulate(task.outputs[i], g, task.outputs[i] in task.root_only)
+
+    def update(self, task: Compute) -> None:
+        for name, key in self.p.param_grads.items():
+            self.params[name].grad = self.env[key].detach().reshape(self.params[name].shape)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # -- conversions ------------------------------------------------------------------------
+    def convert(self, task: Convert) -> None:
+        x, out_key = self.env[task.inputs[0]], task.outputs[0]
+        root = bool(task.root_only)
+        if task.kind == "alias":
+            self.accumulate(out_key, x, root)
+        elif task.kind == "slice":
+            d = task.dst.dim
+            self.accumulate(out_key, x.chunk(self.world, dim=d)[self.rank].contiguous(), root)
+        elif self.world == 1:  # a group of one: every collective is the identity
+            self.pending[task.id] = _Pending(None, lambda: self.accumulate(out_key, x, root))
+        else:
+            work, result = _COLLECTIVES[task.kind](x, task, self.world, self.group)
+            self.pending[task.id] = _Pending(work, lambda: self.accumulate(out_key, result(), root))
+
+
+def _all_reduce(x, task, world, group):
+    y = x.detach().clone()
+    return dist.all_reduce(y, group=group, async_op=True), lambda: y
+
+
+def _all_gather(x, task, world, group):
+    d = task.src.dim
+    y = x.detach().movedim(d, 0).contiguous()
+    buf = torch.empty((world * y.shape[0],) + tuple(y.shape[1:]), dtype=y.dtype, device=y.device)
+    work = dist.all_gather_into_tensor(buf, y, group=group, async_op=True)
+    return work, lambda: buf.movedim(0, d).contiguous()
+
+
+def _reduce_scatter(x, task, world, group):
+    d = task.dst.dim
+    y = x.detach().movedim(d, 0).contiguous()
+    buf = torch.empty((y.shape[0] // world,) + tuple(y.shape[1:]), dtype=y.dtype, device=y.device)
+    work = dist.reduce_scatter_tensor(buf, y, group=group, async_op=True)
+    return work, lambda: buf.movedim(0, d).contiguous()
+
+
+def _all_to_all(x, task, world, group):
+    a, b = task.src.dim, task.dst.dim
+    send = torch.stack(x.detach().chunk(world, dim=b)).contiguous()
+    recv = torch.empty_like(send)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    return work, lambda: torch.cat(recv.unbind(0), dim=a).contiguous()
+
+
+_COLLECTIVES = {"all_reduce": _all_reduce, "all_gather": _all_gather,
+                "reduce_scatter": _reduce_scatter, "all_to_all": _all_to_all}
+
+
+def _label(task) -> str:
+    mb = "" if getattr(task, "mb", None) is None else f" mb{task.mb}"
+    if isinstance(task, Wait):
+        return f"wait #{task.collective}"
+    if isinstance(task, Convert):
+        return f"{task.kind} {task.tensor}{mb}"
+    return f"{task.phase} {task.node or task.op}{mb}"
+
+
+def full_tensor(local: torch.Tensor, placement: Placement, world: int, group=None) -> torch.Tensor:
+    """Reassemble a whole tensor from its shards (for checks, outside the timed step)."""
+    if isinstance(placement, Shard) and world > 1:
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return torch.cat(parts, dim=placement.dim)
+    if isinstance(placement, Partial) and world > 1:
+        y = local.clone()
+        dist.all_reduce(y, group=group)
+        return y
+    return local

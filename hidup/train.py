@@ -1,0 +1,148 @@
+"""Real training with a strategy: `torchrun --nproc-per-node N -m hidup.train --model M --strategy S
+[--duplex]`. Reports the loss per step and the median step time after warm-up."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hidup.capture import capture
+from hidup.execute import Executor
+from hidup.models import get_model, names
+from hidup.program import lower
+from hidup.strategy import fixed_strategy, load_plan
+
+log = logging.getLogger(__name__)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m hidup.train", description=__doc__)
+    ap.add_argument("--model", default="transformer:tiny", help=f"model NAME:SIZE, one of {names()}")
+    ap.add_argument("--strategy", default="ddp",
+                    help="'ddp', 'megatron', or the path of a plan file (python -m hidup.plan)")
+    ap.add_argument("--duplex", action="store_true", help="Duplex: two micro-batches per rank")
+    ap.add_argument("--micro-batches", type=int, default=None,
+                    help="micro-batches per rank (overrides --duplex; 1 = plain SPMD)")
+    ap.add_argument("--batch", type=int, default=None, help="global batch size (default: the model's)")
+    ap.add_argument("--steps", type=int, default=10, help="training steps to run")
+    ap.add_argument("--warmup", type=int, default=3, help="steps left out of the step-time median")
+    ap.add_argument("--lr", type=float, default=0.01, help="SGD learning rate")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data")
+    ap.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
+                    help="process-group backend (auto: nccl with CUDA, else gloo)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="intra-op CPU threads per rank (default: cores / local ranks)")
+    ap.add_argument("--trace", type=Path, default=None,
+                    help="write a torch.profiler Chrome trace of the last step (rank r > 0 adds .rankR)")
+    ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    args = ap.parse_args(argv)
+    for flag in ("steps", "batch", "micro_batches", "threads"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if args.warmup >= args.steps:
+        ap.error(f"--warmup ({args.warmup}) must be below --steps ({args.steps}) to time any step")
+    return args
+
+
+def setup(args) -> tuple[int, int, torch.device]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    backend = args.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device(f"cuda:{local}") if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    if world > 1:
+        dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
+    rank = dist.get_rank() if world > 1 else 0
+    return rank, world, device
+
+
+def run(args) -> dict:
+    rank, world, device = setup(args)
+    spec = get_model(args.model)
+    batch = args.batch or spec.batch
+    k = args.micro_batches or (2 if args.duplex else 1)
+    torch.manual_seed(args.seed)
+    model = spec.build()
+    graph = capture(model, spec.inputs(batch, torch.Generator().manual_seed(args.seed)))
+    path = Path(args.strategy)
+    strategy = load_plan(path, graph, world) if path.is_file() else \
+        fixed_strategy(args.strategy, graph, world)
+    program = lower(graph, strategy, world, k, args.model)
+    executor = Executor(graph, strategy, program, dict(model.named_parameters()), args.lr, device)
+    buffers = dict(model.named_buffers())
+    names_in = [n.source for n in graph.user_inputs]
+    losses, times = [], []
+    for step in range(args.steps):
+        inputs = dict(zip(names_in, spec.inputs(batch, torch.Generator().manual_seed(args.seed + 1 + step))))
+        tracing = args.trace is not None and step == args.steps - 1
+        with _profiler(tracing, device) as prof:
+            _sync(world, device)
+            start = time.perf_counter()
+            losses.append(executor.step(inputs, buffers))
+            _sync(world, device)
+            times.append(time.perf_counter() - start)
+        if tracing:
+            out = args.trace if rank == 0 else args.trace.with_name(f"{args.trace.name}.rank{rank}")
+            prof.export_chrome_trace(str(out))
+        if rank == 0:
+            log.info("step %d  loss %.5f  %.1f ms", step, losses[-1], 1e3 * times[-1])
+    result = {"model": args.model, "strategy": strategy.name, "world": world, "micro_batches": k,
+              "batch": batch, "losses": losses, "step_times_ms": [1e3 * t for t in times],
+              "median_step_ms": 1e3 * statistics.median(times[args.warmup:])}
+    if world > 1:
+        dist.destroy_process_group()
+    return result
+
+
+def _sync(world, device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if world > 1:
+        dist.barrier()
+
+
+def _profiler(enabled: bool, device):
+    if not enabled:
+        return nullcontext()
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=acts)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        result = run(args)
+    except ValueError as exc:
+        print(f"hidup.train: {exc}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", "0")) == 0:
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print(f"{result['model']} strategy={result['strategy']} world={result['world']} "
+                  f"micro-batches={result['micro_batches']} batch={result['batch']}: "
+                  f"final loss {result['losses'][-1]:.5f}, median step "
+                  f"{result['median_step_ms']:.2f} ms over {args.steps - args.warmup} steps")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""The SimPy model of one training step: every rank runs the Program's tasks on its compute streams
+and one communication stream, in program order, with the executor's ordering rules.
+
+Per rank: a compute stream runs its Compute tasks and local conversions (slice, alias) one after
+another; a Wait blocks its stream until that collective has finished on the rank. The
+communication stream runs the collectives in program order; each starts once the stream is free,
+the earlier tasks that write its input have finished on the rank, and every rank of its group has
+got that far (rendezvous); it then takes the same time on all of them (none in a group of one,
+where the executor's collectives are the identity).
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass
+
+import simpy
+
+from hidup.program import Compute, Convert, Program, Wait
+from simulator.profile import Profile
+
+log = logging.getLogger(__name__)
+
+
+class SimulationError(ValueError):
+    """A Program cannot be simulated: a wait for no collective, a rank outside a group, a deadlock."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """One task's run on one rank's stream, in seconds from the start of the step."""
+
+    task: Compute | Convert
+    stream: int
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Result:
+    """Step time and rank 0's computation, communication and overlap (paper, Table III), in seconds."""
+
+    step_time: float
+    computation: float  # busy time of rank 0's compute streams
+    communication: float  # sum of rank 0's collective durations
+    overlap_ratio: float  # share of communication that runs while rank 0 computes
+    exposed_communication: float  # communication not hidden under computation
+    comm_stream: int  # the stream number of the communication stream in `records`
+    records: tuple[tuple[Record, ...], ...]  # per rank, in order of completion
+
+    def __str__(self) -> str:
+        return (f"step {self.step_time * 1e3:.3f} ms: computation {self.computation * 1e3:.3f} ms, "
+                f"communication {self.communication * 1e3:.3f} ms, overlap "
+                f"{self.overlap_ratio:.1%}, exposed {self.exposed_communication * 1e3:.3f} ms")
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What every rank does, worked out once: stream queues, durations, collectives' producers."""
+
+    streams: dict[int, tuple[Compute | Convert | Wait, ...]]
+    collectives: tuple[Convert, ...]
+    producers: dict[int, tuple[int, ...]]  # collective id -> earlier tasks writing its input
+    duration: dict[int, float]
+    comm_stream: int
+
+
+def simulate(program: Program, profile: Profile) -> Result:
+    """Run one step of `program` on every rank of its group and measure it."""
+    plan = _plan(program, profile)
+    env = simpy.Environment()
+    sim = _Sim(env, plan, program.world)
+    started, events = time.perf_counter(), _run(env)
+    elapsed = time.perf_counter() - started
+    log.debug("simulated %s k=%d on %d ranks: %d events in %.3f s (%.0f events/s)",
+              program.strategy, program.k, program.world, events, elapsed,
+              events / max(elapsed, 1e-9))
+    sim.check_finished()
+    return _result(sim.records, plan.comm_stream)
+
+
+def _run(env: simpy.Environment) -> int:
+    """Process every scheduled event; return how many there were."""
+    events = 0
+    try:
+        while True:
+            env.step()
+            events += 1
+    except simpy.core.EmptySchedule:
+        return events
+
+
+def _plan(program: Program, profile: Profile) -> _Plan:
+    collectives = tuple(program.collectives)
+    ids = {c.id for c in collectives}
+    streams: dict[int, list] = {0: []}
+    duration: dict[int, float] = {}
+    for task in program.tasks:
+        if isinstance(task, Convert) and task.collective:
+            _check_group(task, program.world)
+            duration[task.id] = (profile.collective_time(task.kind, task.bytes)
+                                 if len(task.group) > 1 else 0.0)  # a group of one: identity
+            continue
+        if isinstance(task, Wait) and task.collective not in ids:
+            raise SimulationError(f"task {task}: #{task.collective} is not a collective of "
+                                  f"program {program.model} {program.strategy}")
+        if not isinstance(task, Wait):
+            duration[task.id] = profile.compute_time(task)
+        streams.setdefault(getattr(task, "stream", 0), []).append(task)
+    return _Plan({s: tuple(q) for s, q in sorted(streams.items())}, collectives,
+                 _producers(program), duration, max(streams) + 1)
+
+
+def _check_group(task: Convert, world: int) -> None:
+    if set(task.group) != set(range(world)):
+        raise SimulationError(f"task {task}: group {task.group} is not all {world} ranks; every "
+                              f"rank runs every task, so each collective must span the world")
+
+
+def _producers(program: Program) -> dict[int, tuple[int, ...]]:
+    """For each collective, the earlier tasks (any kind) whose outputs include its input key."""
+    writers: dict[str, list[int]] = {}
+    out: dict[int, tuple[int, ...]] = {}
+    for task in program.tasks:
+        if isinstance(task, Wait):
+            continue
+        if isinstance(task, Convert) and task.collective:
+            out[task.id] = tuple(writers.get(task.inputs[0], ()))
+        for key in task.outputs:
+            if key:
+                writers.setdefault(key, []).append(task.id)
+    return out
+
+
+class _Sim:
+    """The SimPy processes of all ranks: one per compute stream and one communication stream each."""
+
+    def __init__(self, env: simpy.Environment, plan: _Plan, world: int):
+        self.env, self.plan, self.world = env, plan, world
+        self.done = {(r, i): env.event() for r in range(world) for i in plan.duration}
+        self.arrived: dict[int, int] = {}
+        self.barrier = {c.id: env.event() for c in plan.collectives}
+        self.records: list[list[Record]] = [[] for _ in range(world)]
+        for rank in range(world):
+            for stream, tasks in plan.streams.items():
+                env.process(self.compute_stream(rank, stream, tasks))
+            env.process(self.comm_stream(rank))
+
+    def compute_stream(self, rank: int, stream: int, tasks):
+        for task in tasks:
+            if isinstance(task, Wait):
+                yield self.done[rank, task.collective]
+            else:
+                yield from self.execute(rank, stream, task)
+
+    def comm_stream(self, rank: int):
+        for task in self.plan.collectives:
+            inputs = [self.done[rank, i] for i in self.plan.producers[task.id]]
+            if inputs:
+                yield self.env.all_of(inputs)
+            yield self.arrive(task)
+            yield from self.execute(rank, self.plan.comm_stream, task)
+
+    def arrive(self, task: Convert) -> simpy.Event:
+        """This rank has reached `task`; the returned event fires when all its group has."""
+        self.arrived[task.id] = self.arrived.get(task.id, 0) + 1
+        if self.arrived[task.id] == len(task.group):
+            self.barrier[task.id].succeed()
+        return self.barrier[task.id]
+
+    def execute(self, rank: int, stream: int, task: Compute | Convert):
+        start = self.env.now
+        yield self.env.timeout(self.plan.duration[task.id])
+        self.records[rank].append(Record(task, stream, start, self.env.now))
+        self.done[rank, task.id].succeed()
+
+    def check_finished(self) -> None:
+        """Every task ran on every rank; otherwise name the first task that never finished."""
+        for (rank, tid), event in self.done.items():
+            if not event.triggered:
+                raise SimulationError(f"deadlock: task #{tid} never ran on rank {rank} (a wait "
+                                      f"before the task that its collective's input needs?)")
+
+
+def _result(records: list[list[Record]], comm_stream: int) -> Result:
+    ends = [r.end for rank in records for r in rank]
+    mine = records[0] if records else []
+    busy = _union([(r.start, r.end) for r in mine if r.stream != comm_stream])
+    comm = [(r.start, r.end) for r in mine if r.stream == comm_stream]
+    communication = sum(e - s for s, e in comm)
+    overlapped = sum(_covered(s, e, busy) for s, e in comm)
+    return Result(max(ends, default=0.0), sum(e - s for s, e in busy), communication,
+                  overlapped / communication if communication > 0 else 0.0,
+                  communication - overlapped, comm_stream,
+                  tuple(tuple(rank) for rank in records))
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint intervals covering the same time as `intervals`."""
+    merged: list[tuple[float, float]] = []
+    for s, e in sorted(intervals):
+        if merged and s <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+        else:
+            merged.append((s, e))
+    return merged
+
+
+def _covered(start: float, end: float, busy: list[tuple[float, float]]) -> float:
+    """How much of [start, end] the disjoint intervals `busy` cover."""
+    total, i = 0.0, bisect.bisect_right(busy, (start, start))
+    i = max(i - 1, 0)  # the interval before may reach into [start, end]
+    while i < len(busy) and busy[i][0] < end:
+        total += max(0.0, min(end, busy[i][1]) - max(start, busy[i][0]))
+        i += 1
+    return total

@@ -1,0 +1,190 @@
+"""Predict one training step of a model on a cluster under a strategy, as plain SPMD (k=1) and with
+Duplex (k micro-batches): `python -m simulator.predict --model transformer:small --gpus 4`."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hidup import models
+from hidup.capture import CaptureError, Graph, capture
+from hidup.program import lower
+from hidup.strategy import Strategy, fixed_strategy, load_plan
+from simulator.engine import Result, simulate
+from simulator.profile import Profile, load_profile
+from simulator.trace import write_trace
+
+log = logging.getLogger(__name__)
+PROG = "python -m simulator.predict"
+COLUMNS = ("step (ms)", "computation (ms)", "communication (ms)", "overlap", "exposed comm (ms)")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Both simulated runs of one model, cluster, world size and strategy."""
+
+    model: str
+    batch: int
+    profile: Profile
+    gpus: int
+    strategy: Strategy
+    k: int
+    spmd: Result
+    duplex: Result
+
+    @property
+    def speedup(self) -> float:
+        return self.spmd.step_time / self.duplex.step_time if self.duplex.step_time else 1.0
+
+    def rows(self) -> list[tuple[str, Result]]:
+        return [("SPMD (k=1)", self.spmd), (f"Duplex (k={self.k})", self.duplex)]
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "batch": self.batch, "cluster": self.profile.name,
+                "gpus": self.gpus, "strategy": self.strategy.name, "micro_batches": self.k,
+                "spmd": _result_dict(self.spmd, 1), "duplex": _result_dict(self.duplex, self.k),
+                "speedup": self.speedup,
+                "plan": {"options": {n: str(o) for n, o in self.strategy.options.items()},
+                         "placements": {n: str(p) for n, p in self.strategy.placements.items()}}}
+
+    def __str__(self) -> str:
+        head = (f"model {self.model} (batch {self.batch}), cluster {self.profile.name}, "
+                f"{self.gpus} GPUs, strategy {self.strategy.name}")
+        return "\n".join([head, "", *_table(self.rows()),
+                          f"speedup of Duplex over SPMD: {self.speedup:.3f}x", "",
+                          *_plan_lines(self.strategy)])
+
+
+def _result_dict(r: Result, k: int) -> dict:
+    return {"k": k, "step_time_ms": r.step_time * 1e3, "computation_ms": r.computation * 1e3,
+            "communication_ms": r.communication * 1e3, "overlap_ratio": r.overlap_ratio,
+            "exposed_communication_ms": r.exposed_communication * 1e3}
+
+
+def _table(rows: list[tuple[str, Result]]) -> list[str]:
+    width = max(len(name) for name, _ in rows)
+    lines = [" " * width + "".join(f"  {c:>{len(c)}}" for c in COLUMNS)]
+    for name, r in rows:
+        cells = (f"{r.step_time * 1e3:.3f}", f"{r.computation * 1e3:.3f}",
+                 f"{r.communication * 1e3:.3f}", f"{r.overlap_ratio:.1%}",
+                 f"{r.exposed_communication * 1e3:.3f}")
+        lines.append(f"{name:<{width}}" + "".join(f"  {v:>{len(c)}}" for v, c in zip(cells, COLUMNS)))
+    return lines
+
+
+def _plan_lines(strategy: Strategy) -> list[str]:
+    """One line per op node, then the parameter and input placements grouped by placement."""
+    lines = [f"plan {strategy.name}: op (input placements) -> output placement"]
+    lines += [f"  {name}: {option}" for name, option in strategy.options.items()]
+    groups: dict[str, list[str]] = {}
+    for name, p in strategy.placements.items():
+        groups.setdefault(str(p), []).append(name)
+    lines.append("placements of parameters, buffers and inputs:")
+    for p, names in sorted(groups.items()):
+        lines.append(textwrap.fill(", ".join(names), width=100, initial_indent=f"  {p} ({len(names)}): ",
+                                   subsequent_indent="      ", break_on_hyphens=False))
+    return lines
+
+
+def capture_model(spec: models.ModelSpec, batch: int) -> Graph:
+    """Capture on the meta device (no weights allocated); on the CPU if an op needs real data."""
+    inputs = spec.inputs(batch, torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    try:
+        with torch.device("meta"):
+            module = spec.build()
+        return capture(module, tuple(x.to("meta") for x in inputs))
+    except CaptureError as exc:
+        log.info("capture on the meta device failed (%s); capturing on the CPU", exc)
+    torch.manual_seed(0)
+    return capture(spec.build(), inputs)
+
+
+def choose_strategy(arg: str, graph: Graph, gpus: int) -> Strategy:
+    """A fixed strategy by name, or the plan file at a path."""
+    path = Path(arg)
+    if path.is_file():
+        return load_plan(path, graph, gpus)
+    if path.suffix == ".json" or "/" in arg:
+        raise ValueError(f"plan file {arg} does not exist; give an existing plan file or a "
+                         f"strategy name such as megatron")
+    return fixed_strategy(arg, graph, gpus)
+
+
+def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | None,
+            k: int) -> tuple[Prediction, object]:
+    """Capture, plan, lower for k=1 and k, and simulate both; returns the Duplex program too."""
+    spec = models.get_model(model)
+    profile = load_profile(cluster)
+    batch = batch or spec.batch
+    started = time.perf_counter()
+    graph = capture_model(spec, batch)
+    log.info("captured %s (batch %d): %d nodes in %.2f s", spec.name, batch, len(graph.nodes),
+             time.perf_counter() - started)
+    plan = choose_strategy(strategy, graph, gpus)
+    spmd, duplex = (lower(graph, plan, gpus, n, spec.name) for n in (1, k))
+    results = []
+    for program in (spmd, duplex):
+        started = time.perf_counter()
+        results.append(simulate(program, profile))
+        log.info("simulated k=%d: %d tasks x %d ranks in %.3f s: %s", program.k,
+                 len(program.tasks), program.world, time.perf_counter() - started, results[-1])
+    return Prediction(spec.name, batch, profile, gpus, plan, k, *results), duplex
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive whole number")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="transformer:small",
+                   help=f"model NAME:SIZE from the zoo, one of {models.names()} "
+                        f"(default: %(default)s)")
+    p.add_argument("--cluster", default="v100-1x4-nvlink",
+                   help="a shipped profile name or the path of a profile JSON file "
+                        "(default: %(default)s)")
+    p.add_argument("--gpus", type=_positive, default=4, help="world size (default: %(default)s)")
+    p.add_argument("--strategy", default="megatron",
+                   help="a fixed strategy (ddp, megatron) or the path of a plan file "
+                        "(default: %(default)s)")
+    p.add_argument("--batch", type=_positive, default=None,
+                   help="global batch size (default: the model's own)")
+    p.add_argument("--micro-batches", type=_positive, default=2,
+                   help="Duplex micro-batches per rank, k (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a report")
+    p.add_argument("--trace", type=Path, default=None,
+                   help="write the Duplex run's simulated Chrome trace to this file")
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   help="log progress (-v) or every detail (-vv)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        prediction, duplex = predict(args.model, args.cluster, args.gpus, args.strategy,
+                                     args.batch, args.micro_batches)
+        if args.trace is not None:
+            write_trace(args.trace, prediction.duplex, f"{duplex.model} {duplex.strategy} "
+                                                       f"k={duplex.k}")
+    except (ValueError, OSError) as exc:
+        parser.exit(2, f"{PROG}: error: {' '.join(str(exc).split())}\n")
+    print(json.dumps(prediction.to_dict(), indent=1) if args.json else prediction)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,157 @@
+"""Profiles: a cluster's cost figures (device throughput, per-kernel overhead, collective alpha and
+beta) as a versioned JSON file, and the simple cost model that times a Program's tasks with them."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from hidup.program import COLLECTIVES, Compute, Convert
+
+log = logging.getLogger(__name__)
+
+PROFILE_FORMAT, PROFILE_VERSION = "hidup-profile", 1
+_SCALARS = ("flops", "mem_bandwidth", "op_overhead", "gpus_per_node")
+_KEYS = {"format", "version", "name", "source", "collectives", *_SCALARS}
+
+
+class ProfileError(ValueError):
+    """A profile file is missing, unreadable or not a valid HiDup profile."""
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """A collective costs alpha + bytes / beta seconds (bytes of the full tensor)."""
+
+    alpha: float  # seconds
+    beta: float  # bytes per second
+
+    def time(self, nbytes: float) -> float:
+        return self.alpha + nbytes / self.beta
+
+    def __str__(self) -> str:
+        return f"{self.alpha * 1e6:g} us + B / {self.beta / 1e9:g} GB/s"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The figures of one cluster and where they come from."""
+
+    name: str
+    source: str
+    flops: float  # device FLOP/s
+    mem_bandwidth: float  # bytes/s
+    op_overhead: float  # seconds per kernel
+    collectives: dict[str, LinkCost] = field(hash=False)
+    gpus_per_node: int = 1
+
+    def compute_time(self, task: Compute | Convert) -> float:
+        """Seconds of a kernel on a compute stream: a Compute, or a local slice / alias."""
+        if isinstance(task, Compute):
+            return self.op_overhead + max(task.flops / self.flops, task.bytes / self.mem_bandwidth)
+        if task.kind == "alias":
+            return 0.0
+        if task.kind == "slice":
+            return self.op_overhead + task.bytes / self.mem_bandwidth
+        raise ProfileError(f"task {task} is a collective, not a compute-stream kernel")
+
+    def collective_time(self, kind: str, nbytes: float) -> float:
+        """Seconds of one collective of `kind` on a tensor of `nbytes` (the full tensor)."""
+        if kind not in self.collectives:
+            raise ProfileError(f"profile {self.name} has no figures for collective {kind!r}; "
+                               f"add it under \"collectives\"")
+        return self.collectives[kind].time(nbytes)
+
+    def to_dict(self) -> dict:
+        doc = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION}
+        doc.update(asdict(self))
+        return doc
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1) + "\n"
+
+    def __str__(self) -> str:
+        links = ", ".join(f"{k} {c}" for k, c in self.collectives.items())
+        return (f"profile {self.name}: {self.flops / 1e12:g} TFLOP/s, "
+                f"{self.mem_bandwidth / 1e9:g} GB/s memory, {self.op_overhead * 1e6:g} us/kernel, "
+                f"{self.gpus_per_node} GPUs/node; {links}")
+
+
+def shipped_names() -> list[str]:
+    """Names of the profiles that ship with the package."""
+    folder = resources.files("simulator") / "profiles"
+    return sorted(p.name.removesuffix(".json") for p in folder.iterdir()
+                  if p.name.endswith(".json"))
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    """A shipped profile by name (e.g. 'v100-1x4-nvlink'), or the profile file at a path."""
+    text = str(name_or_path)
+    if Path(text).is_file() or text.endswith(".json") or "/" in text:
+        return _read(Path(text))
+    path = resources.files("simulator") / "profiles" / f"{text}.json"
+    if not path.is_file():
+        raise ProfileError(f"unknown cluster profile {text!r}; choose one of {shipped_names()} "
+                           f"or give the path of a profile file")
+    return _read(Path(str(path)))
+
+
+def _read(path: Path) -> Profile:
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as exc:
+        raise ProfileError(f"profile file {path}: cannot read it ({exc.strerror or exc}); "
+                           f"check the path") from exc
+    except json.JSONDecodeError as exc:
+        raise ProfileError(f"profile file {path}: not valid JSON ({exc}); fix or re-create "
+                           f"it") from exc
+    profile = from_dict(doc, f"profile file {path}")
+    log.debug("loaded %s from %s", profile, path)
+    return profile
+
+
+def from_dict(doc, where: str = "profile") -> Profile:
+    """Check a decoded profile document and build the Profile; `where` names it in errors."""
+    if not isinstance(doc, dict) or doc.get("format") != PROFILE_FORMAT:
+        raise ProfileError(f"{where}: not a HiDup profile (no \"format\": \"{PROFILE_FORMAT}\"); "
+                           f"give a profile file")
+    if doc.get("version") != PROFILE_VERSION:
+        raise ProfileError(f"{where}: version {doc.get('version')}, this HiDup reads version "
+                           f"{PROFILE_VERSION}; re-create the profile")
+    unknown, missing = sorted(set(doc) - _KEYS), sorted(_KEYS - set(doc))
+    if unknown or missing:
+        what = f"unknown keys {unknown}" if unknown else f"missing keys {missing}"
+        raise ProfileError(f"{where}: {what}; the keys are {sorted(_KEYS)}")
+    values = {k: _number(doc[k], k, where, zero_ok=k == "op_overhead") for k in _SCALARS}
+    if values["gpus_per_node"] != int(values["gpus_per_node"]):
+        raise ProfileError(f"{where}: gpus_per_node must be a whole number")
+    return Profile(str(doc["name"]), str(doc["source"]), values["flops"],
+                   values["mem_bandwidth"], values["op_overhead"],
+                   _collectives(doc["collectives"], where), int(values["gpus_per_node"]))
+
+
+def _collectives(doc, where: str) -> dict[str, LinkCost]:
+    if not isinstance(doc, dict) or set(doc) != set(COLLECTIVES):
+        got = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
+        raise ProfileError(f"{where}: \"collectives\" must have exactly the kinds "
+                           f"{list(COLLECTIVES)}, got {got}")
+    out = {}
+    for kind in COLLECTIVES:
+        cost = doc[kind]
+        if not isinstance(cost, dict) or set(cost) != {"alpha", "beta"}:
+            raise ProfileError(f"{where}: collectives.{kind} must be {{\"alpha\": seconds, "
+                               f"\"beta\": bytes/s}}")
+        alpha = _number(cost["alpha"], f"collectives.{kind}.alpha", where, zero_ok=True)
+        out[kind] = LinkCost(alpha, _number(cost["beta"], f"collectives.{kind}.beta", where))
+    return out
+
+
+def _number(value, key: str, where: str, zero_ok: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not zero_ok):
+        raise ProfileError(f"{where}: {key} must be a {'non-negative' if zero_ok else 'positive'} "
+                           f"number, got {value!r}")
+    return float(value)

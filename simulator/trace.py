@@ -1,0 +1,69 @@
+"""Chrome trace of a simulated step, laid out like a PyTorch profiler trace: one process per rank,
+one track per CUDA stream ('stream 0 (compute)', 'stream 1 (nccl)'), complete events in us."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from hidup.program import Compute, Convert
+from simulator.engine import Record, Result
+
+log = logging.getLogger(__name__)
+
+
+def event_name(task: Compute | Convert) -> str:
+    """'fwd linear mb0', 'all_reduce linear_3 mb1', 'update optimizer.step'."""
+    mb = "" if task.mb is None else f" mb{task.mb}"
+    if isinstance(task, Convert):
+        return f"{task.kind} {task.tensor}{mb}"
+    return f"{task.phase} {task.node or task.op}{mb}"
+
+
+def event_args(task: Compute | Convert) -> dict:
+    """What the trace shows for a task when it is selected."""
+    args = {"task": task.id, "phase": task.phase, "micro-batch": task.mb, "bytes": task.bytes}
+    if isinstance(task, Compute):
+        args.update(op=task.op, flops=task.flops, option=str(task.option or ""))
+    else:
+        args.update(kind=task.kind, placement=f"{task.src} -> {task.dst}",
+                    group=list(task.group))
+    return args
+
+
+def chrome_trace(result: Result, title: str = "") -> dict:
+    """The `traceEvents` document of a simulated step (all ranks)."""
+    events = []
+    for rank, records in enumerate(result.records):
+        events += _metadata(rank, records, result.comm_stream, title)
+        events += [_complete(rank, r) for r in records]
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_trace(path: Path, result: Result, title: str = "") -> None:
+    """Write the Chrome trace (open it in chrome://tracing or Perfetto)."""
+    doc = chrome_trace(result, title)
+    Path(path).write_text(json.dumps(doc) + "\n")
+    log.info("wrote %d trace events to %s", len(doc["traceEvents"]), path)
+
+
+def _track(stream: int, comm_stream: int) -> str:
+    return f"stream {stream} ({'nccl' if stream == comm_stream else 'compute'})"
+
+
+def _metadata(rank: int, records: tuple[Record, ...], comm_stream: int, title: str) -> list[dict]:
+    name = f"rank {rank}" + (f" {title}" if title else "")
+    out = [{"ph": "M", "name": "process_name", "pid": rank, "args": {"name": name}},
+           {"ph": "M", "name": "process_sort_index", "pid": rank, "args": {"sort_index": rank}}]
+    for stream in sorted({r.stream for r in records} | {0, comm_stream}):
+        out.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": stream,
+                    "args": {"name": _track(stream, comm_stream)}})
+        out.append({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": stream,
+                    "args": {"sort_index": stream}})
+    return out
+
+
+def _complete(rank: int, record: Record) -> dict:
+    return {"ph": "X", "cat": "kernel", "name": event_name(record.task), "pid": rank,
+            "tid": record.stream, "ts": record.start * 1e6, "dur": record.duration * 1e6,
+            "args": {"stream": record.stream, **event_args(record.task)}}

@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny models captured once, and a runner for functions on N gloo ranks."""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hidup.capture import capture
+from hidup.models import get_model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, fn, args, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn, *args) -> list:
+    """Run `fn(rank, world, *args)` on `world` gloo ranks (spawned processes); return each result."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_worker, args=(world, free_port(), fn, args, out_dir), nprocs=world, join=True)
+        return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
+
+
+@pytest.fixture(scope="session")
+def tiny_graphs():
+    """name -> (spec, model, graph) for the tiny test models."""
+    out = {}
+    for name in ("mlp:tiny", "transformer:tiny"):
+        spec = get_model(name)
+        torch.manual_seed(0)
+        model = spec.build()
+        out[name] = (spec, model, capture(model, spec.inputs(spec.batch, torch.Generator())))
+    return out
