@@ -1,0 +1,52 @@
+"""Capture: every node carries shape, dtype, FLOPs and bytes; failures name the node and op."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hidup.capture import CaptureError, capture
+
+
+class TwoLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))).sum()
+
+
+def test_nodes_carry_shapes_flops_bytes():
+    graph = capture(TwoLinear(), (torch.randn(2, 8),))
+    a = graph.node("linear")
+    assert a.out.shape == (2, 16) and a.out.dtype == "float32"
+    assert a.flops == 2 * 2 * 16 * 8
+    assert a.bytes == 4 * (2 * 8 + 16 * 8 + 16 + 2 * 16)
+    assert graph.node("relu").flops == 32
+    assert graph.loss == "sum_1"
+    assert [p.source for p in graph.params] == ["a.weight", "a.bias", "b.weight", "b.bias"]
+    assert str(a) == "linear = aten.linear.default(x, p_a_weight, p_a_bias) -> float32[2,16]"
+
+
+def test_fingerprint_depends_on_shapes():
+    m = TwoLinear()
+    assert capture(m, (torch.randn(2, 8),)).fingerprint != capture(m, (torch.randn(4, 8),)).fingerprint
+    assert capture(m, (torch.randn(2, 8),)).fingerprint == capture(m, (torch.randn(2, 8),)).fingerprint
+
+
+class TopK(torch.nn.Module):
+    def forward(self, x):
+        return torch.topk(x, 2).values.sum()
+
+
+class NotScalar(torch.nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+def test_failures_name_the_node_and_op():
+    with pytest.raises(CaptureError, match=r"node topk \(aten.topk.default\) does not produce one "
+                                           r"tensor"):
+        capture(TopK(), (torch.randn(3, 5),))
+    with pytest.raises(CaptureError, match=r"must return a scalar loss; mul has shape \(3,\)"):
+        capture(NotScalar(), (torch.randn(3),))

@@ -1,0 +1,102 @@
+"""Sharding rules: option counts pinned per op, options checked in words, errors named."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hidup import ops
+from hidup.capture import capture
+from hidup.placement import parse_option
+
+
+class Fn(torch.nn.Module):
+    def __init__(self, fn, n_params=0, shapes=()):
+        super().__init__()
+        self.fn = fn
+        self.ps = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(s)) for s in shapes)
+
+    def forward(self, *xs):
+        return self.fn(*xs, *self.ps)
+
+
+def node_options(fn, *inputs, shapes=(), op=None):
+    """Capture fn(*inputs, *params) and return the options (as strings) of its first `op` node."""
+    graph = capture(Fn(fn, shapes=shapes), inputs)
+    node = next(n for n in graph.ops if op is None or n.op == op)
+    return [str(o) for o in ops.options(node, node.in_metas(graph))]
+
+
+def test_linear_options_from_einsum():
+    opts = node_options(lambda x, w, b: F.linear(x, w, b).sum(), torch.randn(4, 8),
+                        shapes=[(6, 8), (6,)], op="aten.linear.default")
+    assert opts == ["(R, R, R) -> R", "(S(0), R, R) -> S(0)", "(S(1), S(1), R) -> P",
+                    "(R, S(0), S(0)) -> S(1)"]
+
+
+def test_batched_matmul_options():
+    opts = node_options(lambda a, b: (a @ b).sum(), torch.randn(2, 3, 4), torch.randn(2, 4, 5),
+                        op="aten.matmul.default")
+    assert len(opts) == 5  # R, batch, rows, columns, contraction
+    assert "(S(2), S(1)) -> P" in opts and "(S(0), S(0)) -> S(0)" in opts
+
+
+def test_broadcast_matmul_keeps_size_one_dim_whole():
+    opts = node_options(lambda a, b: (a @ b).sum(), torch.randn(3, 4, 5), torch.randn(1, 5, 2),
+                        op="aten.matmul.default")
+    assert "(S(0), R) -> S(0)" in opts
+
+
+def test_elementwise_broadcast_and_partial():
+    opts = node_options(lambda a, b: (a + b).sum(), torch.randn(4, 6), torch.randn(6),
+                        op="aten.add.Tensor")
+    assert opts == ["(R, R) -> R", "(S(0), R) -> S(0)", "(S(1), S(0)) -> S(1)", "(P, P) -> P"]
+
+
+def test_softmax_never_splits_its_dim():
+    opts = node_options(lambda a: a.softmax(-1).sum(), torch.randn(4, 6, 8), op="aten.softmax.int")
+    assert opts == ["(R) -> R", "(S(0)) -> S(0)", "(S(1)) -> S(1)"]
+
+
+def test_layer_norm_leading_dims_only():
+    opts = node_options(lambda x, w, b: F.layer_norm(x, (8,), w, b).sum(), torch.randn(2, 4, 8),
+                        shapes=[(8,), (8,)], op="aten.layer_norm.default")
+    assert opts == ["(R, R, R) -> R", "(S(0), R, R) -> S(0)", "(S(1), R, R) -> S(1)"]
+
+
+def test_view_maps_leading_dim_of_merged_group():
+    opts = node_options(lambda x: x.reshape(8, 8).sum(), torch.randn(2, 4, 8),
+                        op="aten.reshape.default")
+    assert opts == ["(R) -> R", "(P) -> P", "(S(0)) -> S(0)", "(S(2)) -> S(1)"]
+
+
+def test_transpose_and_mean():
+    assert node_options(lambda x: x.transpose(0, 1).sum(), torch.randn(2, 3),
+                        op="aten.transpose.int")[2:] == ["(S(0)) -> S(1)", "(S(1)) -> S(0)"]
+    assert node_options(lambda x: x.mean(dim=1).sum(), torch.randn(2, 3),
+                        op="aten.mean.dim")[2:] == ["(S(0)) -> S(0)", "(S(1)) -> P"]
+
+
+def test_embedding_and_cross_entropy():
+    opts = node_options(lambda i, w: F.embedding(i, w).sum(), torch.randint(0, 10, (2, 3)),
+                        shapes=[(10, 4)], op="aten.embedding.default")
+    assert opts == ["(R, R) -> R", "(R, S(0)) -> S(0)", "(R, S(1)) -> S(1)",
+                    "(S(1), R) -> S(2)", "(S(0), R) -> P"]
+    opts = node_options(lambda x, t: F.cross_entropy(x, t), torch.randn(4, 5),
+                        torch.randint(0, 5, (4,)), op="aten.cross_entropy_loss.default")
+    assert opts == ["(R, R) -> R", "(S(0), S(0)) -> P"]
+
+
+def test_op_without_rule_is_named_and_fallback_is_explicit():
+    graph = capture(Fn(lambda x: torch.cumsum(x, 0).sum()), (torch.randn(4),))
+    node = next(n for n in graph.ops if "cumsum" in n.op)
+    with pytest.raises(ops.NoRuleError, match=r"node cumsum: op aten.cumsum.default has no sharding rule"):
+        ops.options(node, node.in_metas(graph))
+    assert [str(o) for o in ops.options(node, node.in_metas(graph), replicate_fallback=True)] == \
+        ["(R) -> R"]
+
+
+def test_option_text_round_trips():
+    assert str(parse_option("(S(0), R, P) -> S(1)")) == "(S(0), R, P) -> S(1)"
+    with pytest.raises(ValueError, match="not of the form"):
+        parse_option("S(0) R")

@@ -1,0 +1,57 @@
+"""Lowering: the Program's tasks, micro-batches, collectives and waits."""
+from __future__ import annotations
+
+import pytest
+
+from hidup.program import Compute, Convert, LoweringError, Wait, lower
+from hidup.strategy import data_parallel, megatron
+
+
+def first(tasks, pred):
+    return next(i for i, t in enumerate(tasks) if pred(t))
+
+
+def test_duplex_issues_one_micro_batch_comm_before_the_other_computes(tiny_graphs):
+    _, _, graph = tiny_graphs["mlp:tiny"]
+    prog = lower(graph, megatron(graph, 2), 2, k=2)
+    tasks = prog.tasks
+    # forward all-reduce of the first row-parallel output for mb 0, then mb 1's compute, then wait
+    ar0 = first(tasks, lambda t: isinstance(t, Convert) and t.tensor == "linear_1" and t.mb == 0)
+    fwd1 = first(tasks, lambda t: isinstance(t, Compute) and t.node == "linear_1" and t.mb == 1)
+    wait0 = first(tasks, lambda t: isinstance(t, Wait) and t.collective == tasks[ar0].id)
+    assert ar0 < fwd1 < wait0
+    assert tasks[ar0].kind == "all_reduce" and tasks[ar0].bytes == 4 * 16 * 4  # (8/2 rows, 16) fp32
+    # the same in backward: the gradient all-reduce of mb 0 overlaps mb 1's backward
+    bw = [t for t in tasks if isinstance(t, Convert) and t.phase == "bwd" and t.tensor == "linear_1"]
+    assert [t.mb for t in bw] == [0, 1]
+    bwd1 = first(tasks, lambda t: isinstance(t, Compute) and t.phase == "bwd" and t.node == "add"
+                 and t.mb == 1)
+    assert bw[0].id < bwd1 < first(tasks, lambda t: isinstance(t, Wait) and t.collective == bw[0].id)
+
+
+def test_parameter_gradients_reduced_once_per_step(tiny_graphs):
+    _, _, graph = tiny_graphs["mlp:tiny"]
+    for k in (1, 2, 4):
+        prog = lower(graph, data_parallel(graph, 2), 2, k=k)
+        grad_ars = [t for t in prog.collectives if t.phase == "bwd"]
+        assert len(grad_ars) == len(graph.params)  # one all-reduce per parameter, any k
+        assert all(t.mb is None for t in grad_ars)
+        fwd = [t for t in prog.tasks if isinstance(t, Compute) and t.phase == "fwd"]
+        assert len(fwd) == k * len(graph.ops)
+        assert fwd[0].in_shapes[0] == (8 // 2 // k, 16)  # micro-batch split, then the rank split
+
+
+def test_every_collective_is_waited_before_the_update(tiny_graphs):
+    _, _, graph = tiny_graphs["transformer:tiny"]
+    prog = lower(graph, megatron(graph, 2), 2, k=2)
+    waited = {t.collective for t in prog.tasks if isinstance(t, Wait)}
+    assert waited == {t.id for t in prog.collectives}
+    update = first(prog.tasks, lambda t: isinstance(t, Compute) and t.phase == "update")
+    assert all(t.id < update for t in prog.collectives)
+
+
+def test_split_that_does_not_divide_is_an_error(tiny_graphs):
+    _, _, graph = tiny_graphs["mlp:tiny"]
+    with pytest.raises(LoweringError, match=r"tensor x as S\(0\): dim 0 of size 8 .* does not "
+                                            r"split into 3 ranks"):
+        lower(graph, data_parallel(graph, 3), 3, k=1)
