@@ -251,31 +251,58 @@ class _Lowering:
             self.emit_convert(kind, t, home, p, "fwd", m, vkey(t, home, m), vkey(t, p, m),
                               self.shape(t, home), nbytes)
 
+    def in_keys(self, node, m) -> list[str]:
+        opt = self.s.options[node.name]
+        return [vkey(t, p, self.in_mb(t, m)) for t, p in zip(node.inputs, opt.inputs)]
+
+    def blocked(self, keys) -> bool:
+        """Would reading these values wait for a collective still in flight?"""
+        return any(c not in self.waited for key in keys for c in self.pending.get(key, ()))
+
+    def interleave(self, nodes, emit, needs) -> None:
+        """Duplex order: run one micro-batch until it needs a collective's result still in flight,
+        then switch to the next one, whose computation hides that communication."""
+        cursor, m = [0] * self.k, 0
+        while any(c < len(nodes) for c in cursor):
+            first = True
+            while cursor[m] < len(nodes):
+                node = nodes[cursor[m]]
+                if not first and self.blocked(needs(node, m)):
+                    break
+                emit(node, m)
+                cursor[m], first = cursor[m] + 1, False
+            m = (m + 1) % self.k
+
     def forward(self) -> list[str]:
         for node in self.g.nodes:
             if node.kind != "op":
                 for m in self.mbs(node.name):
                     self.convert_for_consumers(node.name, m)
-        loss_keys = []
-        for node in self.g.ops:
-            opt = self.s.options[node.name]
-            for m in self.mbs(node.name):
-                keys = [vkey(t, p, self.in_mb(t, m)) for t, p in zip(node.inputs, opt.inputs)]
-                for key in keys:
-                    self.wait_for(key)
-                ins = tuple(self.shape(t, p) for t, p in zip(node.inputs, opt.inputs))
-                out = self.shape(node.name, opt.output)
-                flops = forward_flops(node.op, ins, out, node.args)
-                nbytes = sum(self.nbytes(t, p) for t, p in zip(node.inputs, opt.inputs))
-                self.tasks.append(Compute(
-                    len(self.tasks), node.name, node.op, "fwd", m, flops,
-                    nbytes + self.nbytes(node.name, opt.output), ins, out, tuple(keys),
-                    (vkey(node.name, opt.output, m),), opt,
-                    isinstance(self.mbs_split.options[node.name].output, Partial)))
-                self.convert_for_consumers(node.name, m)
-                if node.name == self.g.loss:
-                    loss_keys.append(self._report_loss(m))
-        return loss_keys
+        self.loss_keys: list[str] = []
+        per_mb = [n for n in self.g.ops if self.mbs(n.name) != [None]]
+        for node in self.g.ops:  # computed once per step, from parameters only
+            if self.mbs(node.name) == [None]:
+                self.forward_node(node, None)
+        self.interleave(per_mb, self.forward_node, self.in_keys)
+        return self.loss_keys
+
+    def forward_node(self, node, m) -> None:
+        opt = self.s.options[node.name]
+        keys = self.in_keys(node, m)
+        for key in keys:
+            self.wait_for(key)
+        ins = tuple(self.shape(t, p) for t, p in zip(node.inputs, opt.inputs))
+        out = self.shape(node.name, opt.output)
+        flops = forward_flops(node.op, ins, out, node.args)
+        nbytes = sum(self.nbytes(t, p) for t, p in zip(node.inputs, opt.inputs))
+        self.tasks.append(Compute(
+            len(self.tasks), node.name, node.op, "fwd", m, flops,
+            nbytes + self.nbytes(node.name, opt.output), ins, out, tuple(keys),
+            (vkey(node.name, opt.output, m),), opt,
+            isinstance(self.mbs_split.options[node.name].output, Partial)))
+        self.convert_for_consumers(node.name, m)
+        if node.name == self.g.loss:
+            self.loss_keys.append(self._report_loss(m))
 
     def _report_loss(self, m) -> str:
         t, home = self.g.loss, self.s.home(self.g.loss)
@@ -292,10 +319,13 @@ class _Lowering:
             shape = self.shape(loss, self.s.home(loss))
             self.tasks.append(Compute(len(self.tasks), loss, "hidup.ones", "bwd", m, 0.0, 0.0, (),
                                       shape, (), (gkey(loss, self.s.home(loss), m),)))
-        for node in reversed(self.g.ops):
-            if node.name in self.has_grad:
-                for m in self.mbs(node.name):
-                    self.backward_node(node, m)
+        nodes = [n for n in reversed(self.g.ops) if n.name in self.has_grad]
+        per_mb = [n for n in nodes if self.mbs(n.name) != [None]]
+        self.interleave(per_mb, self.backward_node,
+                        lambda n, m: [gkey(n.name, self.s.home(n.name), m)])
+        for node in nodes:  # once per step, after every micro-batch's contribution
+            if self.mbs(node.name) == [None]:
+                self.backward_node(node, None)
         return self.final
 
     def backward_node(self, node, m) -> None:

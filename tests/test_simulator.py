@@ -1,0 +1,161 @@
+"""The SimPy engine on hand-built Programs (times pinned to hand-computed values); profiles."""
+import json
+
+import pytest
+
+from hidup.placement import P, R, Shard
+from hidup.program import COLLECTIVES, Compute, Convert, Program, Wait
+from simulator import LinkCost, Profile, ProfileError, SimulationError, load_profile, simulate
+
+OVERHEAD, ALPHA = 1e-6, 1e-5
+T_A = 1.0 + OVERHEAD  # 1e12 FLOPs at 1e12 FLOP/s
+T_C = 0.5 + OVERHEAD  # 5e11 FLOPs
+T_AR = ALPHA + 1.0  # 1e9 bytes at 1e9 bytes/s
+
+
+def profile(**kw) -> Profile:
+    costs = {kind: LinkCost(ALPHA, 1e9) for kind in COLLECTIVES}
+    return Profile("test", "hand-made", kw.get("flops", 1e12), kw.get("mem_bandwidth", 1e12),
+                   OVERHEAD, costs, 4)
+
+
+def compute(name: str, flops: float, inputs=(), outputs=(), nbytes=0.0) -> Compute:
+    return Compute(-1, name, "aten.mm.default", "fwd", 0, flops, nbytes, (), (), tuple(inputs),
+                   tuple(outputs))
+
+
+def all_reduce(tensor: str, nbytes: int, world: int = 2) -> Convert:
+    return Convert(-1, "all_reduce", tensor, P, R, "fwd", 0, (), nbytes, tuple(range(world)),
+                   (tensor,), (tensor + "@R",))
+
+
+def program(*tasks, world: int = 2) -> Program:
+    """Number the tasks by position (a Wait names its collective by position)."""
+    numbered = tuple(type(t)(**{**t.__dict__, "id": i}) for i, t in enumerate(tasks))
+    return Program("hand", "0", "hand", world, 1, numbered, (), {})
+
+
+A = compute("a", 1e12, outputs=["a"])
+B = compute("b", 1e12, inputs=["a@R"], outputs=["b"])
+C = compute("c", 5e11, outputs=["c"])
+AR = all_reduce("a", 10**9)
+
+
+def test_serial_order_adds_up():
+    r = simulate(program(A, AR, Wait(-1, 1), B, C), profile())
+    assert r.step_time == pytest.approx(T_A + T_AR + T_A + T_C, rel=1e-12)
+    assert r.computation == pytest.approx(2 * T_A + T_C, rel=1e-12)
+    assert r.communication == pytest.approx(T_AR, rel=1e-12)
+    assert r.overlap_ratio == 0.0
+    assert r.exposed_communication == pytest.approx(T_AR, rel=1e-12)
+
+
+def test_overlapped_order_hides_the_independent_compute():
+    r = simulate(program(A, AR, C, Wait(-1, 1), B), profile())
+    assert r.step_time == pytest.approx(T_A + T_AR + T_A, rel=1e-12)
+    assert r.computation == pytest.approx(2 * T_A + T_C, rel=1e-12)
+    assert r.communication == pytest.approx(T_AR, rel=1e-12)
+    assert r.overlap_ratio == pytest.approx(T_C / T_AR, rel=1e-12)
+    assert r.exposed_communication == pytest.approx(T_AR - T_C, rel=1e-12)
+
+
+def test_every_rank_runs_the_same_timeline():
+    r = simulate(program(A, AR, C, Wait(-1, 1), B), profile())
+    assert len(r.records) == 2
+    times = [[(rec.task.id, rec.stream, rec.start, rec.end) for rec in rank] for rank in r.records]
+    assert times[0] == times[1]
+    ar = next(rec for rec in r.records[0] if rec.task.id == 1)
+    assert (ar.stream, ar.start) == (r.comm_stream, pytest.approx(T_A, rel=1e-12))
+
+
+def test_collective_waits_for_all_earlier_producers_of_its_input():
+    grad1 = compute("g1", 1e12, outputs=["g"])
+    grad2 = compute("g2", 5e11, outputs=["g"])
+    r = simulate(program(grad1, grad2, all_reduce("g", 10**9), Wait(-1, 2)), profile())
+    assert r.step_time == pytest.approx(T_A + T_C + T_AR, rel=1e-12)
+
+
+def test_collectives_run_one_after_another_on_the_comm_stream():
+    r = simulate(program(A, AR, all_reduce("x", 10**9), Wait(-1, 1), Wait(-1, 2)), profile())
+    assert r.step_time == pytest.approx(T_A + 2 * T_AR, rel=1e-12)
+
+
+def test_local_conversions_and_memory_bound_kernels():
+    slice_ = Convert(-1, "slice", "a", R, Shard(0), "fwd", 0, (), 2 * 10**12, (), ("a",), ("s",))
+    alias = Convert(-1, "alias", "a", R, R, "bwd", 0, (), 10**12, (), ("s",), ("t",))
+    copy = compute("copy", 0.0, nbytes=3e12)
+    r = simulate(program(slice_, alias, copy), profile())
+    assert r.step_time == pytest.approx((OVERHEAD + 2.0) + 0.0 + (OVERHEAD + 3.0), rel=1e-12)
+    assert r.communication == 0.0 and r.overlap_ratio == 0.0
+
+
+def test_a_group_of_one_communicates_for_free():
+    r = simulate(program(A, all_reduce("a", 10**9, world=1), Wait(-1, 1), B, world=1), profile())
+    assert r.step_time == pytest.approx(2 * T_A, rel=1e-12)
+
+
+def test_wait_for_a_non_collective_is_refused():
+    with pytest.raises(SimulationError, match=r"#0 is not a collective"):
+        simulate(program(A, Wait(-1, 0)), profile())
+
+
+def test_a_wait_before_the_collectives_input_is_a_deadlock():
+    with pytest.raises(SimulationError, match=r"deadlock: task #1 never ran on rank 0"):
+        simulate(program(Wait(-1, 2), A, AR), profile())
+
+
+def test_a_collective_outside_the_world_is_refused():
+    with pytest.raises(SimulationError, match=r"group \(0, 1, 2\) is not all 2 ranks"):
+        simulate(program(A, all_reduce("a", 8, world=3), Wait(-1, 1)), profile())
+
+
+# -- profiles ---------------------------------------------------------------------------------
+def test_shipped_profile_has_the_recorded_figures():
+    p = load_profile("v100-1x4-nvlink")
+    assert (p.flops, p.mem_bandwidth, p.op_overhead, p.gpus_per_node) == (3.31e12, 9.0e11, 5e-6, 4)
+    assert {k: (c.alpha, c.beta) for k, c in p.collectives.items()} == {
+        "all_gather": (2e-5, 7.59e9), "all_reduce": (2e-5, 4.68e9),
+        "reduce_scatter": (2e-5, 7.90e9), "all_to_all": (2e-5, 2.19e10)}
+    assert "shared/traces/README.md" in p.source and "not yet fitted" in p.source.lower()
+    assert p.collective_time("all_reduce", 4.68e9) == pytest.approx(1.0 + 2e-5, rel=1e-12)
+    assert str(p).startswith("profile v100-1x4-nvlink: 3.31 TFLOP/s")
+
+
+def test_profile_round_trips_through_a_file(tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text(profile().to_json())
+    assert load_profile(path) == profile()
+    assert load_profile(str(path)).collectives == profile().collectives
+
+
+def _write(tmp_path, text: str):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    return path
+
+
+def _doc(**changes) -> str:
+    doc = json.loads(profile().to_json())
+    doc.update(changes)
+    return json.dumps(doc)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", r"bad\.json: not valid JSON .*; fix or re-create it"),
+    ('{"format": "hidup-plan", "version": 1}', r"bad\.json: not a HiDup profile .*give a profile"),
+    (_doc(version=2), r"bad\.json: version 2, this HiDup reads version 1; re-create"),
+    (_doc(extra=1), r"bad\.json: unknown keys \['extra'\]; the keys are"),
+    (_doc(flops=-1), r"bad\.json: flops must be a positive number, got -1"),
+    (_doc(collectives={"all_reduce": {"alpha": 0, "beta": 1}}), r"must have exactly the kinds"),
+])
+def test_bad_profile_files_are_refused_with_the_reason(tmp_path, text, message):
+    with pytest.raises(ProfileError, match=message):
+        load_profile(_write(tmp_path, text))
+
+
+def test_missing_profile_file_and_unknown_name(tmp_path):
+    with pytest.raises(ProfileError, match=r"nothere\.json: cannot read it .*check the path"):
+        load_profile(tmp_path / "nothere.json")
+    with pytest.raises(ProfileError, match=r"unknown cluster profile 'tpu'; choose one of "
+                                           r"\['v100-1x4-nvlink'\]"):
+        load_profile("tpu")

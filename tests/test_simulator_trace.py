@@ -1,0 +1,43 @@
+"""The Chrome trace of a simulated step: tracks per rank and stream, events in microseconds."""
+import json
+
+import pytest
+
+from hidup.placement import P, R
+from hidup.program import Compute, Convert, Program, Wait
+from simulator import LinkCost, Profile, simulate
+from simulator.trace import chrome_trace, event_name, write_trace
+
+LINK = LinkCost(0.0, 1e9)
+PROFILE = Profile("t", "test", 1e12, 1e12, 0.0, {k: LINK for k in
+                  ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")}, 2)
+FWD = Compute(0, "linear", "aten.linear.default", "fwd", 0, 1e9, 0.0, (), (), (), ("y",))
+AR = Convert(1, "all_reduce", "linear_3", P, R, "fwd", 1, (), 10**6, (0, 1), ("y",), ("y@R",))
+STEP = Compute(3, "", "optimizer.step", "update", None, 2e9, 0.0, (), (), (), ())
+PROGRAM = Program("m", "0", "s", 2, 2, (FWD, AR, Wait(2, 1), STEP), (), {})
+
+
+def test_event_names_read_like_the_executors_labels():
+    assert event_name(FWD) == "fwd linear mb0"
+    assert event_name(AR) == "all_reduce linear_3 mb1"
+    assert event_name(STEP) == "update optimizer.step"
+
+
+def test_trace_has_a_track_per_stream_per_rank(tmp_path):
+    doc = chrome_trace(simulate(PROGRAM, PROFILE))
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"]
+              if e["name"] == "thread_name"}
+    assert tracks == {(0, 0): "stream 0 (compute)", (0, 1): "stream 1 (nccl)",
+                      (1, 0): "stream 0 (compute)", (1, 1): "stream 1 (nccl)"}
+    ar = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["name"].startswith("all_reduce")]
+    assert [(e["pid"], e["tid"]) for e in ar] == [(0, 1), (1, 1)]
+    assert ar[0]["ts"] == pytest.approx(1000.0) and ar[0]["dur"] == pytest.approx(1000.0)
+    assert ar[0]["args"]["bytes"] == 10**6 and ar[0]["args"]["micro-batch"] == 1
+
+
+def test_write_trace_writes_json(tmp_path):
+    path = tmp_path / "step.trace.json"
+    write_trace(path, simulate(PROGRAM, PROFILE), "s k=2")
+    events = json.loads(path.read_text())["traceEvents"]
+    assert sum(e["ph"] == "X" for e in events) == 6
+    assert events[0]["args"]["name"] == "rank 0 s k=2"
