@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 from hidup.flops import forward_flops
 
 
-class CaptureError(RuntimeError):
+class CaptureError(ValueError):
     """A model could not be captured; the message names the node and op where known."""
 
 

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 class SimulationError(ValueError):
-    """A Program cannot be simulated: a wait for no collective, a rank outside a group, a deadlock."""
+    """A Program cannot be simulated: a wait for no collective, a partial group, a deadlock."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class Record:
 
 @dataclass(frozen=True)
 class Result:
-    """Step time and rank 0's computation, communication and overlap (paper, Table III), in seconds."""
+    """Step time; rank 0's computation, communication and overlap (paper, Table III); seconds."""
 
     step_time: float
     computation: float  # busy time of rank 0's compute streams
@@ -54,9 +54,11 @@ class Result:
     records: tuple[tuple[Record, ...], ...]  # per rank, in order of completion
 
     def __str__(self) -> str:
-        return (f"step {self.step_time * 1e3:.3f} ms: computation {self.computation * 1e3:.3f} ms, "
-                f"communication {self.communication * 1e3:.3f} ms, overlap "
-                f"{self.overlap_ratio:.1%}, exposed {self.exposed_communication * 1e3:.3f} ms")
+        ms = {k: getattr(self, k) * 1e3 for k in ("step_time", "computation", "communication",
+                                                  "exposed_communication")}
+        return (f"step {ms['step_time']:.4g} ms: computation {ms['computation']:.4g} ms, "
+                f"communication {ms['communication']:.4g} ms, overlap {self.overlap_ratio:.1%}, "
+                f"exposed {ms['exposed_communication']:.4g} ms")
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,7 @@ def _producers(program: Program) -> dict[int, tuple[int, ...]]:
 
 
 class _Sim:
-    """The SimPy processes of all ranks: one per compute stream and one communication stream each."""
+    """The SimPy processes of all ranks: one per compute stream, one communication stream."""
 
     def __init__(self, env: simpy.Environment, plan: _Plan, world: int):
         self.env, self.plan, self.world = env, plan, world

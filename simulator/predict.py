@@ -71,10 +71,11 @@ def _table(rows: list[tuple[str, Result]]) -> list[str]:
     width = max(len(name) for name, _ in rows)
     lines = [" " * width + "".join(f"  {c:>{len(c)}}" for c in COLUMNS)]
     for name, r in rows:
-        cells = (f"{r.step_time * 1e3:.3f}", f"{r.computation * 1e3:.3f}",
-                 f"{r.communication * 1e3:.3f}", f"{r.overlap_ratio:.1%}",
-                 f"{r.exposed_communication * 1e3:.3f}")
-        lines.append(f"{name:<{width}}" + "".join(f"  {v:>{len(c)}}" for v, c in zip(cells, COLUMNS)))
+        cells = (f"{r.step_time * 1e3:.4g}", f"{r.computation * 1e3:.4g}",
+                 f"{r.communication * 1e3:.4g}", f"{r.overlap_ratio:.1%}",
+                 f"{r.exposed_communication * 1e3:.4g}")
+        row = "".join(f"  {v:>{len(c)}}" for v, c in zip(cells, COLUMNS))
+        lines.append(f"{name:<{width}}{row}")
     return lines
 
 
@@ -87,8 +88,9 @@ def _plan_lines(strategy: Strategy) -> list[str]:
         groups.setdefault(str(p), []).append(name)
     lines.append("placements of parameters, buffers and inputs:")
     for p, names in sorted(groups.items()):
-        lines.append(textwrap.fill(", ".join(names), width=100, initial_indent=f"  {p} ({len(names)}): ",
-                                   subsequent_indent="      ", break_on_hyphens=False))
+        lines.append(textwrap.fill(", ".join(names), width=100, break_on_hyphens=False,
+                                   initial_indent=f"  {p} ({len(names)}): ",
+                                   subsequent_indent="      "))
     return lines
 
 
@@ -118,8 +120,8 @@ def choose_strategy(arg: str, graph: Graph, gpus: int) -> Strategy:
 
 
 def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | None,
-            k: int) -> tuple[Prediction, object]:
-    """Capture, plan, lower for k=1 and k, and simulate both; returns the Duplex program too."""
+            k: int) -> Prediction:
+    """Capture, plan, lower for k=1 and for k micro-batches, and simulate both."""
     spec = models.get_model(model)
     profile = load_profile(cluster)
     batch = batch or spec.batch
@@ -128,14 +130,13 @@ def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | Non
     log.info("captured %s (batch %d): %d nodes in %.2f s", spec.name, batch, len(graph.nodes),
              time.perf_counter() - started)
     plan = choose_strategy(strategy, graph, gpus)
-    spmd, duplex = (lower(graph, plan, gpus, n, spec.name) for n in (1, k))
     results = []
-    for program in (spmd, duplex):
+    for program in [lower(graph, plan, gpus, n, spec.name) for n in (1, k)]:
         started = time.perf_counter()
         results.append(simulate(program, profile))
         log.info("simulated k=%d: %d tasks x %d ranks in %.3f s: %s", program.k,
                  len(program.tasks), program.world, time.perf_counter() - started, results[-1])
-    return Prediction(spec.name, batch, profile, gpus, plan, k, *results), duplex
+    return Prediction(spec.name, batch, profile, gpus, plan, k, *results)
 
 
 def _positive(text: str) -> int:
@@ -146,23 +147,24 @@ def _positive(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="transformer:small",
+    p = argparse.ArgumentParser(prog=PROG, description=" ".join(__doc__.split()))
+    p.add_argument("--model", metavar="NAME:SIZE", default="transformer:small",
                    help=f"model NAME:SIZE from the zoo, one of {models.names()} "
                         f"(default: %(default)s)")
-    p.add_argument("--cluster", default="v100-1x4-nvlink",
+    p.add_argument("--cluster", metavar="NAME|PATH", default="v100-1x4-nvlink",
                    help="a shipped profile name or the path of a profile JSON file "
                         "(default: %(default)s)")
-    p.add_argument("--gpus", type=_positive, default=4, help="world size (default: %(default)s)")
-    p.add_argument("--strategy", default="megatron",
+    p.add_argument("--gpus", metavar="N", type=_positive, default=4,
+                   help="world size (default: %(default)s)")
+    p.add_argument("--strategy", metavar="NAME|PATH", default="megatron",
                    help="a fixed strategy (ddp, megatron) or the path of a plan file "
                         "(default: %(default)s)")
-    p.add_argument("--batch", type=_positive, default=None,
+    p.add_argument("--batch", metavar="B", type=_positive, default=None,
                    help="global batch size (default: the model's own)")
-    p.add_argument("--micro-batches", type=_positive, default=2,
+    p.add_argument("--micro-batches", metavar="K", type=_positive, default=2,
                    help="Duplex micro-batches per rank, k (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a report")
-    p.add_argument("--trace", type=Path, default=None,
+    p.add_argument("--trace", metavar="PATH", type=Path, default=None,
                    help="write the Duplex run's simulated Chrome trace to this file")
     p.add_argument("-v", "--verbose", action="count", default=0,
                    help="log progress (-v) or every detail (-vv)")
@@ -175,13 +177,17 @@ def main(argv: list[str] | None = None) -> int:
     level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
-        prediction, duplex = predict(args.model, args.cluster, args.gpus, args.strategy,
-                                     args.batch, args.micro_batches)
-        if args.trace is not None:
-            write_trace(args.trace, prediction.duplex, f"{duplex.model} {duplex.strategy} "
-                                                       f"k={duplex.k}")
-    except (ValueError, OSError) as exc:
+        prediction = predict(args.model, args.cluster, args.gpus, args.strategy,
+                                args.batch, args.micro_batches)
+    except ValueError as exc:
         parser.exit(2, f"{PROG}: error: {' '.join(str(exc).split())}\n")
+    if args.trace is not None:
+        try:
+            write_trace(args.trace, prediction.duplex,
+                        f"{prediction.strategy.name} k={prediction.k}")
+        except OSError as exc:
+            parser.exit(2, f"{PROG}: error: cannot write the trace to {args.trace} "
+                           f"({exc.strerror or exc})\n")
     print(json.dumps(prediction.to_dict(), indent=1) if args.json else prediction)
     return 0
 

@@ -1,0 +1,1 @@
+"""Calibration: fitting simulator Profiles from microbenchmarks and profiler traces (issue 6)."""

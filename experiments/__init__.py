@@ -1,0 +1,1 @@
+"""Experiments: measurements and studies built on hidup, the simulator and calibration."""
