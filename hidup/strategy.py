@@ -132,6 +132,17 @@ def fixed_strategy(name: str, graph: Graph, world: int) -> Strategy:
     return FIXED[name](graph, world)
 
 
+def resolve_strategy(arg: str, graph: Graph, world: int) -> Strategy:
+    """A fixed strategy by name, or the plan file at a path."""
+    path = Path(arg)
+    if path.is_file():
+        return load_plan(path, graph, world)
+    if path.suffix == ".json" or "/" in arg:
+        raise PlanError(f"plan file {arg} does not exist; give an existing plan file or a "
+                        f"strategy name such as megatron")
+    return fixed_strategy(arg, graph, world)
+
+
 def check(graph: Graph, strategy: Strategy) -> None:
     """Every op's option is one its rule offers, and no parameter or input is Partial."""
     for node in graph.ops:
@@ -178,4 +189,4 @@ def load_plan(path: Path, graph: Graph, world: int) -> Strategy:
 
 
 __all__ = ["P", "R", "Shard", "Strategy", "PlanError", "conversion", "propagate", "data_parallel",
-           "megatron", "microbatch_split", "fixed_strategy", "save_plan", "load_plan", "check"]
+           "megatron", "microbatch_split", "fixed_strategy", "resolve_strategy", "save_plan", "load_plan", "check"]

@@ -19,7 +19,7 @@ from hidup.capture import capture
 from hidup.execute import Executor
 from hidup.models import get_model, names
 from hidup.program import lower
-from hidup.strategy import fixed_strategy, load_plan
+from hidup.strategy import resolve_strategy
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +79,7 @@ def run(args) -> dict:
     torch.manual_seed(args.seed)
     model = spec.build()
     graph = capture(model, spec.inputs(batch, torch.Generator().manual_seed(args.seed)))
-    path = Path(args.strategy)
-    strategy = load_plan(path, graph, world) if path.is_file() else \
-        fixed_strategy(args.strategy, graph, world)
+    strategy = resolve_strategy(args.strategy, graph, world)
     program = lower(graph, strategy, world, k, args.model)
     executor = Executor(graph, strategy, program, dict(model.named_parameters()), args.lr, device)
     buffers = dict(model.named_buffers())

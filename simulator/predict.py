@@ -15,7 +15,7 @@ import torch
 from hidup import models
 from hidup.capture import CaptureError, Graph, capture
 from hidup.program import lower
-from hidup.strategy import Strategy, fixed_strategy, load_plan
+from hidup.strategy import Strategy, resolve_strategy, save_plan
 from simulator.engine import Result, simulate
 from simulator.profile import Profile, load_profile
 from simulator.trace import write_trace
@@ -37,6 +37,7 @@ class Prediction:
     k: int
     spmd: Result
     duplex: Result
+    graph: Graph
 
     @property
     def speedup(self) -> float:
@@ -108,17 +109,6 @@ def capture_model(spec: models.ModelSpec, batch: int) -> Graph:
     return capture(spec.build(), inputs)
 
 
-def choose_strategy(arg: str, graph: Graph, gpus: int) -> Strategy:
-    """A fixed strategy by name, or the plan file at a path."""
-    path = Path(arg)
-    if path.is_file():
-        return load_plan(path, graph, gpus)
-    if path.suffix == ".json" or "/" in arg:
-        raise ValueError(f"plan file {arg} does not exist; give an existing plan file or a "
-                         f"strategy name such as megatron")
-    return fixed_strategy(arg, graph, gpus)
-
-
 def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | None,
             k: int) -> Prediction:
     """Capture, plan, lower for k=1 and for k micro-batches, and simulate both."""
@@ -129,14 +119,14 @@ def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | Non
     graph = capture_model(spec, batch)
     log.info("captured %s (batch %d): %d nodes in %.2f s", spec.name, batch, len(graph.nodes),
              time.perf_counter() - started)
-    plan = choose_strategy(strategy, graph, gpus)
+    plan = resolve_strategy(strategy, graph, gpus)
     results = []
     for program in [lower(graph, plan, gpus, n, spec.name) for n in (1, k)]:
         started = time.perf_counter()
         results.append(simulate(program, profile))
         log.info("simulated k=%d: %d tasks x %d ranks in %.3f s: %s", program.k,
                  len(program.tasks), program.world, time.perf_counter() - started, results[-1])
-    return Prediction(spec.name, batch, profile, gpus, plan, k, *results)
+    return Prediction(spec.name, batch, profile, gpus, plan, k, *results, graph)
 
 
 def _positive(text: str) -> int:
@@ -166,6 +156,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a report")
     p.add_argument("--trace", metavar="PATH", type=Path, default=None,
                    help="write the Duplex run's simulated Chrome trace to this file")
+    p.add_argument("--save-plan", metavar="PATH", type=Path, default=None,
+                   help="write the strategy as a plan file (for hidup.train --strategy PATH)")
     p.add_argument("-v", "--verbose", action="count", default=0,
                    help="log progress (-v) or every detail (-vv)")
     return p
@@ -187,6 +179,13 @@ def main(argv: list[str] | None = None) -> int:
                         f"{prediction.strategy.name} k={prediction.k}")
         except OSError as exc:
             parser.exit(2, f"{PROG}: error: cannot write the trace to {args.trace} "
+                           f"({exc.strerror or exc})\n")
+    if args.save_plan is not None:
+        try:
+            save_plan(args.save_plan, prediction.graph, prediction.strategy, args.gpus,
+                      prediction.model)
+        except OSError as exc:
+            parser.exit(2, f"{PROG}: error: cannot write the plan to {args.save_plan} "
                            f"({exc.strerror or exc})\n")
     print(json.dumps(prediction.to_dict(), indent=1) if args.json else prediction)
     return 0
