@@ -123,6 +123,30 @@ def microbatch_split(graph: Graph, k: int, batch_dim: int = 0) -> Strategy:
         raise ValueError(f"the batch cannot be split into micro-batches: {exc}") from exc
 
 
+def random_strategy(graph: Graph, world: int, rng) -> Strategy:
+    """A random valid strategy (for tests): each op takes a random option whose Partial inputs come
+    from Partial producers; each input is placed at random; a parameter goes where its first
+    consumer wants it. `rng` is a random.Random."""
+    placements: dict[str, Placement] = {n.name: R for n in graph.nodes if n.kind == "buffer"}
+    for n in graph.user_inputs:
+        dims = [Shard(d) for d, size in enumerate(n.out.shape) if size > 1]
+        placements[n.name] = rng.choice([R] + dims)
+    choices: dict[str, ShardingOption] = {}
+    for node in graph.ops:
+        def ok(opt):
+            for t, want in zip(node.inputs, opt.inputs):
+                src = placements.get(t) or (choices[t].output if t in choices else None)
+                if isinstance(want, Partial) and src != want:
+                    return False
+            return True
+        cands = [o for o in ops.options(node, node.in_metas(graph)) if ok(o)]
+        choices[node.name] = rng.choice(cands)
+        for t, p in zip(node.inputs, choices[node.name].inputs):
+            placements.setdefault(t, p)
+    return Strategy("random", {n.name: placements.get(n.name, R) for n in graph.nodes
+                               if n.kind != "op"}, choices)
+
+
 FIXED = {"ddp": data_parallel, "megatron": megatron}
 
 

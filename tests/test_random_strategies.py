@@ -1,0 +1,60 @@
+"""Property: a random valid strategy (a random option per node) trains exactly like one device,
+for every model, Duplex on and off, on 2 and 4 gloo ranks."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import run_ranks
+from hidup.capture import capture
+from hidup.execute import Executor, full_tensor
+from hidup.models import get_model
+from hidup.program import LoweringError, lower
+from hidup.strategy import random_strategy
+from test_equivalence import batch_of, reference, rel_err
+
+MODELS = ("mlp:tiny", "transformer:tiny")
+
+
+def random_runs(rank, world, name, seeds):
+    spec = get_model(name)
+    torch.manual_seed(0)
+    graph = capture(spec.build(), batch_of(spec, seed=0))
+    out = {}
+    for seed in seeds:
+        strategy = random_strategy(graph, world, random.Random(seed))
+        k = 1 + seed % 2
+        try:
+            program = lower(graph, strategy, world, k, name)
+        except LoweringError:
+            continue  # a random split that does not divide this model's sizes
+        torch.manual_seed(0)
+        model = spec.build()
+        ex = Executor(graph, strategy, program, dict(model.named_parameters()))
+        loss = ex.step(dict(zip([n.source for n in graph.user_inputs], batch_of(spec))),
+                       update=False)
+        out[seed] = (str(strategy), loss, {graph.node(p).source: full_tensor(g, strategy.home(p),
+                                                                            world)
+                                           for p, g in ex.grads.items()})
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", MODELS)
+@settings(max_examples=2, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seeds=st.lists(st.integers(0, 2**31), min_size=6, max_size=6, unique=True))
+def test_random_strategy_matches_single_device(world, name, seeds):
+    ref_loss, ref_grads = reference(name)
+    scale = 1e-3 * max(float(g.norm()) for g in ref_grads.values())
+    results = run_ranks(world, random_runs, name, seeds)[0]
+    assert results, "every random strategy failed to lower"
+    for seed, (text, loss, grads) in results.items():
+        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (seed, text)
+        for pname, g in grads.items():
+            assert rel_err(g, ref_grads[pname], scale) <= 1e-5, (seed, pname, text)
