@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m experiments.duplex_speedup", description=__doc__)
-    ap.add_argument("--model", default="transformer:small", help="model NAME:SIZE")
+    ap.add_argument("--model", default="gpt:small", help="model NAME:SIZE")
     ap.add_argument("--strategy", default="megatron", help="'ddp', 'megatron' or a plan file")
     ap.add_argument("--ranks", type=int, default=2, help="ranks (processes) on this machine")
     ap.add_argument("--bandwidth", default="1gbit",

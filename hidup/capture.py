@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -69,6 +69,7 @@ class Node:
     args: tuple = field(default=(), compare=False, repr=False)  # tensors replaced by Ref
     kwargs: dict = field(default_factory=dict, compare=False, repr=False)
     source: str = ""  # parameter / buffer fully-qualified name, or the user input's name
+    out_index: int | None = None  # which output of a multi-output op this node is
 
     def in_metas(self, graph: Graph) -> tuple[TensorMeta, ...]:
         return tuple(graph.node(i).out for i in self.inputs)
@@ -128,24 +129,25 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Graph:
         try:
             if fx_node.op == "placeholder":
                 nodes.append(_placeholder(fx_node, sources))
-            elif _is_broadcast(fx_node):
-                continue  # its getitem users become expand nodes
+            elif fx_node.op == "call_function" and _skipped(fx_node):
+                continue
             elif fx_node.op == "call_function":
-                nodes.append(_broadcast_item(fx_node) or _op_node(fx_node))
+                nodes.append(_broadcast_item(fx_node) or _item(fx_node) or _op_node(fx_node))
             elif fx_node.op == "output":
                 loss = _loss_name(fx_node)
         except CaptureError:
             raise
         except Exception as exc:
             raise CaptureError(f"node {fx_node.name} ({fx_node.target}): {exc}") from exc
+    nodes = _keep_row_dims(nodes)
     return Graph(tuple(nodes), loss, _fingerprint(nodes))
 
 
 def _meta(fx_node) -> TensorMeta:
     val = fx_node.meta.get("val")
     if not isinstance(val, torch.Tensor):
-        raise CaptureError(f"node {fx_node.name} ({fx_node.target}) does not produce one tensor "
-                           f"(got {type(val).__name__}); multi-output ops are not supported yet")
+        raise CaptureError(f"node {fx_node.name} ({fx_node.target}) does not produce a tensor "
+                           f"(got {type(val).__name__})")
     return TensorMeta(tuple(int(s) for s in val.shape), str(val.dtype).removeprefix("torch."))
 
 
@@ -156,7 +158,22 @@ def _placeholder(fx_node, sources) -> Node:
     return Node(fx_node.name, kind, "", (), _meta(fx_node), source=source)
 
 
-def _op_node(fx_node) -> Node:
+def _skipped(fx_node) -> bool:
+    """Checks that return nothing, and multi-output ops (each getitem becomes a node of its own)."""
+    val = fx_node.meta.get("val")
+    return _is_broadcast(fx_node) or isinstance(val, (tuple, list)) or (
+        val is None and not fx_node.users)
+
+
+def _item(fx_node) -> Node | None:
+    """`op(...)[i]` of a multi-output op: a node that calls the op and keeps output i."""
+    if fx_node.target is not operator.getitem:
+        return None
+    source, index = fx_node.args
+    return _op_node(source, fx_node, index)
+
+
+def _op_node(fx_node, item=None, index: int | None = None) -> Node:
     inputs: list[str] = []
 
     def to_ref(a):
@@ -167,14 +184,14 @@ def _op_node(fx_node) -> Node:
 
     args = pytree.tree_map(to_ref, tuple(fx_node.args))
     kwargs = pytree.tree_map(to_ref, dict(fx_node.kwargs))
-    out = _meta(fx_node)
+    out = _meta(item or fx_node)
     in_metas = [_meta(a) for a in pytree.tree_leaves((fx_node.args, fx_node.kwargs))
                 if isinstance(a, torch.fx.Node)]
     op = str(fx_node.target)
     flops = forward_flops(op, [m.shape for m in in_metas], out.shape, args)
     nbytes = sum(m.nbytes for m in in_metas) + out.nbytes
-    return Node(fx_node.name, "op", op, tuple(inputs), out, flops, nbytes, fx_node.target,
-                args, kwargs)
+    return Node((item or fx_node).name, "op", op, tuple(inputs), out, flops, nbytes,
+                fx_node.target, args, kwargs, out_index=index)
 
 
 def _is_broadcast(fx_node) -> bool:
@@ -192,6 +209,43 @@ def _broadcast_item(fx_node) -> Node | None:
                 (Ref(0), list(out.shape)))
 
 
+_VIEWS = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default")
+
+
+def _keep_row_dims(nodes: list[Node]) -> list[Node]:
+    """`view(linear(reshape(x, (a*b, k))), (a, b, n))`, as nn.MultiheadAttention writes its output
+    projection, becomes a linear over (a, b, k): the same numbers, and b (the batch) can be split."""
+    by_name = {n.name: n for n in nodes}
+    users: dict[str, list[Node]] = {}
+    for n in nodes:
+        for i in set(n.inputs):
+            users.setdefault(i, []).append(n)
+    new: dict[str, Node] = {}
+    for lin in nodes:
+        if lin.op != "aten.linear.default" or len(users.get(lin.name, ())) != 1:
+            continue
+        flat, back = by_name[lin.inputs[0]], users[lin.name][0]
+        if flat.op not in _VIEWS or len(users[flat.name]) != 1 or back.op not in _VIEWS:
+            continue
+        lead = _leading_dims(by_name[flat.inputs[0]].out.shape, flat.out.shape)
+        if lead is None or back.out.shape != lead + lin.out.shape[-1:]:
+            continue
+        shape = lead + flat.out.shape[-1:]
+        new[flat.name] = replace(flat, out=replace(flat.out, shape=shape), args=(Ref(0), list(shape)))
+        new[lin.name] = replace(lin, out=replace(lin.out, shape=back.out.shape))
+    return [new.get(n.name, n) for n in nodes]
+
+
+def _leading_dims(x: tuple[int, ...], flat: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The leading dims of x (two or more) merged into flat's first dim, if flat is 2-d."""
+    if len(flat) != 2:
+        return None
+    for k in range(2, len(x)):
+        if math.prod(x[:k]) == flat[0] and math.prod(x[k:]) == flat[1]:
+            return x[:k]
+    return None
+
+
 def _loss_name(fx_node) -> str:
     outs = pytree.tree_leaves(fx_node.args)
     if len(outs) != 1 or not isinstance(outs[0], torch.fx.Node):
@@ -204,5 +258,6 @@ def _loss_name(fx_node) -> str:
 
 
 def _fingerprint(nodes: list[Node]) -> str:
-    text = "\n".join(f"{n.name}|{n.kind}|{n.op}|{n.inputs}|{n.out}|{n.source}" for n in nodes)
+    text = "\n".join(f"{n.name}|{n.kind}|{n.op}|{n.inputs}|{n.out}|{n.source}|{n.out_index}"
+                     for n in nodes)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

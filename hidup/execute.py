@@ -40,7 +40,8 @@ class Executor:
 
     def __init__(self, graph: Graph, strategy: Strategy, program: Program,
                  params: dict[str, torch.Tensor], lr: float = 0.01,
-                 device: torch.device | str = "cpu", group=None):
+                 device: torch.device | str = "cpu", group=None,
+                 buffers: dict[str, torch.Tensor] | None = None):
         self.g, self.s, self.p = graph, strategy, program
         self.world, self.k, self.device = program.world, program.k, torch.device(device)
         self.group = group
@@ -53,11 +54,15 @@ class Executor:
                              None, self.rank, self.world)
             self.params[node.name] = torch.nn.Parameter(shard)
         self.optimizer = torch.optim.SGD(self.params.values(), lr=lr)
+        self.buffers = {n.source: buffers[n.source].detach().to(self.device)
+                        for n in graph.nodes if n.kind == "buffer"} if buffers else {}
+        missing = [n.source for n in graph.nodes if n.kind == "buffer" and n.source not in self.buffers]
+        if missing:
+            raise ValueError(f"the model's buffers {missing} were not given to the executor")
         self._fns = {}
 
     # -- one step ---------------------------------------------------------------------------
-    def step(self, inputs: dict[str, torch.Tensor], buffers: dict | None = None,
-             update: bool = True) -> float:
+    def step(self, inputs: dict[str, torch.Tensor], update: bool = True) -> float:
         """One training step on the global batch `inputs` (user input name -> whole tensor);
         returns the step's loss. With update=False the gradients are left in `self.grads`."""
         env: dict[str, torch.Tensor] = {}
@@ -65,13 +70,15 @@ class Executor:
             env[vkey(name, self.s.home(name), None)] = p
         for node in self.g.nodes:
             if node.kind in ("input", "buffer"):
-                full = (inputs if node.kind == "input" else buffers or {})[node.source]
+                full = (inputs if node.kind == "input" else self.buffers)[node.source]
                 for m in ([None] if node.kind == "buffer" else range(self.k)):
                     env[vkey(node.name, self.s.home(node.name), m)] = shard_of(
                         full.to(self.device), self.s.home(node.name), self.mbs.home(node.name),
                         self.k, m, self.rank, self.world)
         self.saved, self.pending, self.env = {}, {}, env
         for task in self.p.tasks:
+            if isinstance(task, Compute) and task.phase == "update" and not update:
+                continue
             with torch.profiler.record_function(_label(task)):
                 self.run_task(task)
         self.grads = {n: env[key] for n, key in self.p.param_grads.items()}

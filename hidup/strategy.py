@@ -123,18 +123,27 @@ def microbatch_split(graph: Graph, k: int, batch_dim: int = 0) -> Strategy:
         raise ValueError(f"the batch cannot be split into micro-batches: {exc}") from exc
 
 
-def random_strategy(graph: Graph, world: int, rng) -> Strategy:
+def random_strategy(graph: Graph, world: int, rng, divide: int | None = None) -> Strategy:
     """A random valid strategy (for tests): each op takes a random option whose Partial inputs come
-    from Partial producers; each input is placed at random; a parameter goes where its first
-    consumer wants it. `rng` is a random.Random."""
+    from Partial producers and whose splits divide by `divide` (default: world); each input is
+    placed at random; a parameter goes where its first consumer wants it. rng: a random.Random."""
+    divide = divide or world
+
+    def fits(t: str, p: Placement) -> bool:
+        return not isinstance(p, Shard) or graph.node(t).out.shape[p.dim] % divide == 0
+
     placements: dict[str, Placement] = {n.name: R for n in graph.nodes if n.kind == "buffer"}
     for n in graph.user_inputs:
         dims = [Shard(d) for d, size in enumerate(n.out.shape) if size > 1]
-        placements[n.name] = rng.choice([R] + dims)
+        placements[n.name] = rng.choice([R] + [p for p in dims if fits(n.name, p)])
     choices: dict[str, ShardingOption] = {}
     for node in graph.ops:
         def ok(opt):
+            if not fits(node.name, opt.output):
+                return False
             for t, want in zip(node.inputs, opt.inputs):
+                if not fits(t, want):
+                    return False
                 src = placements.get(t) or (choices[t].output if t in choices else None)
                 if isinstance(want, Partial) and src != want:
                     return False

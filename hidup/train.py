@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m hidup.train", description=__doc__)
-    ap.add_argument("--model", default="transformer:tiny", help=f"model NAME:SIZE, one of {names()}")
+    ap.add_argument("--model", default="gpt:tiny", help=f"model NAME:SIZE, one of {names()}")
     ap.add_argument("--strategy", default="ddp",
                     help="'ddp', 'megatron', or the path of a plan file (python -m hidup.plan)")
     ap.add_argument("--duplex", action="store_true", help="Duplex: two micro-batches per rank")
@@ -81,8 +81,8 @@ def run(args) -> dict:
     graph = capture(model, spec.inputs(batch, torch.Generator().manual_seed(args.seed)))
     strategy = resolve_strategy(args.strategy, graph, world)
     program = lower(graph, strategy, world, k, args.model)
-    executor = Executor(graph, strategy, program, dict(model.named_parameters()), args.lr, device)
-    buffers = dict(model.named_buffers())
+    executor = Executor(graph, strategy, program, dict(model.named_parameters()), args.lr, device,
+                        buffers=dict(model.named_buffers()))
     names_in = [n.source for n in graph.user_inputs]
     losses, times = [], []
     for step in range(args.steps):
@@ -91,7 +91,7 @@ def run(args) -> dict:
         with _profiler(tracing, device) as prof:
             _sync(world, device)
             start = time.perf_counter()
-            losses.append(executor.step(inputs, buffers))
+            losses.append(executor.step(inputs))
             _sync(world, device)
             times.append(time.perf_counter() - start)
         if tracing:

@@ -1,5 +1,5 @@
 """Predict one training step of a model on a cluster under a strategy, as plain SPMD (k=1) and with
-Duplex (k micro-batches): `python -m simulator.predict --model transformer:small --gpus 4`."""
+Duplex (k micro-batches): `python -m simulator.predict --model gpt:small --gpus 4`."""
 from __future__ import annotations
 
 import argparse
@@ -138,7 +138,7 @@ def _positive(text: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=" ".join(__doc__.split()))
-    p.add_argument("--model", metavar="NAME:SIZE", default="transformer:small",
+    p.add_argument("--model", metavar="NAME:SIZE", default="gpt:small",
                    help=f"model NAME:SIZE from the zoo, one of {models.names()} "
                         f"(default: %(default)s)")
     p.add_argument("--cluster", metavar="NAME|PATH", default="v100-1x4-nvlink",

@@ -11,9 +11,9 @@ from hidup.models import get_model
 from hidup.program import lower
 from hidup.strategy import fixed_strategy
 
-from conftest import run_ranks
+from conftest import build_model, run_ranks
 
-MODELS = ("mlp:tiny", "transformer:tiny")
+MODELS = ("mlp:tiny", "gpt:tiny")
 CASES = [(m, s, k) for m in MODELS for s in ("ddp", "megatron") for k in (1, 2)]
 
 
@@ -21,11 +21,10 @@ def batch_of(spec, seed=1):
     return spec.inputs(spec.batch, torch.Generator().manual_seed(seed))
 
 
-def reference(name: str):
-    """Independent single-device run: plain PyTorch autograd on the nn.Module."""
-    spec = get_model(name)
-    torch.manual_seed(0)
-    model = spec.build()
+def reference(name: str, world: int):
+    """Independent single-device run: plain PyTorch autograd on the nn.Module made for `world` GPUs."""
+    spec = get_model(name, gpus=world)
+    model = build_model(spec)
     loss = model(*batch_of(spec))
     loss.backward()
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -34,13 +33,13 @@ def reference(name: str):
 def distributed_grads(rank, world, cases):
     out = {}
     for name, strategy_name, k in cases:
-        spec = get_model(name)
-        torch.manual_seed(0)
-        model = spec.build()
+        spec = get_model(name, gpus=world)
+        model = build_model(spec)
         graph = capture(model, batch_of(spec, seed=0))
         strategy = fixed_strategy(strategy_name, graph, world)
         program = lower(graph, strategy, world, k, name)
-        ex = Executor(graph, strategy, program, dict(model.named_parameters()))
+        ex = Executor(graph, strategy, program, dict(model.named_parameters()),
+                      buffers=dict(model.named_buffers()))
         inputs = dict(zip([n.source for n in graph.user_inputs], batch_of(spec)))
         loss = ex.step(inputs, update=False)
         grads = {graph.node(p).source: full_tensor(g, strategy.home(p), world)
@@ -60,7 +59,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor, scale: float = 0.0) -> float:
 @pytest.mark.parametrize("world", [2, 4])
 def test_strategies_match_single_device(world):
     results = run_ranks(world, distributed_grads, CASES)
-    refs = {name: reference(name) for name in MODELS}
+    refs = {name: reference(name, world) for name in MODELS}
     for case in CASES:
         ref_loss, ref_grads = refs[case[0]]
         scale = 1e-3 * max(float(g.norm()) for g in ref_grads.values())

@@ -91,6 +91,6 @@ def test_default_run(capsys):
     started = time.perf_counter()
     assert main([]) == 0
     out = capsys.readouterr().out
-    assert "model transformer:small (batch 16), cluster v100-1x4-nvlink, 4 GPUs" in out
+    assert "model gpt:small (batch 16), cluster v100-1x4-nvlink, 4 GPUs" in out
     assert "Duplex (k=2)" in out and "speedup of Duplex over SPMD" in out
     assert time.perf_counter() - started < 10

@@ -42,7 +42,7 @@ def test_parameter_gradients_reduced_once_per_step(tiny_graphs):
 
 
 def test_every_collective_is_waited_before_the_update(tiny_graphs):
-    _, _, graph = tiny_graphs["transformer:tiny"]
+    _, _, graph = tiny_graphs["gpt:tiny"]
     prog = lower(graph, megatron(graph, 2), 2, k=2)
     waited = {t.collective for t in prog.tasks if isinstance(t, Wait)}
     assert waited == {t.id for t in prog.collectives}

@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import run_ranks
+from conftest import build_model, run_ranks
 from hidup.capture import capture
 from hidup.execute import Executor, full_tensor
 from hidup.models import get_model
@@ -17,24 +17,24 @@ from hidup.program import LoweringError, lower
 from hidup.strategy import random_strategy
 from test_equivalence import batch_of, reference, rel_err
 
-MODELS = ("mlp:tiny", "transformer:tiny")
+MODELS = ("mlp:tiny", "gpt:tiny", "bert-sgmoe:tiny", "bert-switch:tiny", "vit-sgmoe:tiny",
+          "vit-switch:tiny", "switch-trace:tiny")
 
 
 def random_runs(rank, world, name, seeds):
-    spec = get_model(name)
-    torch.manual_seed(0)
-    graph = capture(spec.build(), batch_of(spec, seed=0))
+    spec = get_model(name, gpus=world)
+    graph = capture(build_model(spec), batch_of(spec, seed=0))
     out = {}
     for seed in seeds:
-        strategy = random_strategy(graph, world, random.Random(seed))
         k = 1 + seed % 2
+        strategy = random_strategy(graph, world, random.Random(seed), divide=world * k)
         try:
             program = lower(graph, strategy, world, k, name)
         except LoweringError:
             continue  # a random split that does not divide this model's sizes
-        torch.manual_seed(0)
-        model = spec.build()
-        ex = Executor(graph, strategy, program, dict(model.named_parameters()))
+        model = build_model(spec)
+        ex = Executor(graph, strategy, program, dict(model.named_parameters()),
+                      buffers=dict(model.named_buffers()))
         loss = ex.step(dict(zip([n.source for n in graph.user_inputs], batch_of(spec))),
                        update=False)
         out[seed] = (str(strategy), loss, {graph.node(p).source: full_tensor(g, strategy.home(p),
@@ -50,7 +50,7 @@ def random_runs(rank, world, name, seeds):
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seeds=st.lists(st.integers(0, 2**31), min_size=6, max_size=6, unique=True))
 def test_random_strategy_matches_single_device(world, name, seeds):
-    ref_loss, ref_grads = reference(name)
+    ref_loss, ref_grads = reference(name, world)
     scale = 1e-3 * max(float(g.norm()) for g in ref_grads.values())
     results = run_ranks(world, random_runs, name, seeds)[0]
     assert results, "every random strategy failed to lower"

@@ -19,7 +19,7 @@ def test_ddp_splits_batch_and_replicates_parameters(tiny_graphs):
 
 
 def test_megatron_alternates_column_and_row_parallel(tiny_graphs):
-    _, _, graph = tiny_graphs["transformer:tiny"]
+    _, _, graph = tiny_graphs["gpt:tiny"]
     s = megatron(graph, 2)
     assert str(s.options["linear"]) == "(R, S(0), S(0)) -> S(2)"  # q: column parallel
     assert str(s.options["scaled_dot_product_attention"]) == "(S(1), S(1), S(1)) -> S(1)"  # heads
@@ -28,18 +28,18 @@ def test_megatron_alternates_column_and_row_parallel(tiny_graphs):
 
 
 def test_plan_file_round_trip(tmp_path, tiny_graphs):
-    _, _, graph = tiny_graphs["transformer:tiny"]
+    _, _, graph = tiny_graphs["gpt:tiny"]
     s = megatron(graph, 4)
-    save_plan(tmp_path / "plan.json", graph, s, 4, "transformer:tiny")
+    save_plan(tmp_path / "plan.json", graph, s, 4, "gpt:tiny")
     again = load_plan(tmp_path / "plan.json", graph, 4)
     assert again.options == s.options and again.placements == s.placements
 
 
 def test_plan_file_refused_for_another_model_or_world(tmp_path, tiny_graphs):
     _, _, mlp = tiny_graphs["mlp:tiny"]
-    _, _, lm = tiny_graphs["transformer:tiny"]
-    save_plan(tmp_path / "plan.json", lm, megatron(lm, 2), 2, "transformer:tiny")
-    with pytest.raises(PlanError, match=r"made for model 'transformer:tiny' with fingerprint "
+    _, _, lm = tiny_graphs["gpt:tiny"]
+    save_plan(tmp_path / "plan.json", lm, megatron(lm, 2), 2, "gpt:tiny")
+    with pytest.raises(PlanError, match=r"made for model 'gpt:tiny' with fingerprint "
                                         r"\w+, but this model's fingerprint is \w+"):
         load_plan(tmp_path / "plan.json", mlp, 2)
     with pytest.raises(PlanError, match="made for world size 2, this run has 4 ranks"):

@@ -16,7 +16,7 @@ from hidup.train import main
 def test_duplex_run_trace_shows_communication_under_other_micro_batch(tmp_path):
     trace = tmp_path / "duplex.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), "-m", "hidup.train", "--model", "transformer:tiny",
+           "--master-port", str(free_port()), "-m", "hidup.train", "--model", "gpt:tiny",
            "--strategy", "megatron", "--duplex", "--steps", "3", "--warmup", "1", "--json",
            "--trace", str(trace)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

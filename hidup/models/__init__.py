@@ -1,35 +1,107 @@
-"""The model zoo, selected by name with a size preset: 'NAME' or 'NAME:SIZE' (e.g. 'mlp:tiny')."""
+"""The model zoo, selected by name with a size preset: 'NAME' or 'NAME:SIZE' (e.g. 'bert-sgmoe:tiny').
+`tiny` is for tests and CPU runs, `paper` the paper's sizes. Mixture-of-experts models depend on
+the number of GPUs (experts = 2 x GPUs, 4 x for switch-trace), so a spec is made for a world size."""
 from __future__ import annotations
+
 
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from hidup.models import basic
+from hidup.models import basic, bert, switch_trace, vit
+from hidup.models.moe import capacity
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    name: str  # 'mlp:tiny'
+    name: str  # 'bert-sgmoe:tiny'
     build: Callable[[], torch.nn.Module]
     inputs: Callable[[int, torch.Generator], tuple]  # global batch size, generator -> inputs
     batch: int  # default global batch size
+    task: str  # 'mlm' | 'lm' | 'image' | 'regression' | 'sum': what data it trains on
+    seq: int = 0  # sequence length of text models
+    vocab: int = 0
 
 
-_ZOO = {"mlp": basic.MLP_SIZES, "transformer": basic.TRANSFORMER_SIZES}
+BERT = {"tiny": dict(vocab=64, dim=32, heads=4, hidden=64, layers=2, seq=16, per_gpu=2,
+                     dropout=0.0),
+        "paper": dict(vocab=30522, dim=768, heads=12, hidden=3072, layers=8, seq=128, per_gpu=32,
+                      dropout=0.1)}
+VIT = {"tiny": dict(image=8, patch=2, dim=32, heads=4, hidden=64, layers=2, per_gpu=2, dropout=0.0),
+       "paper": dict(image=32, patch=4, dim=768, heads=12, hidden=3072, layers=8, per_gpu=32,
+                     dropout=0.1)}
+TRACE = {"tiny": dict(dim=32, heads=4, hidden=64, layers=2, seq=16, per_gpu=2, dropout=0.0),
+         "paper": dict(dim=1024, heads=4, hidden=4096, layers=6, seq=256, per_gpu=32, dropout=0.1)}
+GPT = {"tiny": dict(vocab=64, dim=32, heads=4, layers=2, seq=16, batch=8),
+       "small": dict(vocab=4096, dim=256, heads=8, layers=4, seq=64, batch=16),
+       "paper": dict(vocab=50257, dim=768, heads=12, layers=12, seq=1024, batch=8)}
+MLP = {"tiny": dict(dim=16, hidden=64, layers=2, batch=8),
+       "small": dict(dim=512, hidden=2048, layers=4, batch=64)}
+AUX_WEIGHT = 0.0  # the load-balancing loss needs whole-batch statistics: off for Duplex
+
+
+def _bert(size, gpus, top_k, vocab):
+    c = dict(BERT[size], vocab=vocab or BERT[size]["vocab"])
+    experts = 2 * gpus
+    cap = capacity(c["seq"], experts, top_k)
+    build = lambda: bert.BertMoE(c["vocab"], c["dim"], c["heads"], c["hidden"], c["layers"],  # noqa: E731
+                                 c["seq"], experts, top_k, cap, c["dropout"], AUX_WEIGHT)
+    return build, bert.random_inputs(c["vocab"], c["seq"]), c["per_gpu"] * gpus, "mlm", c
+
+
+def _vit(size, gpus, top_k, vocab):
+    c = VIT[size]
+    experts, seq = 2 * gpus, (c["image"] // c["patch"]) ** 2 + 1
+    cap = capacity(seq, experts, top_k)
+    build = lambda: vit.VitMoE(c["image"], c["patch"], 3, 10, c["dim"], c["heads"], c["hidden"],  # noqa: E731
+                               c["layers"], experts, top_k, cap, c["dropout"], AUX_WEIGHT)
+    return build, vit.random_inputs(c["image"], 3, 10), c["per_gpu"] * gpus, "image", {}
+
+
+def _trace(size, gpus, top_k, vocab):
+    c = TRACE[size]
+    build = lambda: switch_trace.SwitchTrace(c["dim"], c["heads"], c["hidden"], c["layers"],  # noqa: E731
+                                             c["seq"], 4 * gpus, c["dropout"])
+    return build, switch_trace.random_inputs(c["seq"], c["dim"]), c["per_gpu"] * gpus, "sum", {}
+
+
+def _gpt(size, gpus, top_k, vocab):
+    c = dict(GPT[size], vocab=vocab or GPT[size]["vocab"])
+    build = lambda: basic.TransformerLM(c["vocab"], c["dim"], c["heads"], c["layers"], c["seq"])  # noqa: E731
+    return build, basic.lm_inputs(c["vocab"], c["seq"]), c["batch"], "lm", c
+
+
+def _mlp(size, gpus, top_k, vocab):
+    c = MLP[size]
+    build = lambda: basic.MLP(c["dim"], c["hidden"], c["layers"])  # noqa: E731
+    return build, basic.regression_inputs(c["dim"]), c["batch"], "regression", {}
+
+
+_ZOO = {"bert-sgmoe": (_bert, BERT, 2), "bert-switch": (_bert, BERT, 1),
+        "vit-sgmoe": (_vit, VIT, 2), "vit-switch": (_vit, VIT, 1),
+        "switch-trace": (_trace, TRACE, 1), "gpt": (_gpt, GPT, 0), "mlp": (_mlp, MLP, 0)}
 
 
 def names() -> list[str]:
-    return [f"{n}:{s}" for n, sizes in _ZOO.items() for s in sizes]
+    return [f"{n}:{s}" for n, (_, sizes, _) in _ZOO.items() for s in sizes]
 
 
-def get_model(spec: str) -> ModelSpec:
+def get_model(spec: str, gpus: int = 1, vocab: int | None = None) -> ModelSpec:
+    """The model NAME:SIZE made for `gpus` GPUs (text models may take the vocabulary size of data)."""
     name, _, size = spec.partition(":")
     if name not in _ZOO:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(_ZOO)} (with a size, "
                          f"e.g. {names()[0]})")
+    make, sizes, top_k = _ZOO[name]
     size = size or "tiny"
-    if size not in _ZOO[name]:
-        raise ValueError(f"model {name} has no size {size!r}; choose one of {sorted(_ZOO[name])}")
-    return basic.spec(name, size, ModelSpec)
+    if size not in sizes:
+        raise ValueError(f"model {name} has no size {size!r}; choose one of {sorted(sizes)}")
+    if gpus < 1:
+        raise ValueError(f"gpus must be at least 1, got {gpus}")
+    build, inputs, batch, task, cfg = make(size, gpus, top_k, vocab)
+    return ModelSpec(f"{name}:{size}", build, inputs, batch, task, cfg.get("seq", 0),
+                     cfg.get("vocab", 0))
+
+
+

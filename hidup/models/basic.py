@@ -1,14 +1,10 @@
-"""Small models for tests and examples: an MLP regressor and a causal transformer language model."""
+"""Small models for tests and examples: an MLP regressor and a GPT-style causal language model."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-MLP_SIZES = {"tiny": dict(dim=16, hidden=64, layers=2, batch=8),
-             "small": dict(dim=512, hidden=2048, layers=4, batch=64)}
-TRANSFORMER_SIZES = {"tiny": dict(vocab=64, dim=32, heads=4, layers=2, seq=16, batch=8),
-                     "small": dict(vocab=4096, dim=256, heads=8, layers=4, seq=64, batch=16)}
 
 
 class MLP(nn.Module):
@@ -66,21 +62,14 @@ class TransformerLM(nn.Module):
         return F.cross_entropy(logits.reshape(-1, self.vocab), targets.reshape(-1))
 
 
-def spec(name: str, size: str, model_spec):
-    if name == "mlp":
-        cfg = MLP_SIZES[size]
-        dim = cfg["dim"]
-
-        def inputs(batch, gen):
-            return (torch.randn(batch, dim, generator=gen), torch.randn(batch, dim, generator=gen))
-
-        return model_spec(f"mlp:{size}", lambda: MLP(dim, cfg["hidden"], cfg["layers"]), inputs,
-                          cfg["batch"])
-    cfg = TRANSFORMER_SIZES[size]
-
-    def lm_inputs(batch, gen):
-        tokens = torch.randint(0, cfg["vocab"], (batch, cfg["seq"] + 1), generator=gen)
+def lm_inputs(vocab: int, seq: int):
+    def inputs(batch, gen):
+        tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return inputs
 
-    build = lambda: TransformerLM(cfg["vocab"], cfg["dim"], cfg["heads"], cfg["layers"], cfg["seq"])  # noqa: E731
-    return model_spec(f"transformer:{size}", build, lm_inputs, cfg["batch"])
+
+def regression_inputs(dim: int):
+    def inputs(batch, gen):
+        return torch.randn(batch, dim, generator=gen), torch.randn(batch, dim, generator=gen)
+    return inputs

@@ -89,6 +89,8 @@ def fill(template, tensors):
 
 
 def default_local(node: Node, option: ShardingOption, ctx: LocalContext):
+    if node.out_index is not None:
+        return lambda t: node.target(*fill(node.args, t), **fill(node.kwargs, t))[node.out_index]
     return lambda tensors: node.target(*fill(node.args, tensors), **fill(node.kwargs, tensors))
 
 

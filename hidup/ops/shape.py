@@ -40,7 +40,10 @@ def reshape(node, ins):
 def expand(node, ins):
     a, b = ins[0].shape, node.out.shape
     off = len(b) - len(a)
-    return dim_map_options({i: i + off for i in range(len(a)) if a[i] > 1 and a[i] == b[i + off]})
+    opts = dim_map_options({i: i + off for i in range(len(a)) if a[i] > 1 and a[i] == b[i + off]})
+    # a broadcast dim can be produced split: each rank expands to its own chunk
+    grown = [d for d in range(len(b)) if b[d] > 1 and (d < off or a[d - off] == 1)]
+    return opts + [ShardingOption((R,), Shard(d)) for d in grown]
 
 
 @register_local(RESHAPES + [aten.expand.default])

@@ -1,0 +1,50 @@
+"""Gating ops of mixtures of experts: top-k, one-hot, cumulative sum, clamp. Each keeps the dims it
+computes along whole; a top-k's values and indices are two nodes with the same options."""
+from __future__ import annotations
+
+import torch
+
+from hidup.ops.pointwise import pointwise_options
+from hidup.ops.registry import arg, register
+from hidup.placement import R, Shard, ShardingOption
+
+aten = torch.ops.aten
+
+
+@register([aten.topk.default, aten.sort.default, aten.max.dim, aten.min.dim, aten.argmax.default,
+           aten.argmin.default])
+def along_dim(node, ins):
+    """Any dim but the one searched (top-k, sort, max, argmax along `dim`)."""
+    default = -1 if node.op in ("aten.topk.default", "aten.sort.default") else 0
+    index = 2 if node.op == "aten.topk.default" else 1
+    dim = arg(node, index, "dim", default)
+    shape = ins[0].shape
+    if dim is None:  # over the flattened tensor
+        return [ShardingOption((R,), R)]
+    dim = dim % len(shape)
+    keep = arg(node, index + 1, "keepdim", False) or node.op in ("aten.topk.default",
+                                                                  "aten.sort.default")
+    opts = [ShardingOption((R,), R)]
+    for d, size in enumerate(shape):
+        if d != dim and size > 1:
+            opts.append(ShardingOption((Shard(d),), Shard(d if keep or d < dim else d - 1)))
+    return opts
+
+
+@register(aten.cumsum.default)
+def cumsum(node, ins):
+    """Any dim but the one summed along (for gating: the sequence stays whole)."""
+    return pointwise_options(node.out.shape, [ins[0].shape], fixed_dims=(node.args[1],))
+
+
+@register(aten.one_hot.default)
+def one_hot(node, ins):
+    """Every index dim keeps its split; the new class dim stays whole."""
+    shape = ins[0].shape
+    return [ShardingOption((R,), R)] + [ShardingOption((Shard(d),), Shard(d))
+                                        for d, size in enumerate(shape) if size > 1]
+
+
+@register([aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default])
+def clamp(node, ins):
+    return pointwise_options(node.out.shape, [m.shape for m in ins])
