@@ -58,6 +58,19 @@ def conversion_cost(src: Placement, dst: Placement, nbytes: int, world: int) -> 
     return nbytes * (1.0 / world if kind == "all_to_all" else _COST[kind])
 
 
+def splits_evenly(graph: Graph, tensor: str, p: Placement, n: int) -> bool:
+    """A Shard placement of the tensor divides its dim into n equal chunks."""
+    return not isinstance(p, Shard) or graph.node(tensor).out.shape[p.dim] % n == 0
+
+
+def fitting_options(graph: Graph, node: Node, n: int, replicate_fallback: bool = False
+                    ) -> list[ShardingOption]:
+    """The node's options whose every split divides evenly into n."""
+    return [o for o in ops.options(node, node.in_metas(graph), replicate_fallback)
+            if splits_evenly(graph, node.name, o.output, n)
+            and all(splits_evenly(graph, t, p, n) for t, p in zip(node.inputs, o.inputs))]
+
+
 def propagate(graph: Graph, world: int, name: str, seeds: dict[str, Placement],
               shard_params: bool, allowed: set[str] | None = None,
               replicate_fallback: bool = False) -> Strategy:
@@ -68,7 +81,7 @@ def propagate(graph: Graph, world: int, name: str, seeds: dict[str, Placement],
     placements.update(seeds)
     choices: dict[str, ShardingOption] = {}
     for node in graph.ops:
-        cands = ops.options(node, node.in_metas(graph), replicate_fallback)
+        cands = fitting_options(graph, node, world, replicate_fallback)
         scored = [(_score(graph, node, o, placements, choices, world, shard_params, allowed), i, o)
                   for i, o in enumerate(cands)]
         best_score, _, best = min(scored, key=lambda s: (s[0], s[1]))
@@ -82,10 +95,17 @@ def propagate(graph: Graph, world: int, name: str, seeds: dict[str, Placement],
                            if n.kind != "op"}, choices)
 
 
+def _placed(t: str, placements, choices) -> Placement | None:
+    """Where tensor t is so far: an input's or parameter's placement, or its producer's output."""
+    if t in placements:
+        return placements[t]
+    return choices[t].output if t in choices else None
+
+
 def _score(graph, node: Node, opt: ShardingOption, placements, choices, world, shard_params, allowed):
     comm, n_conv, n_split = 0.0, 0, 0
     for t, want in zip(node.inputs, opt.inputs):
-        src = placements.get(t) or (choices[t].output if t in choices else None)
+        src = _placed(t, placements, choices)
         if src is None:  # an unplaced parameter goes where this consumer wants it
             if not shard_params and want != R or isinstance(want, Partial):
                 return (math.inf,)
@@ -128,27 +148,16 @@ def random_strategy(graph: Graph, world: int, rng, divide: int | None = None) ->
     from Partial producers and whose splits divide by `divide` (default: world); each input is
     placed at random; a parameter goes where its first consumer wants it. rng: a random.Random."""
     divide = divide or world
-
-    def fits(t: str, p: Placement) -> bool:
-        return not isinstance(p, Shard) or graph.node(t).out.shape[p.dim] % divide == 0
-
     placements: dict[str, Placement] = {n.name: R for n in graph.nodes if n.kind == "buffer"}
     for n in graph.user_inputs:
         dims = [Shard(d) for d, size in enumerate(n.out.shape) if size > 1]
-        placements[n.name] = rng.choice([R] + [p for p in dims if fits(n.name, p)])
+        placements[n.name] = rng.choice([R] + [p for p in dims
+                                               if splits_evenly(graph, n.name, p, divide)])
     choices: dict[str, ShardingOption] = {}
     for node in graph.ops:
-        def ok(opt):
-            if not fits(node.name, opt.output):
-                return False
-            for t, want in zip(node.inputs, opt.inputs):
-                if not fits(t, want):
-                    return False
-                src = placements.get(t) or (choices[t].output if t in choices else None)
-                if isinstance(want, Partial) and src != want:
-                    return False
-            return True
-        cands = [o for o in ops.options(node, node.in_metas(graph)) if ok(o)]
+        cands = [o for o in fitting_options(graph, node, divide)  # Partial only from Partial
+                 if all(not isinstance(want, Partial) or _placed(t, placements, choices) == want
+                        for t, want in zip(node.inputs, o.inputs))]
         choices[node.name] = rng.choice(cands)
         for t, p in zip(node.inputs, choices[node.name].inputs):
             placements.setdefault(t, p)

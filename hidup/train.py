@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 from hidup.capture import capture
+from hidup.data import (DataError, build_vocabulary, eval_batches, load_tokens, perplexity,
+                        random_batch)
 from hidup.execute import Executor
 from hidup.models import get_model, names
 from hidup.program import lower
@@ -43,9 +45,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="intra-op CPU threads per rank (default: cores / local ranks)")
     ap.add_argument("--trace", type=Path, default=None,
                     help="write a torch.profiler Chrome trace of the last step (rank r > 0 adds .rankR)")
+    ap.add_argument("--data", type=Path, default=None,
+                    help="train a text model on this WikiText-format file (vocabulary built from it)")
+    ap.add_argument("--eval", type=Path, default=None,
+                    help="held-out WikiText-format file: print its perplexity after training")
+    ap.add_argument("--eval-batches", type=int, default=20, help="batches of --eval to score")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
     args = ap.parse_args(argv)
-    for flag in ("steps", "batch", "micro_batches", "threads"):
+    if args.eval is not None and args.data is None:
+        ap.error("--eval needs --data (the vocabulary comes from the training file)")
+    for flag in ("steps", "batch", "micro_batches", "threads", "eval_batches"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
@@ -73,7 +82,11 @@ def setup(args) -> tuple[int, int, torch.device]:
 
 def run(args) -> dict:
     rank, world, device = setup(args)
-    spec = get_model(args.model)
+    vocab = build_vocabulary(args.data) if args.data else None
+    spec = get_model(args.model, gpus=world, vocab=len(vocab) if vocab else None)
+    if vocab is not None and spec.task not in ("lm", "mlm"):
+        raise DataError(f"--data is text; model {spec.name} trains on {spec.task} inputs")
+    tokens = load_tokens(args.data, vocab) if vocab else None
     batch = args.batch or spec.batch
     k = args.micro_batches or (2 if args.duplex else 1)
     torch.manual_seed(args.seed)
@@ -86,22 +99,33 @@ def run(args) -> dict:
     names_in = [n.source for n in graph.user_inputs]
     losses, times = [], []
     for step in range(args.steps):
-        inputs = dict(zip(names_in, spec.inputs(batch, torch.Generator().manual_seed(args.seed + 1 + step))))
+        gen = torch.Generator().manual_seed(args.seed + 1 + step)
+        data = random_batch(tokens, spec.task, batch, spec.seq, gen) if vocab else \
+            spec.inputs(batch, gen)
         tracing = args.trace is not None and step == args.steps - 1
         with _profiler(tracing, device) as prof:
             _sync(world, device)
             start = time.perf_counter()
-            losses.append(executor.step(inputs))
+            losses.append(executor.step(dict(zip(names_in, data))))
             _sync(world, device)
             times.append(time.perf_counter() - start)
         if tracing:
             out = args.trace if rank == 0 else args.trace.with_name(f"{args.trace.name}.rank{rank}")
             prof.export_chrome_trace(str(out))
         if rank == 0:
-            log.info("step %d  loss %.5f  %.1f ms", step, losses[-1], 1e3 * times[-1])
+            rate = batch * max(spec.seq, 1) / times[-1]
+            log.info("step %d/%d  loss %.5f  %.1f ms  %.0f %s/s", step + 1, args.steps, losses[-1],
+                     1e3 * times[-1], rate, "tokens" if spec.seq else "samples")
     result = {"model": args.model, "strategy": strategy.name, "world": world, "micro_batches": k,
               "batch": batch, "losses": losses, "step_times_ms": [1e3 * t for t in times],
               "median_step_ms": 1e3 * statistics.median(times[args.warmup:])}
+    if args.eval:
+        held_out = load_tokens(args.eval, vocab)
+        scores = [executor.step(dict(zip(names_in, b)), update=False)
+                  for b in eval_batches(held_out, spec.task, batch, spec.seq, args.eval_batches)]
+        result["eval_loss"] = statistics.fmean(scores)
+        result["eval_perplexity"] = perplexity(result["eval_loss"])
+        result["eval_batches"] = len(scores)
     if world > 1:
         dist.destroy_process_group()
     return result
@@ -139,6 +163,9 @@ def main(argv=None) -> int:
                   f"micro-batches={result['micro_batches']} batch={result['batch']}: "
                   f"final loss {result['losses'][-1]:.5f}, median step "
                   f"{result['median_step_ms']:.2f} ms over {args.steps - args.warmup} steps")
+            if "eval_perplexity" in result:
+                print(f"evaluation on {args.eval}: loss {result['eval_loss']:.4f}, perplexity "
+                      f"{result['eval_perplexity']:.2f} ({result['eval_batches']} batches)")
     return 0
 
 

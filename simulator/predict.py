@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from hidup import models
-from hidup.capture import CaptureError, Graph, capture
+from hidup.capture import Graph
+from hidup.models import capture_model
 from hidup.program import lower
 from hidup.strategy import Strategy, resolve_strategy, save_plan
 from simulator.engine import Result, simulate
@@ -95,24 +96,10 @@ def _plan_lines(strategy: Strategy) -> list[str]:
     return lines
 
 
-def capture_model(spec: models.ModelSpec, batch: int) -> Graph:
-    """Capture on the meta device (no weights allocated); on the CPU if an op needs real data."""
-    inputs = spec.inputs(batch, torch.Generator().manual_seed(0))
-    torch.manual_seed(0)
-    try:
-        with torch.device("meta"):
-            module = spec.build()
-        return capture(module, tuple(x.to("meta") for x in inputs))
-    except CaptureError as exc:
-        log.info("capture on the meta device failed (%s); capturing on the CPU", exc)
-    torch.manual_seed(0)
-    return capture(spec.build(), inputs)
-
-
 def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | None,
             k: int) -> Prediction:
     """Capture, plan, lower for k=1 and for k micro-batches, and simulate both."""
-    spec = models.get_model(model)
+    spec = models.get_model(model, gpus=gpus)
     profile = load_profile(cluster)
     batch = batch or spec.batch
     started = time.perf_counter()

@@ -88,9 +88,9 @@ def test_embedding_and_cross_entropy():
 
 
 def test_op_without_rule_is_named_and_fallback_is_explicit():
-    graph = capture(Fn(lambda x: torch.cumsum(x, 0).sum()), (torch.randn(4),))
-    node = next(n for n in graph.ops if "cumsum" in n.op)
-    with pytest.raises(ops.NoRuleError, match=r"node cumsum: op aten.cumsum.default has no sharding rule"):
+    graph = capture(Fn(lambda x: torch.flip(x, [0]).sum()), (torch.randn(4),))
+    node = next(n for n in graph.ops if "flip" in n.op)
+    with pytest.raises(ops.NoRuleError, match=r"node flip: op aten.flip.default has no sharding rule"):
         ops.options(node, node.in_metas(graph))
     assert [str(o) for o in ops.options(node, node.in_metas(graph), replicate_fallback=True)] == \
         ["(R) -> R"]
@@ -100,3 +100,29 @@ def test_option_text_round_trips():
     assert str(parse_option("(S(0), R, P) -> S(1)")) == "(S(0), R, P) -> S(1)"
     with pytest.raises(ValueError, match="not of the form"):
         parse_option("S(0) R")
+
+
+def test_gating_ops():
+    assert node_options(lambda x: torch.topk(x, 2, dim=-1).values.sum(), torch.randn(2, 6, 4),
+                        op="aten.topk.default") == ["(R) -> R", "(S(0)) -> S(0)", "(S(1)) -> S(1)"]
+    assert node_options(lambda x: torch.cumsum(x, dim=1).sum(), torch.randn(2, 6, 4),
+                        op="aten.cumsum.default") == ["(R) -> R", "(S(0)) -> S(0)", "(S(2)) -> S(2)"]
+    assert node_options(lambda i: F.one_hot(i, 5).sum(), torch.randint(0, 5, (2, 6)),
+                        op="aten.one_hot.default") == ["(R) -> R", "(S(0)) -> S(0)", "(S(1)) -> S(1)"]
+
+
+def test_expert_einsum_and_patch_convolution():
+    opts = node_options(lambda w, x: torch.einsum("edh,becd->bech", w, x).sum(),
+                        torch.randn(4, 8, 16), torch.randn(2, 4, 3, 8), op="aten.einsum.default")
+    assert "(S(0), S(1)) -> S(1)" in opts  # experts split: expert parallel
+    assert len(opts) == 6  # R, e, d (Partial), h, b, c
+    opts = node_options(lambda x, w, b: F.conv2d(x, w, b, stride=2).sum(), torch.randn(2, 3, 4, 4),
+                        shapes=[(8, 3, 2, 2), (8,)], op="aten.conv2d.default")
+    assert opts == ["(R, R, R) -> R", "(S(0), R, R) -> S(0)", "(R, S(0), S(0)) -> S(1)",
+                    "(S(1), S(1), R) -> P"]
+
+
+def test_expand_can_produce_a_split_broadcast_dim():
+    opts = node_options(lambda c: c.expand(4, -1, -1).sum(), torch.randn(1, 1, 8),
+                        op="aten.expand.default")
+    assert "(R) -> S(0)" in opts and "(S(2)) -> S(2)" in opts

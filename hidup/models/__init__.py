@@ -7,10 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import logging
+
 import torch
 
+from hidup.capture import CaptureError, Graph, capture
 from hidup.models import basic, bert, switch_trace, vit
 from hidup.models.moe import capacity
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -104,4 +109,15 @@ def get_model(spec: str, gpus: int = 1, vocab: int | None = None) -> ModelSpec:
                      cfg.get("vocab", 0))
 
 
-
+def capture_model(spec: ModelSpec, batch: int) -> Graph:
+    """Capture on the meta device (no weights allocated); on the CPU if an op needs real data."""
+    inputs = spec.inputs(batch, torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    try:
+        with torch.device("meta"):
+            module = spec.build()
+        return capture(module, tuple(x.to("meta") for x in inputs))
+    except CaptureError as exc:
+        log.info("capture on the meta device failed (%s); capturing on the CPU", exc)
+    torch.manual_seed(0)
+    return capture(spec.build(), inputs)
