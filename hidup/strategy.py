@@ -137,6 +137,11 @@ def microbatch_split(graph: Graph, k: int, batch_dim: int = 0) -> Strategy:
     """How the k micro-batches split each tensor: data parallel over k with no conversion at all.
     Shard(d): split along d; R: computed once per step (depends on parameters only); P: summed."""
     seeds = {n.name: Shard(batch_dim) for n in graph.user_inputs}
+    for n in graph.user_inputs:
+        if n.out.shape[batch_dim] % k:
+            raise ValueError(f"input {n.name}: batch of {n.out.shape[batch_dim]} (dim {batch_dim} of "
+                             f"{n.out.shape}) does not split into {k} micro-batches; choose a "
+                             f"batch divisible by {k}")
     try:
         return propagate(graph, k, "micro-batches", seeds, shard_params=False, allowed=set())
     except ValueError as exc:

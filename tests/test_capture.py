@@ -34,19 +34,29 @@ def test_fingerprint_depends_on_shapes():
     assert capture(m, (torch.randn(2, 8),)).fingerprint == capture(m, (torch.randn(2, 8),)).fingerprint
 
 
-class TopK(torch.nn.Module):
-    def forward(self, x):
-        return torch.topk(x, 2).values.sum()
-
-
 class NotScalar(torch.nn.Module):
     def forward(self, x):
         return x * 2
 
 
-def test_failures_name_the_node_and_op():
-    with pytest.raises(CaptureError, match=r"node topk \(aten.topk.default\) does not produce one "
-                                           r"tensor"):
-        capture(TopK(), (torch.randn(3, 5),))
+def test_failures_name_the_node_and_op(monkeypatch):
+    def broken(op, *args):
+        raise ValueError("no FLOP formula")
+
+    monkeypatch.setattr("hidup.capture.forward_flops", broken)
+    with pytest.raises(CaptureError, match=r"node linear \(aten.linear.default\): no FLOP formula"):
+        capture(TwoLinear(), (torch.randn(2, 8),))
+    monkeypatch.undo()
     with pytest.raises(CaptureError, match=r"must return a scalar loss; mul has shape \(3,\)"):
         capture(NotScalar(), (torch.randn(3),))
+
+
+def test_multi_output_op_is_one_node_per_output():
+    class TopK(torch.nn.Module):
+        def forward(self, x):
+            values, indices = torch.topk(x, 2)
+            return values.sum() + indices.float().sum()
+
+    graph = capture(TopK(), (torch.randn(3, 5),))
+    items = [n for n in graph.ops if n.op == "aten.topk.default"]
+    assert [(n.out_index, n.out.dtype) for n in items] == [(0, "float32"), (1, "int64")]
