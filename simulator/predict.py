@@ -10,7 +10,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
 from hidup import models
 from hidup.capture import Graph
