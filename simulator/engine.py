@@ -72,11 +72,13 @@ class _Plan:
     comm_stream: int
 
 
-def simulate(program: Program, profile: Profile) -> Result:
-    """Run one step of `program` on every rank of its group and measure it."""
+def simulate(program: Program, profile: Profile, all_ranks: bool = False) -> Result:
+    """Run one step of `program` and measure it. Every rank runs the same tasks and every
+    collective spans the world, so the ranks are identical: one is simulated (all_ranks=True
+    simulates each of them, to the same result)."""
     plan = _plan(program, profile)
     env = simpy.Environment()
-    sim = _Sim(env, plan, program.world)
+    sim = _Sim(env, plan, program.world if all_ranks else 1, profile)
     started, events = time.perf_counter(), _run(env)
     elapsed = time.perf_counter() - started
     log.debug("simulated %s k=%d on %d ranks: %d events in %.3f s (%.0f events/s)",
@@ -105,8 +107,7 @@ def _plan(program: Program, profile: Profile) -> _Plan:
     for task in program.tasks:
         if isinstance(task, Convert) and task.collective:
             _check_group(task, program.world)
-            duration[task.id] = (profile.collective_time(task.kind, task.bytes)
-                                 if len(task.group) > 1 else 0.0)  # a group of one: identity
+            duration[task.id] = profile.collective_time(task.kind, task.bytes, task.group)
             continue
         if isinstance(task, Wait) and task.collective not in ids:
             raise SimulationError(f"task {task}: #{task.collective} is not a collective of "
@@ -142,13 +143,17 @@ def _producers(program: Program) -> dict[int, tuple[int, ...]]:
 class _Sim:
     """The SimPy processes of all ranks: one per compute stream, one communication stream."""
 
-    def __init__(self, env: simpy.Environment, plan: _Plan, world: int):
-        self.env, self.plan, self.world = env, plan, world
-        self.done = {(r, i): env.event() for r in range(world) for i in plan.duration}
+    def __init__(self, env: simpy.Environment, plan: _Plan, ranks: int, profile: Profile):
+        self.env, self.plan, self.ranks = env, plan, ranks
+        self.done = {(r, i): env.event() for r in range(ranks) for i in plan.duration}
         self.arrived: dict[int, int] = {}
         self.barrier = {c.id: env.event() for c in plan.collectives}
-        self.records: list[list[Record]] = [[] for _ in range(world)]
-        for rank in range(world):
+        self.records: list[list[Record]] = [[] for _ in range(ranks)]
+        self.slowdown = {"compute": profile.interference_compute,
+                         "comm": profile.interference_comm}
+        self.interfere = max(self.slowdown.values()) > 1.0
+        self.devices = [_Device() for _ in range(ranks)]
+        for rank in range(ranks):
             for stream, tasks in plan.streams.items():
                 env.process(self.compute_stream(rank, stream, tasks))
             env.process(self.comm_stream(rank))
@@ -171,15 +176,35 @@ class _Sim:
     def arrive(self, task: Convert) -> simpy.Event:
         """This rank has reached `task`; the returned event fires when all its group has."""
         self.arrived[task.id] = self.arrived.get(task.id, 0) + 1
-        if self.arrived[task.id] == len(task.group):
+        if self.arrived[task.id] == min(len(task.group), self.ranks):
             self.barrier[task.id].succeed()
         return self.barrier[task.id]
 
     def execute(self, rank: int, stream: int, task: Compute | Convert):
         start = self.env.now
-        yield self.env.timeout(self.plan.duration[task.id])
+        if self.interfere:
+            yield from self.run_slowed(self.devices[rank], stream, self.plan.duration[task.id])
+        else:
+            yield self.env.timeout(self.plan.duration[task.id])
         self.records[rank].append(Record(task, stream, start, self.env.now))
         self.done[rank, task.id].succeed()
+
+    def run_slowed(self, device: _Device, stream: int, work: float):
+        """Run `work` seconds of full-speed work at the rate the other kind of stream allows:
+        re-timed whenever communication or computation starts or stops on the device."""
+        kind = "comm" if stream == self.plan.comm_stream else "compute"
+        other = "compute" if kind == "comm" else "comm"
+        me = self.env.active_process
+        device.begin(kind, me)
+        while work > 1e-15:
+            rate = 1.0 / self.slowdown[kind] if device.busy(other) else 1.0
+            began = self.env.now
+            try:
+                yield self.env.timeout(work / rate)
+                work = 0.0
+            except simpy.Interrupt:
+                work -= (self.env.now - began) * rate
+        device.end(kind, me)
 
     def check_finished(self) -> None:
         """Every task ran on every rank; otherwise name the first task that never finished."""
@@ -187,6 +212,31 @@ class _Sim:
             if not event.triggered:
                 raise SimulationError(f"deadlock: task #{tid} never ran on rank {rank} (a wait "
                                       f"before the task that its collective's input needs?)")
+
+
+class _Device:
+    """Which streams of one rank are running, so that each kind can re-time the other."""
+
+    def __init__(self):
+        self.running: dict[str, set] = {"compute": set(), "comm": set()}
+
+    def busy(self, kind: str) -> bool:
+        return bool(self.running[kind])
+
+    def begin(self, kind: str, process) -> None:
+        self._toggle(kind, lambda: self.running[kind].add(process))
+
+    def end(self, kind: str, process) -> None:
+        self._toggle(kind, lambda: self.running[kind].discard(process))
+
+    def _toggle(self, kind: str, change) -> None:
+        was = self.busy(kind)
+        change()
+        if was != self.busy(kind):  # the other kind's rate changes now
+            other = "compute" if kind == "comm" else "comm"
+            for process in list(self.running[other]):
+                if process.is_alive:
+                    process.interrupt()
 
 
 def _result(records: list[list[Record]], comm_stream: int) -> Result:

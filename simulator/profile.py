@@ -1,5 +1,12 @@
-"""Profiles: a cluster's cost figures (device throughput, per-kernel overhead, collective alpha and
-beta) as a versioned JSON file, and the simple cost model that times a Program's tasks with them."""
+"""Profiles: a cluster's cost figures (device throughput, per-kernel overhead, per link tier and
+collective kind a latency per step and a bus bandwidth, interference factors) as a versioned JSON
+file, and the cost model that times a Program's tasks with them.
+
+Collectives follow NCCL's ring formulas on a group of n ranks: all-gather, reduce-scatter and
+all-to-all take (n-1) steps and move (n-1)/n of the tensor per rank; all-reduce takes the cheaper
+of a ring (2(n-1) steps, 2(n-1)/n of the tensor) and a tree (2 ceil(log2 n) steps, twice the
+tensor). A group inside one machine uses the intra-node tier; a group that spans machines is
+bound by the inter-node tier."""
 from __future__ import annotations
 
 import json
@@ -13,9 +20,10 @@ from hidup.program import COLLECTIVES, Compute, Convert
 
 log = logging.getLogger(__name__)
 
-PROFILE_FORMAT, PROFILE_VERSION = "hidup-profile", 1
+PROFILE_FORMAT, PROFILE_VERSION = "hidup-profile", 2
 _SCALARS = ("flops", "mem_bandwidth", "op_overhead", "gpus_per_node")
-_KEYS = {"format", "version", "name", "source", "collectives", *_SCALARS}
+_KEYS = {"format", "version", "name", "source", "collectives", "inter_node", "interference",
+         *_SCALARS}
 
 
 class ProfileError(ValueError):
@@ -24,16 +32,23 @@ class ProfileError(ValueError):
 
 @dataclass(frozen=True)
 class LinkCost:
-    """A collective costs alpha + bytes / beta seconds (bytes of the full tensor)."""
+    """One collective kind on one link tier: latency per algorithm step, and bus bandwidth."""
 
-    alpha: float  # seconds
-    beta: float  # bytes per second
+    alpha: float  # seconds per step
+    beta: float  # bus bandwidth, bytes per second
 
-    def time(self, nbytes: float) -> float:
-        return self.alpha + nbytes / self.beta
+    def time(self, kind: str, nbytes: float, n: int) -> float:
+        """Seconds for a group of n ranks on a tensor of nbytes (the whole tensor)."""
+        if n <= 1:
+            return 0.0
+        if kind == "all_reduce":
+            ring = 2 * (n - 1) * self.alpha + 2 * (n - 1) / n * nbytes / self.beta
+            tree = 2 * math.ceil(math.log2(n)) * self.alpha + 2 * nbytes / self.beta
+            return min(ring, tree)
+        return (n - 1) * self.alpha + (n - 1) / n * nbytes / self.beta
 
     def __str__(self) -> str:
-        return f"{self.alpha * 1e6:g} us + B / {self.beta / 1e9:g} GB/s"
+        return f"{self.alpha * 1e6:g} us/step, {self.beta / 1e9:g} GB/s bus"
 
 
 @dataclass(frozen=True)
@@ -45,8 +60,11 @@ class Profile:
     flops: float  # device FLOP/s
     mem_bandwidth: float  # bytes/s
     op_overhead: float  # seconds per kernel
-    collectives: dict[str, LinkCost] = field(hash=False)
+    collectives: dict[str, LinkCost] = field(hash=False)  # the intra-node tier
     gpus_per_node: int = 1
+    inter_node: dict[str, LinkCost] | None = field(default=None, hash=False)
+    interference_compute: float = 1.0  # kernels run this much longer while a collective runs
+    interference_comm: float = 1.0  # collectives run this much longer while a kernel runs
 
     def compute_time(self, task: Compute | Convert) -> float:
         """Seconds of a kernel on a compute stream: a Compute, or a local slice / alias."""
@@ -58,16 +76,28 @@ class Profile:
             return self.op_overhead + task.bytes / self.mem_bandwidth
         raise ProfileError(f"task {task} is a collective, not a compute-stream kernel")
 
-    def collective_time(self, kind: str, nbytes: float) -> float:
-        """Seconds of one collective of `kind` on a tensor of `nbytes` (the full tensor)."""
-        if kind not in self.collectives:
+    def collective_time(self, kind: str, nbytes: float, group: tuple[int, ...]) -> float:
+        """Seconds of one collective of `kind` on a tensor of `nbytes` over the ranks `group`."""
+        tier = self.tier(group)
+        if kind not in tier:
             raise ProfileError(f"profile {self.name} has no figures for collective {kind!r}; "
                                f"add it under \"collectives\"")
-        return self.collectives[kind].time(nbytes)
+        return tier[kind].time(kind, nbytes, len(group))
+
+    def tier(self, group: tuple[int, ...]) -> dict[str, LinkCost]:
+        """The intra-node figures, or the inter-node ones if the group spans machines."""
+        nodes = {rank // self.gpus_per_node for rank in group}
+        return self.inter_node if len(nodes) > 1 and self.inter_node else self.collectives
 
     def to_dict(self) -> dict:
         doc = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION}
         doc.update(asdict(self))
+        doc["interference"] = {"compute": doc.pop("interference_compute"),
+                               "communication": doc.pop("interference_comm")}
+        for tier in ("collectives", "inter_node"):
+            if doc[tier] is not None:
+                doc[tier] = {k: {"alpha": c["alpha"], "bus_bandwidth": c["beta"]}
+                             for k, c in doc[tier].items()}
         return doc
 
     def to_json(self) -> str:
@@ -128,24 +158,34 @@ def from_dict(doc, where: str = "profile") -> Profile:
     values = {k: _number(doc[k], k, where, zero_ok=k == "op_overhead") for k in _SCALARS}
     if values["gpus_per_node"] != int(values["gpus_per_node"]):
         raise ProfileError(f"{where}: gpus_per_node must be a whole number")
+    inter = None if doc["inter_node"] is None else _collectives(doc["inter_node"], where, "inter_node")
+    factors = doc["interference"]
+    if not isinstance(factors, dict) or set(factors) != {"compute", "communication"}:
+        raise ProfileError(f"{where}: \"interference\" must be {{\"compute\": factor, "
+                           f"\"communication\": factor}} (1.0: none)")
+    slow = {k: _number(v, f"interference.{k}", where) for k, v in factors.items()}
+    if min(slow.values()) < 1.0:
+        raise ProfileError(f"{where}: interference factors slow things down: each must be >= 1.0")
     return Profile(str(doc["name"]), str(doc["source"]), values["flops"],
                    values["mem_bandwidth"], values["op_overhead"],
-                   _collectives(doc["collectives"], where), int(values["gpus_per_node"]))
+                   _collectives(doc["collectives"], where), int(values["gpus_per_node"]), inter,
+                   slow["compute"], slow["communication"])
 
 
-def _collectives(doc, where: str) -> dict[str, LinkCost]:
+def _collectives(doc, where: str, tier: str = "collectives") -> dict[str, LinkCost]:
     if not isinstance(doc, dict) or set(doc) != set(COLLECTIVES):
         got = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
-        raise ProfileError(f"{where}: \"collectives\" must have exactly the kinds "
+        raise ProfileError(f"{where}: \"{tier}\" must have exactly the kinds "
                            f"{list(COLLECTIVES)}, got {got}")
     out = {}
     for kind in COLLECTIVES:
         cost = doc[kind]
-        if not isinstance(cost, dict) or set(cost) != {"alpha", "beta"}:
-            raise ProfileError(f"{where}: collectives.{kind} must be {{\"alpha\": seconds, "
-                               f"\"beta\": bytes/s}}")
-        alpha = _number(cost["alpha"], f"collectives.{kind}.alpha", where, zero_ok=True)
-        out[kind] = LinkCost(alpha, _number(cost["beta"], f"collectives.{kind}.beta", where))
+        if not isinstance(cost, dict) or set(cost) != {"alpha", "bus_bandwidth"}:
+            raise ProfileError(f"{where}: {tier}.{kind} must be {{\"alpha\": seconds per step, "
+                               f"\"bus_bandwidth\": bytes/s}}")
+        alpha = _number(cost["alpha"], f"{tier}.{kind}.alpha", where, zero_ok=True)
+        out[kind] = LinkCost(alpha, _number(cost["bus_bandwidth"], f"{tier}.{kind}.bus_bandwidth",
+                                            where))
     return out
 
 

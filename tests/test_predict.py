@@ -49,7 +49,7 @@ def test_report_and_trace_with_the_shipped_profile(capsys, tmp_path):
     assert "SPMD (k=1)" in out and "Duplex (k=2)" in out
     assert "  linear: (R, S(0), S(0)) -> S(1)" in out
     events = json.loads(trace.read_text())["traceEvents"]
-    assert {e["pid"] for e in events} == {0, 1}
+    assert {e["pid"] for e in events} == {0}  # identical ranks: one is simulated
     assert any(e["name"] == "all_reduce linear_1 mb1" for e in events)
 
 

@@ -24,7 +24,7 @@ def test_event_names_read_like_the_executors_labels():
 
 
 def test_trace_has_a_track_per_stream_per_rank(tmp_path):
-    doc = chrome_trace(simulate(PROGRAM, PROFILE))
+    doc = chrome_trace(simulate(PROGRAM, PROFILE, all_ranks=True))
     tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"]
               if e["name"] == "thread_name"}
     assert tracks == {(0, 0): "stream 0 (compute)", (0, 1): "stream 1 (nccl)",
@@ -37,7 +37,7 @@ def test_trace_has_a_track_per_stream_per_rank(tmp_path):
 
 def test_write_trace_writes_json(tmp_path):
     path = tmp_path / "step.trace.json"
-    write_trace(path, simulate(PROGRAM, PROFILE), "s k=2")
+    write_trace(path, simulate(PROGRAM, PROFILE, all_ranks=True), "s k=2")
     events = json.loads(path.read_text())["traceEvents"]
     assert sum(e["ph"] == "X" for e in events) == 6
     assert events[0]["args"]["name"] == "rank 0 s k=2"

@@ -1,0 +1,67 @@
+"""Simulator fidelity: link tiers and ring / tree formulas, interference both ways, identical
+ranks simulated once with the same result as simulating them all."""
+from __future__ import annotations
+
+import pytest
+
+from hidup.models import capture_model, get_model
+from hidup.program import COLLECTIVES, Wait, lower
+from hidup.strategy import data_parallel, megatron
+from simulator import LinkCost, Profile, load_profile, simulate
+from test_simulator import A, AR, B, C, program
+
+
+def two_tier(**kw) -> Profile:
+    intra = {k: LinkCost(1e-6, 100e9) for k in COLLECTIVES}
+    inter = {k: LinkCost(10e-6, 1e9) for k in COLLECTIVES}
+    return Profile("two-tier", "test", 1e12, 1e12, 0.0, intra, 2, inter,
+                   kw.get("compute", 1.0), kw.get("comm", 1.0))
+
+
+def test_group_inside_a_machine_uses_the_fast_tier_and_a_spanning_one_the_slow_tier():
+    p = two_tier()
+    # all-gather on 2 ranks of one machine: 1 step + 1/2 of 1e9 bytes at 100 GB/s
+    assert p.collective_time("all_gather", 1e9, (0, 1)) == pytest.approx(1e-6 + 0.005, rel=1e-12)
+    # on 4 ranks over 2 machines: 3 steps + 3/4 of 1e9 bytes at 1 GB/s
+    assert p.collective_time("all_gather", 1e9, (0, 1, 2, 3)) == pytest.approx(30e-6 + 0.75,
+                                                                                rel=1e-12)
+
+
+def test_all_reduce_takes_the_cheaper_of_ring_and_tree():
+    p = two_tier()
+    ring = lambda n, b: 2 * (n - 1) * 10e-6 + 2 * (n - 1) / n * b / 1e9  # noqa: E731
+    tree = lambda n, b: 2 * (n - 1).bit_length() * 10e-6 + 2 * b / 1e9  # noqa: E731
+    # 4 ranks, 1 GB: the ring moves 3/2 of the tensor against the tree's 2
+    assert p.collective_time("all_reduce", 1e9, (0, 1, 2, 3)) == pytest.approx(ring(4, 1e9))
+    # 1024 ranks: 2046 ring steps against 20 tree steps
+    group = tuple(range(1024))
+    assert p.collective_time("all_reduce", 1e3, group) == pytest.approx(tree(1024, 1e3))
+    assert tree(1024, 1e3) < ring(1024, 1e3)
+    assert p.collective_time("all_reduce", 1e9, (0,)) == 0.0
+
+
+def test_interference_slows_both_streams_while_they_overlap():
+    """A (1 s), then the all-reduce (1 s alone) beside C (0.5 s alone), then B (1 s).
+    Together, kernels run at 1/2 speed and collectives at 1/1.5: C ends at 1 + 0.5 * 2 = 2.0,
+    when the all-reduce has done 1.0 / 1.5 of its 1.0 s; alone again it ends at 2 + 1/3;
+    B ends at 3 + 1/3."""
+    p = Profile("i", "test", 1e12, 1e12, 0.0, {k: LinkCost(0.0, 1e9) for k in COLLECTIVES}, 4,
+                None, 2.0, 1.5)
+    r = simulate(program(A, AR, C, Wait(-1, 1), B), p)
+    ar = next(rec for rec in r.records[0] if rec.task.id == 1)
+    assert (ar.start, ar.end) == (pytest.approx(1.0), pytest.approx(2 + 1 / 3))
+    assert r.step_time == pytest.approx(3 + 1 / 3, rel=1e-12)
+    assert r.computation == pytest.approx(1 + 1.0 + 1, rel=1e-12)  # C took 1.0 s, slowed
+
+
+@pytest.mark.parametrize("strategy", [data_parallel, megatron])
+@pytest.mark.parametrize("k", [1, 2])
+def test_identical_ranks_once_equals_all_ranks(strategy, k):
+    spec = get_model("gpt:tiny", gpus=4)
+    graph = capture_model(spec, spec.batch)
+    prog = lower(graph, strategy(graph, 4), 4, k)
+    for profile in (load_profile("v100-1x4-nvlink"), two_tier(compute=1.3, comm=1.2)):
+        one, every = simulate(prog, profile), simulate(prog, profile, all_ranks=True)
+        assert len(one.records) == 1 and len(every.records) == 4
+        for field in ("step_time", "computation", "communication", "overlap_ratio"):
+            assert getattr(one, field) == pytest.approx(getattr(every, field), rel=1e-12)
