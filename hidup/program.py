@@ -259,19 +259,28 @@ class _Lowering:
         """Would reading these values wait for a collective still in flight?"""
         return any(c not in self.waited for key in keys for c in self.pending.get(key, ()))
 
-    def interleave(self, nodes, emit, needs) -> None:
+    def interleave(self, nodes, emit, needs, marks=frozenset(), lead: int = 3) -> None:
         """Duplex order: run one micro-batch until it needs a collective's result still in flight,
-        then switch to the next one, whose computation hides that communication."""
+        or until it is `lead` marked nodes ahead of the micro-batch behind it; then switch to the
+        next one, whose computation hides that communication."""
+        ahead = [0] * len(nodes)  # marked nodes before position i
+        for i, node in enumerate(nodes[:-1]):
+            ahead[i + 1] = ahead[i] + (node.name in marks)
         cursor, m = [0] * self.k, 0
         while any(c < len(nodes) for c in cursor):
             first = True
             while cursor[m] < len(nodes):
                 node = nodes[cursor[m]]
-                if not first and self.blocked(needs(node, m)):
+                if not first and (self.blocked(needs(node, m)) or self.too_far(cursor, m, ahead, lead)):
                     break
                 emit(node, m)
                 cursor[m], first = cursor[m] + 1, False
             m = (m + 1) % self.k
+
+    def too_far(self, cursor, m, ahead, lead) -> bool:
+        """Micro-batch m is `lead` marked nodes ahead of the one furthest behind."""
+        behind = min((c for i, c in enumerate(cursor) if i != m), default=len(ahead))
+        return behind < len(ahead) and ahead[cursor[m]] - ahead[behind] >= lead
 
     def forward(self) -> list[str]:
         for node in self.g.nodes:
@@ -321,8 +330,13 @@ class _Lowering:
                                       shape, (), (gkey(loss, self.s.home(loss), m),)))
         nodes = [n for n in reversed(self.g.ops) if n.name in self.has_grad]
         per_mb = [n for n in nodes if self.mbs(n.name) != [None]]
+        reduced = {p.name for p in self.g.params if p.name in self.has_grad
+                   and isinstance(self.gplace(p.name, self.s.home(p.name)), Partial)}
+        # a parameter's gradient is reduced once every micro-batch has added to it: no micro-batch
+        # runs far ahead past nodes that add to one, so reductions start early, under the backward
         self.interleave(per_mb, self.backward_node,
-                        lambda n, m: [gkey(n.name, self.s.home(n.name), m)])
+                        lambda n, m: [gkey(n.name, self.s.home(n.name), m)],
+                        {n.name for n in per_mb if reduced & set(n.inputs)})
         for node in nodes:  # once per step, after every micro-batch's contribution
             if self.mbs(node.name) == [None]:
                 self.backward_node(node, None)

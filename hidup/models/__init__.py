@@ -92,8 +92,9 @@ def names() -> list[str]:
     return [f"{n}:{s}" for n, (_, sizes, _) in _ZOO.items() for s in sizes]
 
 
-def get_model(spec: str, gpus: int = 1, vocab: int | None = None) -> ModelSpec:
-    """The model NAME:SIZE made for `gpus` GPUs (text models may take the vocabulary size of data)."""
+def get_model(spec: str, gpus: int = 1, vocab: int | None = None, **overrides) -> ModelSpec:
+    """The model NAME:SIZE made for `gpus` GPUs (text models may take the vocabulary size of data);
+    `overrides` change the size preset's figures, e.g. layers=24."""
     name, _, size = spec.partition(":")
     if name not in _ZOO:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(_ZOO)} (with a size, "
@@ -104,7 +105,17 @@ def get_model(spec: str, gpus: int = 1, vocab: int | None = None) -> ModelSpec:
         raise ValueError(f"model {name} has no size {size!r}; choose one of {sorted(sizes)}")
     if gpus < 1:
         raise ValueError(f"gpus must be at least 1, got {gpus}")
-    build, inputs, batch, task, cfg = make(size, gpus, top_k, vocab)
+    unknown = sorted(set(overrides) - set(sizes[size]))
+    if unknown:
+        raise ValueError(f"model {name} has no setting {unknown}; its settings are "
+                         f"{sorted(sizes[size])}")
+    saved = dict(sizes[size])
+    sizes[size].update(overrides)
+    try:
+        build, inputs, batch, task, cfg = make(size, gpus, top_k, vocab)
+    finally:
+        sizes[size].clear()
+        sizes[size].update(saved)
     return ModelSpec(f"{name}:{size}", build, inputs, batch, task, cfg.get("seq", 0),
                      cfg.get("vocab", 0))
 
