@@ -151,6 +151,8 @@ class Executor:
 
     # -- conversions ------------------------------------------------------------------------
     def convert(self, task: Convert) -> None:
+        if len(task.inputs) > 1:
+            return self.bucket_all_reduce(task)
         x, out_key = self.env[task.inputs[0]], task.outputs[0]
         root = bool(task.root_only)
         if task.kind == "alias":
@@ -163,6 +165,19 @@ class Executor:
         else:
             work, result = _COLLECTIVES[task.kind](x, task, self.world, self.group)
             self.pending[task.id] = _Pending(work, lambda: self.accumulate(out_key, result(), root))
+
+
+    def bucket_all_reduce(self, task: Convert) -> None:
+        """Several gradients all-reduced as one flat buffer (a DDP bucket)."""
+        parts = [self.env[key] for key in task.inputs]
+        flat = torch.cat([p.detach().reshape(-1) for p in parts])
+        work = dist.all_reduce(flat, group=self.group, async_op=True) if self.world > 1 else None
+
+        def finish():
+            for key, piece, p in zip(task.outputs, flat.split([q.numel() for q in parts]), parts):
+                self.accumulate(key, piece.view_as(p))
+
+        self.pending[task.id] = _Pending(work, finish)
 
 
 def _all_reduce(x, task, world, group):

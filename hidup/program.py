@@ -130,11 +130,17 @@ def local_shape(shape, placement: Placement, mb_placement: Placement, world: int
     return tuple(out)
 
 
-def lower(graph: Graph, strategy: Strategy, world: int, k: int = 1, model: str = "") -> Program:
-    """Strategy + world size + k micro-batches -> the Program of one training step of any rank."""
+BUCKET_BYTES = 25 * 2**20  # DDP's default gradient bucket
+
+
+def lower(graph: Graph, strategy: Strategy, world: int, k: int = 1, model: str = "",
+          bucket_bytes: int = BUCKET_BYTES) -> Program:
+    """Strategy + world size + k micro-batches -> the Program of one training step of any rank.
+    Replicated parameters' gradients are all-reduced in buckets of about `bucket_bytes`, as DDP
+    does (0: one all-reduce per parameter)."""
     if k < 1 or world < 1:
         raise LoweringError(f"world size ({world}) and micro-batches k ({k}) must be at least 1")
-    return _Lowering(graph, strategy, world, k, model).run()
+    return _Lowering(graph, strategy, world, k, model, bucket_bytes).run()
 
 
 class _Lowering:
@@ -143,8 +149,10 @@ class _Lowering:
     while the next one computes. Backward: the same in reverse, each gradient conversion issued as
     soon as its gradient is complete. Parameter gradients are reduced once per step."""
 
-    def __init__(self, graph: Graph, strategy: Strategy, world: int, k: int, model: str):
+    def __init__(self, graph: Graph, strategy: Strategy, world: int, k: int, model: str,
+                 bucket_bytes: int = BUCKET_BYTES):
         self.g, self.s, self.world, self.k, self.model = graph, strategy, world, k, model
+        self.bucket_bytes, self.bucket = bucket_bytes, []
         self.mbs_split = microbatch_split(graph, k)
         self.group = tuple(range(world))
         self.tasks: list[Task] = []
@@ -396,11 +404,29 @@ class _Lowering:
         if not isinstance(self.gplace(t, home), Partial):
             self.final[t] = key
             return
-        self.emit_convert("all_reduce", t, Partial(), R, "bwd", None, key, "grad:" + t,
-                          self.shape(t, home), self.nbytes(t, home))
         self.final[t] = "grad:" + t
+        self.bucket.append(t)
+        if sum(self.nbytes(p, self.s.home(p)) for p in self.bucket) >= self.bucket_bytes:
+            self.flush_bucket()
+
+    def flush_bucket(self) -> None:
+        """One all-reduce for the gradients gathered so far (flattened together, as DDP does)."""
+        if not self.bucket:
+            return
+        names, self.bucket = self.bucket, []
+        homes = [self.s.home(p) for p in names]
+        task = Convert(len(self.tasks), "all_reduce", names[0] if len(names) == 1 else
+                       f"bucket({names[0]}..{names[-1]})", Partial(), R, "bwd", None,
+                       self.shape(names[0], homes[0]),
+                       sum(self.nbytes(p, h) for p, h in zip(names, homes)), self.group,
+                       tuple(gkey(p, h, None) for p, h in zip(names, homes)),
+                       tuple("grad:" + p for p in names))
+        self.tasks.append(task)
+        for key in task.outputs:
+            self.pending.setdefault(key, []).append(task.id)
 
     def update(self) -> None:
+        self.flush_bucket()
         for key in self.final.values():
             self.wait_for(key)
         numel = sum(math.prod(self.shape(p, self.s.home(p))) for p in self.final)

@@ -126,14 +126,14 @@ def _check_group(task: Convert, world: int) -> None:
 
 
 def _producers(program: Program) -> dict[int, tuple[int, ...]]:
-    """For each collective, the earlier tasks (any kind) whose outputs include its input key."""
+    """For each collective, the earlier tasks (any kind) whose outputs include one of its inputs."""
     writers: dict[str, list[int]] = {}
     out: dict[int, tuple[int, ...]] = {}
     for task in program.tasks:
         if isinstance(task, Wait):
             continue
         if isinstance(task, Convert) and task.collective:
-            out[task.id] = tuple(writers.get(task.inputs[0], ()))
+            out[task.id] = tuple(w for key in task.inputs for w in writers.get(key, ()))
         for key in task.outputs:
             if key:
                 writers.setdefault(key, []).append(task.id)

@@ -32,13 +32,27 @@ def test_duplex_issues_one_micro_batch_comm_before_the_other_computes(tiny_graph
 def test_parameter_gradients_reduced_once_per_step(tiny_graphs):
     _, _, graph = tiny_graphs["mlp:tiny"]
     for k in (1, 2, 4):
-        prog = lower(graph, data_parallel(graph, 2), 2, k=k)
+        prog = lower(graph, data_parallel(graph, 2), 2, k=k, bucket_bytes=0)
         grad_ars = [t for t in prog.collectives if t.phase == "bwd"]
         assert len(grad_ars) == len(graph.params)  # one all-reduce per parameter, any k
         assert all(t.mb is None for t in grad_ars)
         fwd = [t for t in prog.tasks if isinstance(t, Compute) and t.phase == "fwd"]
         assert len(fwd) == k * len(graph.ops)
         assert fwd[0].in_shapes[0] == (8 // 2 // k, 16)  # micro-batch split, then the rank split
+
+
+def test_gradients_are_bucketed_like_ddp(tiny_graphs):
+    _, _, graph = tiny_graphs["gpt:tiny"]
+    sizes = {p.name: p.out.nbytes for p in graph.params}
+    cap = 20_000
+    buckets = [t for t in lower(graph, data_parallel(graph, 2), 2, k=2, bucket_bytes=cap).collectives
+               if t.phase == "bwd"]
+    names = [key.removeprefix("grad:") for t in buckets for key in t.outputs]
+    assert sorted(names) == sorted(sizes)  # every parameter once
+    for t in buckets[:-1]:  # a bucket closes once it holds at least `cap` bytes
+        held = [sizes[key.removeprefix("grad:")] for key in t.outputs]
+        assert t.bytes == sum(held) >= cap and sum(held[:-1]) < cap
+    assert len(buckets) < len(sizes)
 
 
 def test_every_collective_is_waited_before_the_update(tiny_graphs):
