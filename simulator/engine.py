@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import simpy
 
@@ -52,6 +52,7 @@ class Result:
     exposed_communication: float  # communication not hidden under computation
     comm_stream: int  # the stream number of the communication stream in `records`
     records: tuple[tuple[Record, ...], ...]  # per rank, in order of completion
+    events: int = 0  # discrete events processed
 
     def __str__(self) -> str:
         ms = {k: getattr(self, k) * 1e3 for k in ("step_time", "computation", "communication",
@@ -85,7 +86,7 @@ def simulate(program: Program, profile: Profile, all_ranks: bool = False) -> Res
               program.strategy, program.k, program.world, events, elapsed,
               events / max(elapsed, 1e-9))
     sim.check_finished()
-    return _result(sim.records, plan.comm_stream)
+    return replace(_result(sim.records, plan.comm_stream), events=events)
 
 
 def _run(env: simpy.Environment) -> int:
