@@ -17,6 +17,7 @@ from hidup.models import capture_model
 from hidup.program import lower
 from hidup.strategy import Strategy, resolve_strategy, save_plan
 from simulator.engine import Result, simulate
+from simulator.montecarlo import Interval, step_time_interval
 from simulator.profile import Profile, load_profile
 from simulator.trace import write_trace
 
@@ -38,6 +39,7 @@ class Prediction:
     spmd: Result
     duplex: Result
     graph: Graph
+    intervals: tuple[Interval, Interval] | None = None  # Monte-Carlo step times: SPMD, Duplex
 
     @property
     def speedup(self) -> float:
@@ -51,14 +53,21 @@ class Prediction:
                 "gpus": self.gpus, "strategy": self.strategy.name, "micro_batches": self.k,
                 "spmd": _result_dict(self.spmd, 1), "duplex": _result_dict(self.duplex, self.k),
                 "speedup": self.speedup,
+                "monte_carlo": None if self.intervals is None else
+                {name: {"mean_ms": i.mean * 1e3, "low_ms": i.low * 1e3, "high_ms": i.high * 1e3,
+                        "level": i.level, "samples": i.samples}
+                 for name, i in zip(("spmd", "duplex"), self.intervals)},
                 "plan": {"options": {n: str(o) for n, o in self.strategy.options.items()},
                          "placements": {n: str(p) for n, p in self.strategy.placements.items()}}}
 
     def __str__(self) -> str:
         head = (f"model {self.model} (batch {self.batch}), cluster {self.profile.name}, "
                 f"{self.gpus} GPUs, strategy {self.strategy.name}")
+        noise = [] if self.intervals is None else [
+            f"Monte-Carlo, profile figures perturbed: SPMD {self.intervals[0]}; "
+            f"Duplex {self.intervals[1]}"]
         return "\n".join([head, "", *_table(self.rows()),
-                          f"speedup of Duplex over SPMD: {self.speedup:.3f}x", "",
+                          f"speedup of Duplex over SPMD: {self.speedup:.3f}x", *noise, "",
                           *_plan_lines(self.strategy)])
 
 
@@ -96,7 +105,7 @@ def _plan_lines(strategy: Strategy) -> list[str]:
 
 
 def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | None,
-            k: int) -> Prediction:
+            k: int, samples: int = 0, noise: float = 0.1) -> Prediction:
     """Capture, plan, lower for k=1 and for k micro-batches, and simulate both."""
     spec = models.get_model(model, gpus=gpus)
     profile = load_profile(cluster)
@@ -106,13 +115,16 @@ def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | Non
     log.info("captured %s (batch %d): %d nodes in %.2f s", spec.name, batch, len(graph.nodes),
              time.perf_counter() - started)
     plan = resolve_strategy(strategy, graph, gpus)
-    results = []
+    results, intervals = [], []
     for program in [lower(graph, plan, gpus, n, spec.name) for n in (1, k)]:
         started = time.perf_counter()
         results.append(simulate(program, profile))
-        log.info("simulated k=%d: %d tasks x %d ranks in %.3f s: %s", program.k,
-                 len(program.tasks), program.world, time.perf_counter() - started, results[-1])
-    return Prediction(spec.name, batch, profile, gpus, plan, k, *results, graph)
+        log.info("simulated k=%d: %d tasks in %.3f s: %s", program.k, len(program.tasks),
+                 time.perf_counter() - started, results[-1])
+        if samples:
+            intervals.append(step_time_interval(program, profile, samples, noise))
+    return Prediction(spec.name, batch, profile, gpus, plan, k, *results, graph,
+                      tuple(intervals) if samples else None)
 
 
 def _positive(text: str) -> int:
@@ -142,6 +154,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a report")
     p.add_argument("--trace", metavar="PATH", type=Path, default=None,
                    help="write the Duplex run's simulated Chrome trace to this file")
+    p.add_argument("--monte-carlo", metavar="N", type=int, default=0,
+                   help="also simulate N times with perturbed profile figures and report a 95%% "
+                        "interval of the step time (default: off)")
+    p.add_argument("--noise", metavar="SIGMA", type=float, default=0.1,
+                   help="spread of the log-normal perturbation for --monte-carlo "
+                        "(default: %(default)s, about 10%%)")
     p.add_argument("--save-plan", metavar="PATH", type=Path, default=None,
                    help="write the strategy as a plan file (for hidup.train --strategy PATH)")
     p.add_argument("-v", "--verbose", action="count", default=0,
@@ -156,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         prediction = predict(args.model, args.cluster, args.gpus, args.strategy,
-                                args.batch, args.micro_batches)
+                             args.batch, args.micro_batches, args.monte_carlo, args.noise)
     except ValueError as exc:
         parser.exit(2, f"{PROG}: error: {' '.join(str(exc).split())}\n")
     if args.trace is not None:

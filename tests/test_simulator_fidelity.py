@@ -65,3 +65,33 @@ def test_identical_ranks_once_equals_all_ranks(strategy, k):
         assert len(one.records) == 1 and len(every.records) == 4
         for field in ("step_time", "computation", "communication", "overlap_ratio"):
             assert getattr(one, field) == pytest.approx(getattr(every, field), rel=1e-12)
+
+
+def test_duplex_trace_alternates_micro_batches_between_the_streams():
+    """As in the executor's real trace: one micro-batch's collective runs while the other computes."""
+    spec = get_model("gpt:tiny", gpus=2)
+    graph = capture_model(spec, spec.batch)
+    r = simulate(lower(graph, megatron(graph, 2), 2, 2), load_profile("v100-1x4-nvlink"))
+    comm = [x for x in r.records[0] if x.stream == r.comm_stream and x.task.mb is not None]
+    compute = [x for x in r.records[0] if x.stream != r.comm_stream and x.task.mb is not None]
+    assert {x.task.mb for x in comm} == {0, 1}
+    switches = sum(a.task.mb != b.task.mb for a, b in zip(comm, comm[1:]))
+    assert switches >= len(comm) // 2  # the comm stream alternates between the micro-batches
+    hidden = [(c, k) for c in comm for k in compute
+              if k.task.mb != c.task.mb and k.start < c.end and c.start < k.end]
+    assert {c.task.mb for c, _ in hidden} == {0, 1}
+
+
+def test_monte_carlo_interval():
+    from simulator.montecarlo import step_time_interval
+    spec = get_model("gpt:tiny", gpus=2)
+    graph = capture_model(spec, spec.batch)
+    prog = lower(graph, megatron(graph, 2), 2, 2)
+    profile = load_profile("v100-1x4-nvlink")
+    exact = simulate(prog, profile).step_time
+    still = step_time_interval(prog, profile, samples=5, sigma=0.0)
+    assert still.low == still.high == pytest.approx(exact, rel=1e-12)
+    noisy = step_time_interval(prog, profile, samples=60, sigma=0.2, seed=1)
+    assert noisy.low < exact < noisy.high and noisy.low < noisy.mean < noisy.high
+    with pytest.raises(ValueError, match=r"samples >= 2 \(got 1\)"):
+        step_time_interval(prog, profile, samples=1)
