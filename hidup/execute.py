@@ -4,6 +4,7 @@ the Program's order, interleaving micro-batches; collectives are asynchronous un
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,12 @@ class Executor:
                              None, self.rank, self.world)
             self.params[node.name] = torch.nn.Parameter(shard)
         self.optimizer = torch.optim.SGD(self.params.values(), lr=lr)
+        # CUDA: one stream per compute stream of the Program, joined by events (CPU: host order)
+        self.cuda_streams = None
+        if self.device.type == "cuda" and program.streams > 1:
+            self.cuda_streams = [torch.cuda.current_stream(self.device)] + [
+                torch.cuda.Stream(self.device) for _ in range(program.streams - 1)]
+        self.events: dict[int, torch.cuda.Event] = {}
         self.buffers = {n.source: buffers[n.source].detach().to(self.device)
                         for n in graph.nodes if n.kind == "buffer"} if buffers else {}
         missing = [n.source for n in graph.nodes if n.kind == "buffer" and n.source not in self.buffers]
@@ -79,12 +86,28 @@ class Executor:
         for task in self.p.tasks:
             if isinstance(task, Compute) and task.phase == "update" and not update:
                 continue
-            with torch.profiler.record_function(_label(task)):
+            with torch.profiler.record_function(_label(task)), self.on_stream(task):
                 self.run_task(task)
         self.grads = {n: env[key] for n, key in self.p.param_grads.items()}
         loss = sum(float(env[k]) for k in self.p.loss_keys)
         self.saved = self.env = None
         return loss
+
+    @contextmanager
+    def on_stream(self, task):
+        """On CUDA with several compute streams: run the task on its stream after the events it
+        waits for, and record its own event. Elsewhere: nothing to do."""
+        if self.cuda_streams is None:
+            yield
+            return
+        stream = self.cuda_streams[task.stream]
+        for tid in getattr(task, "after", ()):
+            stream.wait_event(self.events[tid])
+        with torch.cuda.stream(stream):
+            yield
+            if not isinstance(task, Wait):
+                self.events[task.id] = torch.cuda.Event()
+                self.events[task.id].record(stream)
 
     def run_task(self, task) -> None:
         if isinstance(task, Wait):
@@ -120,6 +143,8 @@ class Executor:
         leaves = []
         for key in task.inputs:
             x = self.env[key]
+            if self.cuda_streams is not None:  # the allocator must not reuse it too early
+                x.record_stream(torch.cuda.current_stream(self.device))
             leaves.append(x.detach().requires_grad_(True) if x.is_floating_point() else x)
         with torch.enable_grad():
             out = fn(leaves)

@@ -34,6 +34,7 @@ class Compute:
     mb_partial: bool = False  # the micro-batches' outputs are summed (a loss over the batch)
     root_only: tuple[str, ...] = ()  # outputs added on rank 0 only (replicated into Partial)
     stream: int = 0
+    after: tuple[int, ...] = ()  # tasks on other compute streams to wait for (CUDA events)
 
     def __str__(self) -> str:
         mb = "*" if self.mb is None else self.mb
@@ -58,6 +59,8 @@ class Convert:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     root_only: tuple[str, ...] = ()
+    stream: int = 0  # the compute stream that issues it (and runs it, if local)
+    after: tuple[int, ...] = ()  # tasks on other compute streams to wait for (CUDA events)
 
     @property
     def collective(self) -> bool:
@@ -94,6 +97,7 @@ class Program:
     tasks: tuple[Task, ...]
     loss_keys: tuple[str, ...]  # replicated per-micro-batch losses (summed = the step's loss)
     param_grads: dict[str, str] = field(hash=False)  # parameter node -> final gradient key
+    streams: int = 1  # compute streams (micro-batch m runs on stream m % streams)
 
     @property
     def collectives(self) -> list[Convert]:
@@ -134,313 +138,15 @@ BUCKET_BYTES = 25 * 2**20  # DDP's default gradient bucket
 
 
 def lower(graph: Graph, strategy: Strategy, world: int, k: int = 1, model: str = "",
-          bucket_bytes: int = BUCKET_BYTES) -> Program:
+          bucket_bytes: int = BUCKET_BYTES, streams: int = 1) -> Program:
     """Strategy + world size + k micro-batches -> the Program of one training step of any rank.
     Replicated parameters' gradients are all-reduced in buckets of about `bucket_bytes`, as DDP
-    does (0: one all-reduce per parameter)."""
-    if k < 1 or world < 1:
-        raise LoweringError(f"world size ({world}) and micro-batches k ({k}) must be at least 1")
-    return _Lowering(graph, strategy, world, k, model, bucket_bytes).run()
+    does (0: one all-reduce per parameter). With streams=2 the micro-batches compute on two
+    streams (as the paper's prototype did), joined by events where one reads the other's values."""
+    if k < 1 or world < 1 or streams not in (1, 2):
+        raise LoweringError(f"world size ({world}) and micro-batches k ({k}) must be at least 1, "
+                            f"and compute streams ({streams}) 1 or 2")
+    from hidup.lowering import Lowering  # the algorithm, beside this data model
+    return Lowering(graph, strategy, world, k, model, bucket_bytes, streams).run()
 
 
-class _Lowering:
-    """Forward: node-major, micro-batch-minor; each conversion is issued right after its producer
-    and waited for right before its consumer, so with k >= 2 one micro-batch's communication runs
-    while the next one computes. Backward: the same in reverse, each gradient conversion issued as
-    soon as its gradient is complete. Parameter gradients are reduced once per step."""
-
-    def __init__(self, graph: Graph, strategy: Strategy, world: int, k: int, model: str,
-                 bucket_bytes: int = BUCKET_BYTES):
-        self.g, self.s, self.world, self.k, self.model = graph, strategy, world, k, model
-        self.bucket_bytes, self.bucket = bucket_bytes, []
-        self.mbs_split = microbatch_split(graph, k)
-        self.group = tuple(range(world))
-        self.tasks: list[Task] = []
-        self.pending: dict[str, list[int]] = {}  # value key -> collectives that write it
-        self.waited: set[int] = set()
-        self.uses = {n.name: [] for n in graph.nodes}  # tensor -> [(consumer, position, placement)]
-        for node in graph.ops:
-            for i, (t, p) in enumerate(zip(node.inputs, strategy.options[node.name].inputs)):
-                self.uses[t].append((node, i, p))
-        self._grad_analysis()
-
-    # -- shapes and micro-batches -------------------------------------------------------------
-    def mb_place(self, t: str) -> Placement:
-        return self.mbs_split.home(t)
-
-    def mbs(self, t: str) -> list[int | None]:
-        return [None] if isinstance(self.mb_place(t), Replicate) else list(range(self.k))
-
-    def in_mb(self, t: str, m: int | None) -> int | None:
-        return None if isinstance(self.mb_place(t), Replicate) else m
-
-    def shape(self, t: str, p: Placement) -> tuple[int, ...]:
-        return local_shape(self.g.node(t).out.shape, p, self.mb_place(t), self.world, self.k,
-                           f"tensor {t} as {p}")
-
-    def nbytes(self, t: str, p: Placement) -> int:
-        return math.prod(self.shape(t, p)) * self.g.node(t).out.itemsize
-
-    # -- gradients: which tensors get one, and replicated gradients' kind (R or P) ------------
-    def _grad_analysis(self) -> None:
-        g, s = self.g, self.s
-        needs = {n.name for n in g.params if n.out.is_float}
-        for node in g.ops:
-            if node.out.is_float and any(t in needs for t in node.inputs):
-                needs.add(node.name)
-        self.has_grad = {g.loss} & needs
-        self.r_kinds: dict[str, set[str]] = {}  # tensor -> kinds of contributions to grad of its R value
-        for node in reversed(g.ops):
-            if node.name not in self.has_grad:
-                continue
-            self._conversion_kinds(node.name)
-            out_g = self.gplace(node.name, s.home(node.name))
-            for t, p in zip(node.inputs, s.options[node.name].inputs):
-                if t in needs:
-                    self.has_grad.add(t)
-                    if p == R:
-                        kind = "R" if (s.options[node.name].output == R and out_g == R) else "P"
-                        self.r_kinds.setdefault(t, set()).add(kind)
-        for p in g.params:
-            self._conversion_kinds(p.name)
-        self.expected: dict[str, int] = {}
-        for node in g.ops:
-            if node.name not in self.has_grad:
-                continue
-            for t, p in zip(node.inputs, s.options[node.name].inputs):
-                if t in self.has_grad:
-                    for m in self.mbs(node.name):
-                        key = gkey(t, p, self.in_mb(t, m))
-                        self.expected[key] = self.expected.get(key, 0) + 1
-        for t in self.has_grad:
-            for p in self.converted(t):
-                for m in self.mbs(t):
-                    key = gkey(t, self.s.home(t), m)
-                    self.expected[key] = self.expected.get(key, 0) + 1
-
-    def _conversion_kinds(self, t: str) -> None:
-        if self.s.home(t) == R and any(p != R for p in self.converted(t)):
-            self.r_kinds.setdefault(t, set()).add("R")  # a slice's gradient is all-gathered
-
-    def gplace(self, t: str, p: Placement) -> Placement:
-        """Placement of the gradient of tensor t held as p."""
-        if isinstance(p, Partial):
-            return R
-        if isinstance(p, Shard):
-            return p
-        return Partial() if "P" in self.r_kinds.get(t, ()) else R
-
-    def converted(self, t: str) -> list[Placement]:
-        """Placements that consumers need t in, other than its home (each needs a conversion)."""
-        home = self.s.home(t)
-        return list(dict.fromkeys(p for _, _, p in self.uses[t] if p != home))
-
-    # -- emitting tasks -----------------------------------------------------------------------
-    def emit_convert(self, kind, t, src, dst, phase, m, in_key, out_key, shape, nbytes,
-                     root_only=False) -> None:
-        task = Convert(len(self.tasks), kind, t, src, dst, phase, m, shape, nbytes,
-                       self.group if kind in COLLECTIVES else (), (in_key,), (out_key,),
-                       (out_key,) if root_only else ())
-        self.tasks.append(task)
-        if task.collective:
-            self.pending.setdefault(out_key, []).append(task.id)
-
-    def wait_for(self, key: str) -> None:
-        for cid in self.pending.get(key, []):
-            if cid not in self.waited:
-                self.waited.add(cid)
-                self.tasks.append(Wait(len(self.tasks), cid))
-
-    def convert_for_consumers(self, t: str, m: int | None) -> None:
-        home = self.s.home(t)
-        for p in self.converted(t):
-            kind = conversion(home, p)
-            nbytes = max(self.nbytes(t, home), self.nbytes(t, p))
-            self.emit_convert(kind, t, home, p, "fwd", m, vkey(t, home, m), vkey(t, p, m),
-                              self.shape(t, home), nbytes)
-
-    def in_keys(self, node, m) -> list[str]:
-        opt = self.s.options[node.name]
-        return [vkey(t, p, self.in_mb(t, m)) for t, p in zip(node.inputs, opt.inputs)]
-
-    def blocked(self, keys) -> bool:
-        """Would reading these values wait for a collective still in flight?"""
-        return any(c not in self.waited for key in keys for c in self.pending.get(key, ()))
-
-    def interleave(self, nodes, emit, needs, marks=frozenset(), lead: int = 3) -> None:
-        """Duplex order: run one micro-batch until it needs a collective's result still in flight,
-        or until it is `lead` marked nodes ahead of the micro-batch behind it; then switch to the
-        next one, whose computation hides that communication."""
-        ahead = [0] * len(nodes)  # marked nodes before position i
-        for i, node in enumerate(nodes[:-1]):
-            ahead[i + 1] = ahead[i] + (node.name in marks)
-        cursor, m = [0] * self.k, 0
-        while any(c < len(nodes) for c in cursor):
-            first = True
-            while cursor[m] < len(nodes):
-                node = nodes[cursor[m]]
-                if not first and (self.blocked(needs(node, m)) or self.too_far(cursor, m, ahead, lead)):
-                    break
-                emit(node, m)
-                cursor[m], first = cursor[m] + 1, False
-            m = (m + 1) % self.k
-
-    def too_far(self, cursor, m, ahead, lead) -> bool:
-        """Micro-batch m is `lead` marked nodes ahead of the one furthest behind."""
-        behind = min((c for i, c in enumerate(cursor) if i != m), default=len(ahead))
-        return behind < len(ahead) and ahead[cursor[m]] - ahead[behind] >= lead
-
-    def forward(self) -> list[str]:
-        for node in self.g.nodes:
-            if node.kind != "op":
-                for m in self.mbs(node.name):
-                    self.convert_for_consumers(node.name, m)
-        self.loss_keys: list[str] = []
-        per_mb = [n for n in self.g.ops if self.mbs(n.name) != [None]]
-        for node in self.g.ops:  # computed once per step, from parameters only
-            if self.mbs(node.name) == [None]:
-                self.forward_node(node, None)
-        self.interleave(per_mb, self.forward_node, self.in_keys)
-        return self.loss_keys
-
-    def forward_node(self, node, m) -> None:
-        opt = self.s.options[node.name]
-        keys = self.in_keys(node, m)
-        for key in keys:
-            self.wait_for(key)
-        ins = tuple(self.shape(t, p) for t, p in zip(node.inputs, opt.inputs))
-        out = self.shape(node.name, opt.output)
-        flops = forward_flops(node.op, ins, out, node.args)
-        nbytes = sum(self.nbytes(t, p) for t, p in zip(node.inputs, opt.inputs))
-        self.tasks.append(Compute(
-            len(self.tasks), node.name, node.op, "fwd", m, flops,
-            nbytes + self.nbytes(node.name, opt.output), ins, out, tuple(keys),
-            (vkey(node.name, opt.output, m),), opt,
-            isinstance(self.mbs_split.options[node.name].output, Partial)))
-        self.convert_for_consumers(node.name, m)
-        if node.name == self.g.loss:
-            self.loss_keys.append(self._report_loss(m))
-
-    def _report_loss(self, m) -> str:
-        t, home = self.g.loss, self.s.home(self.g.loss)
-        if home == R:
-            return vkey(t, R, m)
-        self.emit_convert("all_reduce", t, home, R, "fwd", m, vkey(t, home, m), vkey(t, R, m),
-                          self.shape(t, home), self.nbytes(t, home))
-        return vkey(t, R, m)
-
-    def backward(self) -> dict[str, str]:
-        self.final: dict[str, str] = {}
-        loss = self.g.loss
-        for m in self.mbs(loss):
-            shape = self.shape(loss, self.s.home(loss))
-            self.tasks.append(Compute(len(self.tasks), loss, "hidup.ones", "bwd", m, 0.0, 0.0, (),
-                                      shape, (), (gkey(loss, self.s.home(loss), m),)))
-        nodes = [n for n in reversed(self.g.ops) if n.name in self.has_grad]
-        per_mb = [n for n in nodes if self.mbs(n.name) != [None]]
-        reduced = {p.name for p in self.g.params if p.name in self.has_grad
-                   and isinstance(self.gplace(p.name, self.s.home(p.name)), Partial)}
-        # a parameter's gradient is reduced once every micro-batch has added to it: no micro-batch
-        # runs far ahead past nodes that add to one, so reductions start early, under the backward
-        self.interleave(per_mb, self.backward_node,
-                        lambda n, m: [gkey(n.name, self.s.home(n.name), m)],
-                        {n.name for n in per_mb if reduced & set(n.inputs)})
-        for node in nodes:  # once per step, after every micro-batch's contribution
-            if self.mbs(node.name) == [None]:
-                self.backward_node(node, None)
-        return self.final
-
-    def backward_node(self, node, m) -> None:
-        opt, home = self.s.options[node.name], self.s.home(node.name)
-        grad_in = gkey(node.name, home, m)
-        self.wait_for(grad_in)
-        fwd_keys = tuple(vkey(t, p, self.in_mb(t, m)) for t, p in zip(node.inputs, opt.inputs))
-        outs, root, done = [], [], []
-        for t, p in zip(node.inputs, opt.inputs):
-            if t not in self.has_grad:
-                outs.append("")
-                continue
-            key = gkey(t, p, self.in_mb(t, m))
-            outs.append(key)
-            done.append((t, p, self.in_mb(t, m)))
-            out_kind_r = opt.output == R and self.gplace(node.name, home) == R
-            if p == R and out_kind_r and self.gplace(t, p) != R:
-                root.append(key)
-        ins = tuple(self.shape(t, p) for t, p in zip(node.inputs, opt.inputs))
-        out = self.shape(node.name, home)
-        fwd = forward_flops(node.op, ins, out, node.args)
-        nbytes = 2 * sum(self.nbytes(t, p) for t, p in zip(node.inputs, opt.inputs))
-        self.tasks.append(Compute(
-            len(self.tasks), node.name, node.op, "bwd", m, backward_flops(node.op, fwd),
-            nbytes + self.nbytes(node.name, home), ins, out, (grad_in,) + fwd_keys, tuple(outs),
-            opt, isinstance(self.mbs_split.options[node.name].output, Partial), tuple(root)))
-        for t, p, mm in done:
-            self.contributed(t, p, mm)
-
-    def contributed(self, t: str, p: Placement, m: int | None) -> None:
-        """One more contribution to the gradient of t held as p; once complete, send it on."""
-        key = gkey(t, p, m)
-        self.expected[key] -= 1
-        if self.expected[key]:
-            return
-        home = self.s.home(t)
-        if p != home:
-            self.grad_conversion(t, p, home, m)
-        elif self.g.node(t).kind == "param":
-            self.param_grad(t, home)
-
-    def grad_conversion(self, t, p, home, m) -> None:
-        src, dst = self.gplace(t, p), self.gplace(t, home)
-        root = isinstance(dst, Partial) and isinstance(src, Shard)
-        kind = "alias" if src == dst else conversion(src, R if root else dst)
-        nbytes = max(self.nbytes(t, p), self.nbytes(t, home))
-        out = gkey(t, home, m)
-        self.emit_convert(kind, t, src, dst, "bwd", m, gkey(t, p, m), out, self.shape(t, p),
-                          nbytes, root)
-        self.contributed(t, home, m)
-
-    def param_grad(self, t: str, home: Placement) -> None:
-        key = gkey(t, home, None)
-        if not isinstance(self.gplace(t, home), Partial):
-            self.final[t] = key
-            return
-        self.final[t] = "grad:" + t
-        self.bucket.append(t)
-        if sum(self.nbytes(p, self.s.home(p)) for p in self.bucket) >= self.bucket_bytes:
-            self.flush_bucket()
-
-    def flush_bucket(self) -> None:
-        """One all-reduce for the gradients gathered so far (flattened together, as DDP does)."""
-        if not self.bucket:
-            return
-        names, self.bucket = self.bucket, []
-        homes = [self.s.home(p) for p in names]
-        task = Convert(len(self.tasks), "all_reduce", names[0] if len(names) == 1 else
-                       f"bucket({names[0]}..{names[-1]})", Partial(), R, "bwd", None,
-                       self.shape(names[0], homes[0]),
-                       sum(self.nbytes(p, h) for p, h in zip(names, homes)), self.group,
-                       tuple(gkey(p, h, None) for p, h in zip(names, homes)),
-                       tuple("grad:" + p for p in names))
-        self.tasks.append(task)
-        for key in task.outputs:
-            self.pending.setdefault(key, []).append(task.id)
-
-    def update(self) -> None:
-        self.flush_bucket()
-        for key in self.final.values():
-            self.wait_for(key)
-        numel = sum(math.prod(self.shape(p, self.s.home(p))) for p in self.final)
-        self.tasks.append(Compute(len(self.tasks), "", "optimizer.step", "update", None,
-                                  2.0 * numel, 12.0 * numel, (), (), tuple(self.final.values()),
-                                  ()))
-        for task in list(self.tasks):
-            if isinstance(task, Convert) and task.collective and task.id not in self.waited:
-                self.waited.add(task.id)
-                self.tasks.append(Wait(len(self.tasks), task.id))
-
-    def run(self) -> Program:
-        loss_keys = self.forward()
-        final = self.backward()
-        self.update()
-        return Program(self.model, self.g.fingerprint, self.s.name, self.world, self.k,
-                       tuple(self.tasks), tuple(loss_keys), final)

@@ -34,6 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--duplex", action="store_true", help="Duplex: two micro-batches per rank")
     ap.add_argument("--micro-batches", type=int, default=None,
                     help="micro-batches per rank (overrides --duplex; 1 = plain SPMD)")
+    ap.add_argument("--streams", type=int, choices=[1, 2], default=1,
+                    help="compute streams: 2 runs the micro-batches on two CUDA streams")
     ap.add_argument("--batch", type=int, default=None, help="global batch size (default: the model's)")
     ap.add_argument("--steps", type=int, default=10, help="training steps to run")
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the step-time median")
@@ -93,7 +95,7 @@ def run(args) -> dict:
     model = spec.build()
     graph = capture(model, spec.inputs(batch, torch.Generator().manual_seed(args.seed)))
     strategy = resolve_strategy(args.strategy, graph, world)
-    program = lower(graph, strategy, world, k, args.model)
+    program = lower(graph, strategy, world, k, args.model, streams=args.streams)
     executor = Executor(graph, strategy, program, dict(model.named_parameters()), args.lr, device,
                         buffers=dict(model.named_buffers()))
     names_in = [n.source for n in graph.user_inputs]

@@ -115,7 +115,7 @@ def _plan(program: Program, profile: Profile) -> _Plan:
                                   f"program {program.model} {program.strategy}")
         if not isinstance(task, Wait):
             duration[task.id] = profile.compute_time(task)
-        streams.setdefault(getattr(task, "stream", 0), []).append(task)
+        streams.setdefault(task.stream, []).append(task)
     return _Plan({s: tuple(q) for s, q in sorted(streams.items())}, collectives,
                  _producers(program), duration, max(streams) + 1)
 
@@ -154,6 +154,9 @@ class _Sim:
                          "comm": profile.interference_comm}
         self.interfere = max(self.slowdown.values()) > 1.0
         self.devices = [_Device() for _ in range(ranks)]
+        # kernels of several compute streams take turns on the device (one at a time)
+        self.kernels = ([simpy.Resource(env, capacity=1) for _ in range(ranks)]
+                        if len(plan.streams) > 1 else None)
         for rank in range(ranks):
             for stream, tasks in plan.streams.items():
                 env.process(self.compute_stream(rank, stream, tasks))
@@ -163,8 +166,15 @@ class _Sim:
         for task in tasks:
             if isinstance(task, Wait):
                 yield self.done[rank, task.collective]
-            else:
+                continue
+            if task.after:  # events from the other compute stream
+                yield self.env.all_of([self.done[rank, i] for i in task.after])
+            if self.kernels is None:
                 yield from self.execute(rank, stream, task)
+            else:
+                with self.kernels[rank].request() as turn:
+                    yield turn
+                    yield from self.execute(rank, stream, task)
 
     def comm_stream(self, rank: int):
         for task in self.plan.collectives:

@@ -105,7 +105,7 @@ def _plan_lines(strategy: Strategy) -> list[str]:
 
 
 def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | None,
-            k: int, samples: int = 0, noise: float = 0.1) -> Prediction:
+            k: int, samples: int = 0, noise: float = 0.1, streams: int = 1) -> Prediction:
     """Capture, plan, lower for k=1 and for k micro-batches, and simulate both."""
     spec = models.get_model(model, gpus=gpus)
     profile = load_profile(cluster)
@@ -116,7 +116,8 @@ def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | Non
              time.perf_counter() - started)
     plan = resolve_strategy(strategy, graph, gpus)
     results, intervals = [], []
-    for program in [lower(graph, plan, gpus, n, spec.name) for n in (1, k)]:
+    for program in [lower(graph, plan, gpus, n, spec.name, streams=streams if n > 1 else 1)
+                    for n in (1, k)]:
         started = time.perf_counter()
         results.append(simulate(program, profile))
         log.info("simulated k=%d: %d tasks in %.3f s: %s", program.k, len(program.tasks),
@@ -154,6 +155,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a report")
     p.add_argument("--trace", metavar="PATH", type=Path, default=None,
                    help="write the Duplex run's simulated Chrome trace to this file")
+    p.add_argument("--streams", metavar="S", type=int, choices=[1, 2], default=1,
+                   help="compute streams for Duplex (2: one per micro-batch, as the paper's "
+                        "prototype; default: %(default)s)")
     p.add_argument("--monte-carlo", metavar="N", type=int, default=0,
                    help="also simulate N times with perturbed profile figures and report a 95%% "
                         "interval of the step time (default: off)")
@@ -174,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         prediction = predict(args.model, args.cluster, args.gpus, args.strategy,
-                             args.batch, args.micro_batches, args.monte_carlo, args.noise)
+                             args.batch, args.micro_batches, args.monte_carlo, args.noise,
+                             args.streams)
     except ValueError as exc:
         parser.exit(2, f"{PROG}: error: {' '.join(str(exc).split())}\n")
     if args.trace is not None:

@@ -14,7 +14,8 @@ from hidup.strategy import fixed_strategy
 from conftest import build_model, run_ranks
 
 MODELS = ("mlp:tiny", "gpt:tiny")
-CASES = [(m, s, k) for m in MODELS for s in ("ddp", "megatron") for k in (1, 2)]
+CASES = [(m, s, k, 1) for m in MODELS for s in ("ddp", "megatron") for k in (1, 2)]
+CASES += [(m, "megatron", 2, 2) for m in MODELS]  # two compute streams
 
 
 def batch_of(spec, seed=1):
@@ -32,19 +33,19 @@ def reference(name: str, world: int):
 
 def distributed_grads(rank, world, cases):
     out = {}
-    for name, strategy_name, k in cases:
+    for name, strategy_name, k, streams in cases:
         spec = get_model(name, gpus=world)
         model = build_model(spec)
         graph = capture(model, batch_of(spec, seed=0))
         strategy = fixed_strategy(strategy_name, graph, world)
-        program = lower(graph, strategy, world, k, name)
+        program = lower(graph, strategy, world, k, name, streams=streams)
         ex = Executor(graph, strategy, program, dict(model.named_parameters()),
                       buffers=dict(model.named_buffers()))
         inputs = dict(zip([n.source for n in graph.user_inputs], batch_of(spec)))
         loss = ex.step(inputs, update=False)
         grads = {graph.node(p).source: full_tensor(g, strategy.home(p), world)
                  for p, g in ex.grads.items()}
-        out[(name, strategy_name, k)] = (loss, grads)
+        out[(name, strategy_name, k, streams)] = (loss, grads)
     return out
 
 
