@@ -73,13 +73,22 @@ class _Plan:
     comm_stream: int
 
 
-def simulate(program: Program, profile: Profile, all_ranks: bool = False) -> Result:
+def simulate(program: Program, profile: Profile, all_ranks: bool = False,
+             slow_ranks: dict[int, float] | None = None) -> Result:
     """Run one step of `program` and measure it. Every rank runs the same tasks and every
     collective spans the world, so the ranks are identical: one is simulated (all_ranks=True
-    simulates each of them, to the same result)."""
+    simulates each of them, to the same result). `slow_ranks` {rank: factor} makes those ranks'
+    kernels take `factor` times longer (stragglers, noise): every rank is simulated then, and
+    collectives wait at the rendezvous for the slowest member."""
     plan = _plan(program, profile)
     env = simpy.Environment()
-    sim = _Sim(env, plan, program.world if all_ranks else 1, profile)
+    slow = dict(slow_ranks or {})
+    bad = {r: f for r, f in slow.items() if not (0 <= r < program.world) or f <= 0}
+    if bad:
+        raise SimulationError(f"slow_ranks {bad}: ranks must be in 0..{program.world - 1} and "
+                              f"factors positive")
+    ranks = program.world if all_ranks or slow else 1
+    sim = _Sim(env, plan, ranks, profile, slow)
     started, events = time.perf_counter(), _run(env)
     elapsed = time.perf_counter() - started
     log.debug("simulated %s k=%d on %d ranks: %d events in %.3f s (%.0f events/s)",
@@ -144,8 +153,9 @@ def _producers(program: Program) -> dict[int, tuple[int, ...]]:
 class _Sim:
     """The SimPy processes of all ranks: one per compute stream, one communication stream."""
 
-    def __init__(self, env: simpy.Environment, plan: _Plan, ranks: int, profile: Profile):
-        self.env, self.plan, self.ranks = env, plan, ranks
+    def __init__(self, env: simpy.Environment, plan: _Plan, ranks: int, profile: Profile,
+                 slow: dict[int, float] | None = None):
+        self.env, self.plan, self.ranks, self.slow = env, plan, ranks, slow or {}
         self.done = {(r, i): env.event() for r in range(ranks) for i in plan.duration}
         self.arrived: dict[int, int] = {}
         self.barrier = {c.id: env.event() for c in plan.collectives}
@@ -193,10 +203,13 @@ class _Sim:
 
     def execute(self, rank: int, stream: int, task: Compute | Convert):
         start = self.env.now
+        work = self.plan.duration[task.id]
+        if stream != self.plan.comm_stream:
+            work *= self.slow.get(rank, 1.0)
         if self.interfere:
-            yield from self.run_slowed(self.devices[rank], stream, self.plan.duration[task.id])
+            yield from self.run_slowed(self.devices[rank], stream, work)
         else:
-            yield self.env.timeout(self.plan.duration[task.id])
+            yield self.env.timeout(work)
         self.records[rank].append(Record(task, stream, start, self.env.now))
         self.done[rank, task.id].succeed()
 

@@ -122,3 +122,14 @@ def test_lowering_with_two_streams_matches_one_stream_numerically():
     assert any(getattr(t, "after", ()) for t in two.tasks)  # events join the streams
     profile = load_profile("v100-1x4-nvlink")
     assert simulate(two, profile).step_time <= simulate(one, profile).step_time * 1.05
+
+
+def test_rendezvous_waits_for_the_slowest_rank():
+    """Rank 1 computes 1.5x slower: the all-reduce starts when rank 1 has finished A (1.5 s), so
+    rank 0 waits 0.5 s at the rendezvous; then each rank finishes B at its own speed."""
+    p = Profile("r", "test", 1e12, 1e12, 0.0, {k: LinkCost(0.0, 1e9) for k in COLLECTIVES}, 4)
+    r = simulate(program(A, AR, Wait(-1, 1), B), p, slow_ranks={1: 1.5})
+    ar = [next(rec for rec in rank if rec.task.id == 1) for rank in r.records]
+    assert [(x.start, x.end) for x in ar] == [(pytest.approx(1.5), pytest.approx(2.5))] * 2
+    assert r.step_time == pytest.approx(2.5 + 1.5, rel=1e-12)  # rank 1's B takes 1.5 s
+    assert simulate(program(A, AR, Wait(-1, 1), B), p).step_time == pytest.approx(3.0)
