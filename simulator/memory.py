@@ -1,8 +1,8 @@
 """Peak memory of one rank's Program: which tensors PyTorch holds at each task when the tasks run in
 order, each value freed after its last use. One linear pass over the tasks, last uses precomputed.
 
-Rules (all sizes are numel x `itemsize`; the Program has no dtypes, so integer index tensors are
-counted at `itemsize` too, a small over-estimate):
+Rules (all sizes are numel x `itemsize`; the Program has no dtypes, so integer and boolean
+tensors are counted at `itemsize` too: bool masks and int32 over, int64 indices under at fp32):
 - parameters: every local shard (a key `name@placement/*` of a `program.param_grads` name that no
   task writes) lives the whole step; so does the optimizer state, `optimizer_bytes_per_param`
   bytes per local parameter element (0 for SGD as the executor uses, 8 for Adam's fp32 moments).
@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import accumulate
+from operator import add, sub
 
 from hidup.placement import Shard
-from hidup.program import Compute, Convert, Program
+from hidup.program import Compute, Convert, Program, Wait
 
-_GRAD, _ACT = 0, 1
+_ACT, _GRAD = 0, 1  # the sweep's lists per kind, indexed by 'first written in backward'
 
 
 @dataclass(frozen=True)
@@ -56,12 +58,10 @@ def peak_memory(program: Program, itemsize: int = 4,
                 optimizer_bytes_per_param: int = 0) -> MemoryReport:
     """The peak bytes one rank holds while the executor runs `program`'s tasks in order."""
     tasks = program.tasks
-    numel = _numels(program)
-    first, last, kind = _first_last(tasks)
-    _hold_for_backward(tasks, last)
+    numel, first, last = _scan(program)
     end = len(tasks) - 1
-    update = next((i for i, t in enumerate(tasks) if isinstance(t, Compute)
-                   and t.phase == "update"), end)
+    update = next((i for i in range(end, -1, -1) if type(tasks[i]) is Compute
+                   and tasks[i].phase == "update"), end)
     for key in program.param_grads.values():
         last[key] = max(last.get(key, update), update)
     for key in program.loss_keys:
@@ -73,31 +73,66 @@ def peak_memory(program: Program, itemsize: int = 4,
             params += numel[key]
         else:
             inputs += numel[key]
-    return _sweep(tasks, numel, first, last, kind, itemsize, params * itemsize,
-                  inputs * itemsize, params * optimizer_bytes_per_param)
+    return _sweep(tasks, numel, first, last, itemsize, params * itemsize, inputs * itemsize,
+                  params * optimizer_bytes_per_param)
 
 
-def _numels(program: Program) -> dict[str, int]:
-    """Element count of every value key, from the local shapes the tasks carry."""
+def _scan(program: Program) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """Per value key: its elements, the index of its first write and of its last use. A forward's
+    inputs and output are used again by its backward for the same micro-batch (autograd holds
+    them until then); the seed gradient 'hidup.ones' is no node's backward."""
     numel: dict[str, int] = {}
-    for t in program.tasks:
-        if isinstance(t, Compute):
-            ins = t.inputs[1:] if t.phase == "bwd" else t.inputs
-            if t.phase == "bwd" and t.inputs:
-                numel.setdefault(t.inputs[0], math.prod(t.out_shape))
-            for key, shape in zip(ins, t.in_shapes):
-                numel.setdefault(key, math.prod(shape))
-            if t.phase == "fwd" or t.op == "hidup.ones":
-                numel.setdefault(t.outputs[0], math.prod(t.out_shape))
-            elif t.phase == "bwd":
-                for key, shape in zip(t.outputs, t.in_shapes):
-                    if key:
-                        numel.setdefault(key, math.prod(shape))
-        elif isinstance(t, Convert):
-            n = math.prod(t.shape)
-            numel.setdefault(t.inputs[0], n)
-            numel.setdefault(t.outputs[0], _converted_numel(t, n, program.world))
-    return numel
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    saved: dict[tuple[str, int | None], Compute] = {}  # forwards awaiting their backward
+    for i, t in enumerate(program.tasks):
+        if type(t) is Wait:
+            continue
+        for key in t.inputs:
+            last[key] = i
+        if type(t) is Convert:
+            _convert_sizes(numel, first, t, i, program.world)
+        elif t.phase == "fwd":
+            saved[(t.node, t.mb)] = t
+            for key, shape in zip(t.inputs, t.in_shapes):
+                if key not in numel:  # a parameter or an input: no task writes it
+                    numel[key] = math.prod(shape)
+            _written(numel, first, ((t.outputs[0], t.out_shape),), i)
+        elif t.op == "hidup.ones":
+            _written(numel, first, ((t.outputs[0], t.out_shape),), i)
+        elif t.phase == "bwd":
+            _written(numel, first, zip(t.outputs, t.in_shapes), i)
+            fwd = saved.pop((t.node, t.mb), None)
+            if fwd is not None:
+                for key in fwd.inputs:
+                    last[key] = i
+                last[fwd.outputs[0]] = i
+    return numel, first, last
+
+
+def _written(numel: dict[str, int], first: dict[str, int], outputs, i: int) -> None:
+    """Task i writes these (key, shape) pairs: a key's first write allocates it ('': none)."""
+    for key, shape in outputs:
+        if key and key not in first:
+            first[key] = i
+            numel[key] = math.prod(shape)
+
+
+def _convert_sizes(numel, first, t: Convert, i: int, world: int) -> None:
+    """A conversion reads `shape`; several inputs and outputs are a bucket, converted pairwise."""
+    if t.inputs[0] not in numel:
+        numel[t.inputs[0]] = math.prod(t.shape)
+    for src, dst in zip(t.inputs, t.outputs):
+        if dst not in first:
+            first[dst] = i
+            numel[dst] = _converted_numel(t, _known(numel, src, t), world)
+
+
+def _known(numel: dict[str, int], key: str, t: Convert) -> int:
+    if key not in numel:
+        raise ValueError(f"task {t}: the size of its input {key} is not known (no earlier task "
+                         f"writes it and its shape is not the conversion's `shape`)")
+    return numel[key]
 
 
 def _converted_numel(t: Convert, n: int, world: int) -> int:
@@ -110,61 +145,25 @@ def _converted_numel(t: Convert, n: int, world: int) -> int:
     return n  # all_reduce, all_to_all, alias
 
 
-def _first_last(tasks) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
-    """Per key: index of its first write, of its last read (its first write if never read), and
-    whether it is a gradient (written in backward) or an activation."""
-    first: dict[str, int] = {}
-    last: dict[str, int] = {}
-    kind: dict[str, int] = {}
-    for i, t in enumerate(tasks):
-        if isinstance(t, (Compute, Convert)):
-            for key in t.inputs:
-                last[key] = i
-            for key in t.outputs:
-                if key and key not in first:
-                    first[key] = i
-                    kind[key] = _GRAD if t.phase == "bwd" else _ACT
-                    last.setdefault(key, i)
-    for key, i in first.items():
-        if last[key] < i:  # read only before it was written: that read was of an input
-            last[key] = i
-    return first, last, kind
-
-
-def _hold_for_backward(tasks, last: dict[str, int]) -> None:
-    """Autograd keeps a forward node's inputs and output until its backward for the same
-    micro-batch (the seed gradient 'hidup.ones' is not that backward)."""
-    bwd = {(t.node, t.mb): i for i, t in enumerate(tasks) if isinstance(t, Compute)
-           and t.phase == "bwd" and t.op != "hidup.ones"}
-    for t in tasks:
-        if isinstance(t, Compute) and t.phase == "fwd":
-            j = bwd.get((t.node, t.mb))
-            if j is not None:
-                for key in t.inputs + t.outputs[:1]:
-                    if last[key] < j:
-                        last[key] = j
-
-
-def _sweep(tasks, numel, first, last, kind, itemsize, params, inputs, optimizer) -> MemoryReport:
-    """Walk the tasks once: allocate at first write, measure, free after last read."""
+def _sweep(tasks, numel, first, last, itemsize, params, inputs, optimizer) -> MemoryReport:
+    """Allocate at first write, measure during the task, free after its last use: running sums,
+    activations and gradients (keys first written by a backward task) apart."""
     n = len(tasks)
-    alloc = [[0] * n, [0] * n]
+    grad = [getattr(t, "phase", "") == "bwd" for t in tasks]
+    alloc = [[0] * n, [0] * n]  # [activations, gradients] allocated at each task
     free = [[0] * n, [0] * n]
     for key, i in first.items():
-        size, k = numel[key] * itemsize, kind[key]
-        alloc[k][i] += size
-        free[k][last[key]] += size
+        size, g = numel[key] * itemsize, grad[i]
+        alloc[g][i] += size
+        free[g][max(last.get(key, i), i)] += size
+    during = []  # per kind: bytes live during each task
+    for a, f in zip(alloc, free):
+        before = accumulate(map(sub, a, f), initial=0)  # live before each task
+        during.append(list(map(add, before, a)))
     const = params + inputs + optimizer
-    live, peaks = [0, 0], [0, 0]
-    peak, peak_at = const, None
-    for i in range(n):
-        live[0] += alloc[0][i]
-        live[1] += alloc[1][i]
-        peaks[0] = max(peaks[0], live[0])
-        peaks[1] = max(peaks[1], live[1])
-        total = const + live[0] + live[1]
-        if peak_at is None or total > peak:
-            peak, peak_at = total, tasks[i].id
-        live[0] -= free[0][i]
-        live[1] -= free[1][i]
-    return MemoryReport(params, inputs, optimizer, peaks[_GRAD], peaks[_ACT], peak, peak_at)
+    if not n:
+        return MemoryReport(params, inputs, optimizer, 0, 0, const, None)
+    total = list(map(add, *during))
+    i = max(range(n), key=total.__getitem__)
+    return MemoryReport(params, inputs, optimizer, max(during[_GRAD]), max(during[_ACT]),
+                        const + total[i], tasks[i].id)

@@ -7,7 +7,7 @@ import json
 import logging
 import textwrap
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 
@@ -17,13 +17,15 @@ from hidup.models import capture_model
 from hidup.program import lower
 from hidup.strategy import Strategy, resolve_strategy, save_plan
 from simulator.engine import Result, simulate
+from simulator.memory import MemoryReport, peak_memory
 from simulator.montecarlo import Interval, step_time_interval
 from simulator.profile import Profile, load_profile
 from simulator.trace import write_trace
 
 log = logging.getLogger(__name__)
 PROG = "python -m simulator.predict"
-COLUMNS = ("step (ms)", "computation (ms)", "communication (ms)", "overlap", "exposed comm (ms)")
+COLUMNS = ("step (ms)", "computation (ms)", "communication (ms)", "overlap", "exposed comm (ms)",
+           "peak mem (MiB)")
 
 
 @dataclass(frozen=True)
@@ -39,19 +41,22 @@ class Prediction:
     spmd: Result
     duplex: Result
     graph: Graph
+    memory: tuple[MemoryReport, MemoryReport]  # peak memory per rank: SPMD, Duplex
     intervals: tuple[Interval, Interval] | None = None  # Monte-Carlo step times: SPMD, Duplex
 
     @property
     def speedup(self) -> float:
         return self.spmd.step_time / self.duplex.step_time if self.duplex.step_time else 1.0
 
-    def rows(self) -> list[tuple[str, Result]]:
-        return [("SPMD (k=1)", self.spmd), (f"Duplex (k={self.k})", self.duplex)]
+    def rows(self) -> list[tuple[str, Result, MemoryReport]]:
+        return [("SPMD (k=1)", self.spmd, self.memory[0]),
+                (f"Duplex (k={self.k})", self.duplex, self.memory[1])]
 
     def to_dict(self) -> dict:
         return {"model": self.model, "batch": self.batch, "cluster": self.profile.name,
                 "gpus": self.gpus, "strategy": self.strategy.name, "micro_batches": self.k,
-                "spmd": _result_dict(self.spmd, 1), "duplex": _result_dict(self.duplex, self.k),
+                "spmd": _result_dict(self.spmd, 1, self.memory[0]),
+                "duplex": _result_dict(self.duplex, self.k, self.memory[1]),
                 "speedup": self.speedup,
                 "monte_carlo": None if self.intervals is None else
                 {name: {"mean_ms": i.mean * 1e3, "low_ms": i.low * 1e3, "high_ms": i.high * 1e3,
@@ -71,19 +76,20 @@ class Prediction:
                           *_plan_lines(self.strategy)])
 
 
-def _result_dict(r: Result, k: int) -> dict:
+def _result_dict(r: Result, k: int, m: MemoryReport) -> dict:
     return {"k": k, "step_time_ms": r.step_time * 1e3, "computation_ms": r.computation * 1e3,
             "communication_ms": r.communication * 1e3, "overlap_ratio": r.overlap_ratio,
-            "exposed_communication_ms": r.exposed_communication * 1e3}
+            "exposed_communication_ms": r.exposed_communication * 1e3,
+            "peak_memory_bytes": m.peak, "memory": asdict(m)}
 
 
-def _table(rows: list[tuple[str, Result]]) -> list[str]:
-    width = max(len(name) for name, _ in rows)
+def _table(rows: list[tuple[str, Result, MemoryReport]]) -> list[str]:
+    width = max(len(name) for name, _, _ in rows)
     lines = [" " * width + "".join(f"  {c:>{len(c)}}" for c in COLUMNS)]
-    for name, r in rows:
+    for name, r, m in rows:
         cells = (f"{r.step_time * 1e3:.4g}", f"{r.computation * 1e3:.4g}",
                  f"{r.communication * 1e3:.4g}", f"{r.overlap_ratio:.1%}",
-                 f"{r.exposed_communication * 1e3:.4g}")
+                 f"{r.exposed_communication * 1e3:.4g}", f"{m.peak / 2**20:.4g}")
         row = "".join(f"  {v:>{len(c)}}" for v, c in zip(cells, COLUMNS))
         lines.append(f"{name:<{width}}{row}")
     return lines
@@ -115,16 +121,17 @@ def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | Non
     log.info("captured %s (batch %d): %d nodes in %.2f s", spec.name, batch, len(graph.nodes),
              time.perf_counter() - started)
     plan = resolve_strategy(strategy, graph, gpus)
-    results, intervals = [], []
+    results, intervals, memory = [], [], []
     for program in [lower(graph, plan, gpus, n, spec.name, streams=streams if n > 1 else 1)
                     for n in (1, k)]:
         started = time.perf_counter()
         results.append(simulate(program, profile))
         log.info("simulated k=%d: %d tasks in %.3f s: %s", program.k, len(program.tasks),
                  time.perf_counter() - started, results[-1])
+        memory.append(peak_memory(program))
         if samples:
             intervals.append(step_time_interval(program, profile, samples, noise))
-    return Prediction(spec.name, batch, profile, gpus, plan, k, *results, graph,
+    return Prediction(spec.name, batch, profile, gpus, plan, k, *results, graph, tuple(memory),
                       tuple(intervals) if samples else None)
 
 

@@ -35,6 +35,7 @@ def test_json_duplex_is_not_slower_without_fixed_costs(capsys, free_profile):
     assert (out["model"], out["gpus"], out["strategy"], out["micro_batches"]) == \
         ("mlp:tiny", 2, "megatron", 2)
     assert out["duplex"]["step_time_ms"] <= out["spmd"]["step_time_ms"]
+    assert out["duplex"]["peak_memory_bytes"] == out["duplex"]["memory"]["peak"] > 0
     assert out["speedup"] == pytest.approx(out["spmd"]["step_time_ms"] /
                                            out["duplex"]["step_time_ms"])
     assert out["plan"]["options"]["linear"] == "(R, S(0), S(0)) -> S(1)"
