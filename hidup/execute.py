@@ -34,6 +34,7 @@ def shard_of(full: torch.Tensor, placement: Placement, mb_placement: Placement, 
 class _Pending:
     work: object
     finish: object  # callable(): puts the collective's result into the environment
+    done: bool = False
 
 
 class Executor:
@@ -61,6 +62,7 @@ class Executor:
             self.cuda_streams = [torch.cuda.current_stream(self.device)] + [
                 torch.cuda.Stream(self.device) for _ in range(program.streams - 1)]
         self.events: dict[int, torch.cuda.Event] = {}
+        self.free_after, self.backward_of = _lifetimes(program)
         self.buffers = {n.source: buffers[n.source].detach().to(self.device)
                         for n in graph.nodes if n.kind == "buffer"} if buffers else {}
         missing = [n.source for n in graph.nodes if n.kind == "buffer" and n.source not in self.buffers]
@@ -83,11 +85,13 @@ class Executor:
                         full.to(self.device), self.s.home(node.name), self.mbs.home(node.name),
                         self.k, m, self.rank, self.world)
         self.saved, self.pending, self.env = {}, {}, env
-        for task in self.p.tasks:
+        for i, task in enumerate(self.p.tasks):
             if isinstance(task, Compute) and task.phase == "update" and not update:
                 continue
             with torch.profiler.record_function(_label(task)), self.on_stream(task):
                 self.run_task(task)
+            for key in self.free_after.get(i, ()):  # values no later task reads
+                env.pop(key, None)
         self.grads = {n: env[key] for n, key in self.p.param_grads.items()}
         loss = sum(float(env[k]) for k in self.p.loss_keys)
         self.saved = self.env = None
@@ -110,11 +114,13 @@ class Executor:
                 self.events[task.id].record(stream)
 
     def run_task(self, task) -> None:
-        if isinstance(task, Wait):
-            pending = self.pending.pop(task.collective)
+        if isinstance(task, Wait):  # with two streams, each stream waits for a collective
+            pending = self.pending[task.collective]
             if pending.work is not None:
-                pending.work.wait()
-            pending.finish()
+                pending.work.wait()  # on CUDA: the current stream waits; on CPU: the host does
+            if not pending.done:
+                pending.finish()
+                pending.done = True
         elif isinstance(task, Convert):
             self.convert(task)
         elif task.phase == "fwd":
@@ -151,7 +157,8 @@ class Executor:
         if tuple(out.shape) != task.out_shape:
             raise RuntimeError(f"node {task.node} ({task.op}) mb {task.mb}: local output shape "
                                f"{tuple(out.shape)}, the Program expects {task.out_shape}")
-        self.saved[(task.node, task.mb)] = (leaves, out)
+        if (task.node, task.mb) in self.backward_of:  # keep the autograd graph for its backward
+            self.saved[(task.node, task.mb)] = (leaves, out)
         self.env[task.outputs[0]] = out.detach()
 
     def backward(self, task: Compute) -> None:
@@ -203,6 +210,30 @@ class Executor:
                 self.accumulate(key, piece.view_as(p))
 
         self.pending[task.id] = _Pending(work, finish)
+
+
+def _lifetimes(program: Program) -> tuple[dict[int, list[str]], set]:
+    """Which values can be dropped after each task (their last reader or writer), keeping the
+    step's results (losses, final gradients); and which forward nodes have a backward task."""
+    keep = set(program.loss_keys) | set(program.param_grads.values())
+    waits = {t.collective: i for i, t in enumerate(program.tasks) if isinstance(t, Wait)}
+    last: dict[str, int] = {}
+    for i, task in enumerate(program.tasks):
+        if isinstance(task, Wait):
+            continue
+        for key in task.inputs + task.outputs:
+            if key:
+                last[key] = i
+        if isinstance(task, Convert) and task.collective:  # its result lands at its last Wait
+            for key in task.outputs:
+                last[key] = max(last[key], waits[task.id])
+    free: dict[int, list[str]] = {}
+    for key, i in last.items():
+        if key not in keep:
+            free.setdefault(i, []).append(key)
+    backward = {(t.node, t.mb) for t in program.tasks
+                if isinstance(t, Compute) and t.phase == "bwd" and t.op != "hidup.ones"}
+    return free, backward
 
 
 def _all_reduce(x, task, world, group):
