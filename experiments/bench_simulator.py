@@ -16,7 +16,7 @@ from hidup.models import capture_model, get_model
 from hidup.program import lower
 from hidup.strategy import fixed_strategy
 from simulator.engine import simulate
-from simulator.profile import load_profile
+from hidup.profile import load_profile
 
 log = logging.getLogger(__name__)
 TARGETS = {64: 0.1, 1024: 1.0}

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import simpy
 
 from hidup.program import Compute, Convert, Program, Wait
-from simulator.profile import Profile
+from hidup.profile import Profile
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 from hidup.program import Program
 from simulator.engine import simulate
-from simulator.profile import LinkCost, Profile
+from hidup.profile import LinkCost, Profile
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from hidup.strategy import Strategy, resolve_strategy, save_plan
 from simulator.engine import Result, simulate
 from simulator.memory import MemoryReport, peak_memory
 from simulator.montecarlo import Interval, step_time_interval
-from simulator.profile import Profile, load_profile
+from hidup.profile import Profile, load_profile
 from simulator.trace import write_trace
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Profiles: a cluster's cost figures (device throughput, per-kernel overhead, per link tier and
+"""Profiles: a cluster's cost figures (shared by the planner's cost model and the simulator): device
 collective kind a latency per step and a bus bandwidth, interference factors) as a versioned JSON
 file, and the cost model that times a Program's tasks with them.
 
@@ -112,7 +112,7 @@ class Profile:
 
 def shipped_names() -> list[str]:
     """Names of the profiles that ship with the package."""
-    folder = resources.files("simulator") / "profiles"
+    folder = resources.files("hidup") / "profiles"
     return sorted(p.name.removesuffix(".json") for p in folder.iterdir()
                   if p.name.endswith(".json"))
 
@@ -122,7 +122,7 @@ def load_profile(name_or_path: str | Path) -> Profile:
     text = str(name_or_path)
     if Path(text).is_file() or text.endswith(".json") or "/" in text:
         return _read(Path(text))
-    path = resources.files("simulator") / "profiles" / f"{text}.json"
+    path = resources.files("hidup") / "profiles" / f"{text}.json"
     if not path.is_file():
         raise ProfileError(f"unknown cluster profile {text!r}; choose one of {shipped_names()} "
                            f"or give the path of a profile file")
