@@ -1,6 +1,6 @@
-"""Profiles: a cluster's cost figures (shared by the planner's cost model and the simulator): device
+"""Profiles: a cluster's cost figures (device throughput, per-kernel overhead, per link tier and
 collective kind a latency per step and a bus bandwidth, interference factors) as a versioned JSON
-file, and the cost model that times a Program's tasks with them.
+file, and the cost model that times a Program's tasks with them (the planner and the simulator).
 
 Collectives follow NCCL's ring formulas on a group of n ranks: all-gather, reduce-scatter and
 all-to-all take (n-1) steps and move (n-1)/n of the tensor per rank; all-reduce takes the cheaper
