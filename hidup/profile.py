@@ -69,12 +69,16 @@ class Profile:
     def compute_time(self, task: Compute | Convert) -> float:
         """Seconds of a kernel on a compute stream: a Compute, or a local slice / alias."""
         if isinstance(task, Compute):
-            return self.op_overhead + max(task.flops / self.flops, task.bytes / self.mem_bandwidth)
+            return self.kernel_time(task.flops, task.bytes)
         if task.kind == "alias":
             return 0.0
         if task.kind == "slice":
             return self.op_overhead + task.bytes / self.mem_bandwidth
         raise ProfileError(f"task {task} is a collective, not a compute-stream kernel")
+
+    def kernel_time(self, flops: float, nbytes: float) -> float:
+        """Seconds of one kernel: launch overhead, then bound by FLOPs or by memory traffic."""
+        return self.op_overhead + max(flops / self.flops, nbytes / self.mem_bandwidth)
 
     def collective_time(self, kind: str, nbytes: float, group: tuple[int, ...]) -> float:
         """Seconds of one collective of `kind` on a tensor of `nbytes` over the ranks `group`."""
