@@ -1,0 +1,256 @@
+"""Duplex-aware sharding search (the paper's Algorithm 1): a dynamic programme over the cuts of the
+graph in topological order. A state is the placements of the tensors live at a cut; each label
+on it carries two costs, the time so far T and the debt D, the other micro-batch's computation
+still pending that the next stage's communication can hide, plus the memory M the plan holds.
+Only labels that no other label beats on both costs are kept (at most `labels` per state, the
+cheapest), and the `beam` cheapest states; memory is a limit, not a cost.
+
+Stage model for k micro-batches, a node costing c of computation (forward + backward, per
+micro-batch) and m of communication (its input conversions and their backward duals, per
+micro-batch, plus its parameters' gradient reduction spread over the step):
+  m = 0:  T += c,  D += (k-1) c            (micro-batch 0 runs on; the others owe it)
+  m > 0:  T += max(D, m) + c,  D = (k-1) c + max(0, m - c)
+and the plan costs T + D. With k = 1 it is plain SPMD: T += m + c. The few best plans, with the
+expert strategies beside them, are then lowered and ranked by the fast estimate (hidup.estimate)."""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+from hidup.capture import Graph, Node
+from hidup.estimate import Estimate, estimate
+from hidup.flops import backward_flops, forward_flops
+from hidup.placement import Partial, Placement, R, Replicate, ShardingOption
+from hidup.profile import Profile
+from hidup.program import LoweringError, local_shape, lower
+from hidup.strategy import (Strategy, check, conversion, fitting_options, microbatch_split)
+
+log = logging.getLogger(__name__)
+_DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all",
+         "all_reduce": "all_reduce", "slice": "all_gather"}
+
+
+@dataclass(frozen=True)
+class _Label:
+    time: float
+    debt: float
+    memory: float
+    node: str = ""
+    option: ShardingOption | None = None
+    back: _Label | None = field(default=None, repr=False)
+
+    @property
+    def cost(self) -> float:
+        return self.time + self.debt
+
+    def dominated_by(self, other: _Label) -> bool:
+        return other.time <= self.time and other.debt <= self.debt
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    strategy: Strategy
+    k: int
+    dp_cost: float  # the dynamic programme's own estimate of the chosen plan (s), if it chose one
+    estimate: Estimate  # the fast estimate of the chosen plan, as lowered
+    candidates: tuple[tuple[str, float], ...]  # (name, estimated step time) of every plan ranked
+    seconds: float  # wall time of the search
+    states: int  # labels created
+
+
+class Search:
+    """One search: a graph, a world size, a profile, k micro-batches, an objective."""
+
+    def __init__(self, graph: Graph, world: int, profile: Profile, k: int = 2,
+                 memory: float | None = None, objective: str = "time", beam: int = 32,
+                 labels: int = 4):
+        if objective not in ("time", "comm"):
+            raise ValueError(f"objective {objective!r}: choose 'time' or 'comm'")
+        self.g, self.world, self.profile, self.k = graph, world, profile, k
+        self.memory, self.objective, self.beam = memory or math.inf, objective, beam
+        self.per_state = labels
+        self.mbs = microbatch_split(graph, k)
+        self.group = tuple(range(world))
+        self.position = {n.name: i for i, n in enumerate(graph.ops)}
+        self.last: dict[str, int] = {}  # tensor -> position of its last consumer
+        for node in graph.ops:
+            for t in node.inputs:
+                self.last[t] = max(self.last.get(t, -1), self.position[node.name])
+        self.placeholders = {n.name for n in graph.nodes if n.kind != "op"}
+        self.labels = 0
+
+    # -- costs --------------------------------------------------------------------------------
+    def shape(self, t: str, p: Placement) -> tuple[int, ...]:
+        return local_shape(self.g.node(t).out.shape, p, self.mbs.home(t), self.world, self.k, t)
+
+    def nbytes(self, t: str, p: Placement) -> int:
+        return math.prod(self.shape(t, p)) * self.g.node(t).out.itemsize
+
+    def per_mb(self, t: str) -> float:
+        """Share of a once-per-step cost carried by one micro-batch."""
+        return 1.0 / self.k if isinstance(self.mbs.home(t), Replicate) else 1.0
+
+    def conversion_cost(self, t: str, src: Placement, dst: Placement) -> float:
+        kind = conversion(src, dst)
+        if kind is None:
+            return 0.0
+        size = max(self.nbytes(t, src), self.nbytes(t, dst))
+        if self.objective == "comm":
+            return size * self.per_mb(t) * (kind != "slice")
+        fwd = 0.0 if kind == "slice" else self.profile.collective_time(kind, size, self.group)
+        bwd = self.profile.collective_time(_DUAL[kind], size, self.group) \
+            if self.g.node(t).out.is_float else 0.0
+        return (fwd + bwd) * self.per_mb(t)
+
+    def node_cost(self, node: Node, opt: ShardingOption) -> tuple[float, float, float]:
+        """(computation per micro-batch, gradient-reduction time per step, memory) of an option."""
+        ins = [self.shape(t, p) for t, p in zip(node.inputs, opt.inputs)]
+        out = self.shape(node.name, opt.output)
+        fwd = forward_flops(node.op, ins, out, node.args)
+        nbytes = sum(math.prod(s) for s in ins + [out]) * node.out.itemsize
+        compute = self.profile.kernel_time(fwd, nbytes) + \
+            self.profile.kernel_time(backward_flops(node.op, fwd), 2 * nbytes)
+        if self.mbs.home(node.name) == R:
+            compute /= self.k  # runs once per step
+        grads, memory = 0.0, math.prod(out) * node.out.itemsize * self.k
+        for t, p in zip(node.inputs, opt.inputs):
+            if self.g.node(t).kind == "param":
+                size = self.nbytes(t, p)
+                memory += 3 * size  # parameter, gradient, optimizer state
+                if p == R and opt.output != R:  # its gradient is a Partial sum: all-reduced
+                    grads += size if self.objective == "comm" else \
+                        self.profile.collective_time("all_reduce", size, self.group)
+        return (0.0 if self.objective == "comm" else compute), grads, memory
+
+    # -- the dynamic programme ----------------------------------------------------------------
+    def run(self) -> list[_Label]:
+        states: dict[tuple, list[_Label]] = {(): [_Label(0.0, 0.0, 0.0)]}
+        for i, node in enumerate(self.g.ops):
+            states = self.extend(states, node, i)
+            if not states:
+                raise ValueError(f"search: no option of node {node.name} ({node.op}) fits in "
+                                 f"{self.memory / 2**30:.3g} GiB per device or divides evenly")
+        finals = [label for labels in states.values() for label in labels]
+        return sorted(finals, key=lambda lab: lab.cost)
+
+    def extend(self, states, node: Node, i: int) -> dict[tuple, list[_Label]]:
+        """Every label of every state, extended by every option of the node."""
+        options = []
+        for opt in fitting_options(self.g, node, self.world):
+            try:
+                options.append((opt, self.node_cost(node, opt)))
+            except LoweringError:
+                continue  # a split that does not divide with the micro-batches
+        out: dict[tuple, list[_Label]] = {}
+        for key, labels in states.items():
+            placed = dict(key)
+            for opt, (compute, grads, memory) in options:
+                step = self.transition(placed, node, opt)
+                if step is None:
+                    continue
+                comm, new_key = step
+                comm += grads / self.k
+                for label in labels:
+                    self.add(out, new_key, self.advance(label, node, opt, comm, compute, memory))
+        return self.prune(out)
+
+    def transition(self, placed: dict, node: Node, opt: ShardingOption):
+        """(communication per micro-batch, next state key), or None if the option is invalid."""
+        comm, new = 0.0, dict(placed)
+        seen = set()
+        for t, want in zip(node.inputs, opt.inputs):
+            src = new.get(t)
+            if src is None and t in self.placeholders:
+                if isinstance(want, Partial):
+                    return None
+                new[t] = src = want  # an input or parameter goes where its first consumer wants
+            if src is None:
+                return None
+            if isinstance(want, Partial) and src != want:
+                return None
+            if (t, want) not in seen and src != want:
+                comm += self.conversion_cost(t, src, want)
+                seen.add((t, want))
+        new[node.name] = opt.output
+        i = self.position[node.name]  # keep what a later node still reads
+        new = {t: p for t, p in new.items() if self.last.get(t, -1) > i}
+        return comm, tuple(sorted(new.items(), key=lambda kv: kv[0]))
+
+    def advance(self, label: _Label, node, opt, comm: float, compute: float, memory: float) -> _Label:
+        if self.k == 1 or self.objective == "comm":
+            t, d = label.time + comm + compute, 0.0
+        elif comm == 0.0:
+            t, d = label.time + compute, label.debt + (self.k - 1) * compute
+        else:
+            t = label.time + max(label.debt, comm) + compute
+            d = (self.k - 1) * compute + max(0.0, comm - compute)
+        self.labels += 1
+        return _Label(t, d, label.memory + memory, node.name, opt, label)
+
+    def add(self, out: dict, key: tuple, label: _Label) -> None:
+        if label.memory > self.memory:
+            return
+        labels = out.setdefault(key, [])
+        if any(label.dominated_by(other) for other in labels):
+            return
+        labels[:] = [other for other in labels if not other.dominated_by(label)] + [label]
+        if len(labels) > self.per_state:
+            labels.sort(key=lambda lab: lab.cost)
+            del labels[self.per_state:]
+
+    def prune(self, states: dict) -> dict:
+        if len(states) <= self.beam:
+            return states
+        best = sorted(states, key=lambda key: min(lab.cost for lab in states[key]))
+        return {key: states[key] for key in best[:self.beam]}
+
+    def strategy(self, label: _Label, name: str) -> Strategy:
+        options: dict[str, ShardingOption] = {}
+        while label is not None and label.option is not None:
+            options[label.node] = label.option
+            label = label.back
+        options = {n.name: options[n.name] for n in self.g.ops}
+        placements: dict[str, Placement] = {}
+        for node in self.g.ops:
+            for t, p in zip(node.inputs, options[node.name].inputs):
+                if t in self.placeholders:
+                    placements.setdefault(t, p)
+        placements = {n.name: placements.get(n.name, R) for n in self.g.nodes if n.kind != "op"}
+        return Strategy(name, placements, options)
+
+
+def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float | None = None,
+           objective: str = "time", beam: int = 32, keep: int = 3,
+           baselines: dict[str, Strategy] | None = None) -> SearchResult:
+    """The best plan: the dynamic programme's `keep` cheapest plans and the `baselines`, each lowered
+    with k micro-batches and ranked by the fast estimate (objective 'comm': by its own count)."""
+    started = time.perf_counter()
+    dp = Search(graph, world, profile, k, memory, objective, beam)
+    finals = dp.run()
+    ranked: list[tuple[float, str, Strategy, float, Estimate]] = []
+    for j, label in enumerate(finals[:keep]):
+        strategy = dp.strategy(label, "hidup" if objective == "time" else "min-comm")
+        check(graph, strategy)
+        _rank(ranked, graph, strategy, world, k, profile, f"search#{j}", label.cost)
+    for name, strategy in (baselines or {}).items():
+        _rank(ranked, graph, strategy, world, k, profile, name, math.nan)
+    if not ranked:
+        raise ValueError("search: no plan could be lowered for this model and world size")
+    ranked.sort(key=lambda r: r[0] if objective == "time" else r[3])
+    _, _, best, dp_cost, est = ranked[0]
+    log.info("search: %d labels, %d plans ranked in %.2f s", dp.labels, len(ranked),
+             time.perf_counter() - started)
+    return SearchResult(best, k, dp_cost, est, tuple((r[1], r[0]) for r in ranked),
+                        time.perf_counter() - started, dp.labels)
+
+
+def _rank(ranked, graph, strategy, world, k, profile, name, dp_cost) -> None:
+    try:
+        program = lower(graph, strategy, world, k)
+    except (LoweringError, ValueError) as exc:
+        log.info("plan %s cannot be lowered: %s", name, exc)
+        return
+    est = estimate(program, profile)
+    ranked.append((est.step_time, name, strategy, dp_cost, est))
