@@ -2,8 +2,9 @@
 graph in topological order. A state is the placements of the tensors live at a cut; each label
 on it carries two costs, the time so far T and the debt D, the other micro-batch's computation
 still pending that the next stage's communication can hide, plus the memory M the plan holds.
-Only labels that no other label beats on both costs are kept (at most `labels` per state, the
-cheapest), and the `beam` cheapest states; memory is a limit, not a cost.
+Only labels that no other label beats on all three are kept: at most `labels` per state (the
+cheapest, and the one using least memory), and the `beam` cheapest states (and the one whose
+plan uses least memory, so that a memory limit further on can still be met).
 
 Stage model for k micro-batches, a node costing c of computation (forward + backward, per
 micro-batch) and m of communication (its input conversions and their backward duals, per
@@ -46,7 +47,8 @@ class _Label:
         return self.time + self.debt
 
     def dominated_by(self, other: _Label) -> bool:
-        return other.time <= self.time and other.debt <= self.debt
+        return (other.time <= self.time and other.debt <= self.debt
+                and other.memory <= self.memory)
 
 
 @dataclass(frozen=True)
@@ -197,14 +199,18 @@ class Search:
             return
         labels[:] = [other for other in labels if not other.dominated_by(label)] + [label]
         if len(labels) > self.per_state:
+            leanest = min(labels, key=lambda lab: lab.memory)
             labels.sort(key=lambda lab: lab.cost)
-            del labels[self.per_state:]
+            del labels[self.per_state - 1:]
+            if leanest not in labels:
+                labels.append(leanest)
 
     def prune(self, states: dict) -> dict:
         if len(states) <= self.beam:
             return states
-        best = sorted(states, key=lambda key: min(lab.cost for lab in states[key]))
-        return {key: states[key] for key in best[:self.beam]}
+        best = sorted(states, key=lambda key: min(lab.cost for lab in states[key]))[:self.beam - 1]
+        best.append(min(states, key=lambda key: min(lab.memory for lab in states[key])))
+        return {key: states[key] for key in best}
 
     def strategy(self, label: _Label, name: str) -> Strategy:
         options: dict[str, ShardingOption] = {}

@@ -170,7 +170,23 @@ def random_strategy(graph: Graph, world: int, rng, divide: int | None = None) ->
                                if n.kind != "op"}, choices)
 
 
-FIXED = {"ddp": data_parallel, "megatron": megatron}
+def expert_parallel(graph: Graph, world: int, batch_dim: int = 0) -> Strategy:
+    """DeepSpeed-MoE / FastMoE: data parallel, except the experts, split across ranks (each holds
+    experts / world of them), reached with all-to-all. Expert weights are the 3-d parameters that
+    einsums read (experts, in, out)."""
+    seeds: dict[str, Placement] = {n.name: Shard(batch_dim) for n in graph.user_inputs}
+    for node in graph.ops:
+        if node.op == "aten.einsum.default":
+            for t in node.inputs:
+                if graph.node(t).kind == "param" and len(graph.node(t).out.shape) == 3:
+                    seeds[t] = Shard(0)
+    if not any(isinstance(p, Shard) and graph.node(n).kind == "param" for n, p in seeds.items()):
+        raise ValueError("strategy expert: the model has no expert weights (3-d parameters read "
+                         "by einsums); use ddp")
+    return propagate(graph, world, "expert", seeds, shard_params=False)
+
+
+FIXED = {"ddp": data_parallel, "megatron": megatron, "expert": expert_parallel}
 
 
 def fixed_strategy(name: str, graph: Graph, world: int) -> Strategy:
@@ -236,4 +252,4 @@ def load_plan(path: Path, graph: Graph, world: int) -> Strategy:
 
 
 __all__ = ["P", "R", "Shard", "Strategy", "PlanError", "conversion", "propagate", "data_parallel",
-           "megatron", "microbatch_split", "fixed_strategy", "resolve_strategy", "save_plan", "load_plan", "check"]
+           "megatron", "expert_parallel", "microbatch_split", "fixed_strategy", "resolve_strategy", "save_plan", "load_plan", "check"]

@@ -163,5 +163,5 @@ def test_missing_profile_file_and_unknown_name(tmp_path):
     with pytest.raises(ProfileError, match=r"nothere\.json: cannot read it .*check the path"):
         load_profile(tmp_path / "nothere.json")
     with pytest.raises(ProfileError, match=r"unknown cluster profile 'tpu'; choose one of "
-                                           r"\['v100-1x4-nvlink'\]"):
+                                           r"\['v100-1x4-nvlink', 'v100-8x8-10gbps'\]"):
         load_profile("tpu")
