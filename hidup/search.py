@@ -82,6 +82,7 @@ class Search:
                 self.last[t] = max(self.last.get(t, -1), self.position[node.name])
         self.placeholders = {n.name for n in graph.nodes if n.kind != "op"}
         self.labels = 0
+        self._conversions: dict[tuple, float] = {}  # (tensor, src, dst) -> seconds
 
     # -- costs --------------------------------------------------------------------------------
     def shape(self, t: str, p: Placement) -> tuple[int, ...]:
@@ -95,6 +96,12 @@ class Search:
         return 1.0 / self.k if isinstance(self.mbs.home(t), Replicate) else 1.0
 
     def conversion_cost(self, t: str, src: Placement, dst: Placement) -> float:
+        key = (t, src, dst)
+        if key not in self._conversions:
+            self._conversions[key] = self._conversion_cost(t, src, dst)
+        return self._conversions[key]
+
+    def _conversion_cost(self, t: str, src: Placement, dst: Placement) -> float:
         kind = conversion(src, dst)
         if kind is None:
             return 0.0

@@ -1,0 +1,86 @@
+"""The Duplex-aware search: its fast estimate agrees with the simulator, it is never worse than the
+expert strategies, it respects memory, and its plans train exactly like one device."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hidup.estimate import estimate
+from hidup.models import capture_model, get_model, names
+from hidup.plan import main as plan_main
+from hidup.profile import load_profile
+from hidup.program import lower
+from hidup.search import search
+from hidup.strategy import FIXED, load_plan
+from simulator import simulate
+
+PROFILE = "v100-8x8-10gbps"
+
+
+def baselines(graph, world):
+    out = {}
+    for name, make in FIXED.items():
+        try:
+            out[name] = make(graph, world)
+        except ValueError:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n in names() if n.endswith(":tiny")])
+def test_search_estimate_agrees_with_the_simulator(name):
+    spec = get_model(name, gpus=2)
+    graph = capture_model(spec, spec.batch)
+    profile = load_profile(PROFILE)
+    found = search(graph, 2, profile, k=2, baselines=baselines(graph, 2))
+    simulated = simulate(lower(graph, found.strategy, 2, 2), profile).step_time
+    assert found.estimate.step_time == pytest.approx(simulated, rel=0.05)
+    for base, t in found.candidates:  # never worse than an expert strategy
+        assert found.estimate.step_time <= t * (1 + 1e-12), base
+
+
+def test_paper_size_search_beats_or_matches_every_baseline():
+    spec = get_model("bert-sgmoe:paper", gpus=8)
+    graph = capture_model(spec, spec.batch)
+    profile = load_profile(PROFILE)
+    found = search(graph, 8, profile, k=2, baselines=baselines(graph, 8))
+    assert {n for n, _ in found.candidates} >= {"ddp", "megatron", "expert"}
+    assert found.candidates[0][1] == found.estimate.step_time
+    assert found.seconds < 10
+    sim = simulate(lower(graph, found.strategy, 8, 2), profile).step_time
+    assert found.estimate.step_time == pytest.approx(sim, rel=1e-9)
+
+
+def test_estimate_is_the_simulator_without_interference():
+    spec = get_model("gpt:tiny", gpus=4)
+    graph = capture_model(spec, spec.batch)
+    profile = load_profile(PROFILE)
+    for strategy in baselines(graph, 4).values():
+        for k in (1, 2):
+            program = lower(graph, strategy, 4, k)
+            assert estimate(program, profile).step_time == pytest.approx(
+                simulate(program, profile).step_time, rel=1e-12)
+
+
+def test_memory_limit_is_respected_or_refused():
+    spec = get_model("gpt:tiny", gpus=2)
+    graph = capture_model(spec, spec.batch)
+    with pytest.raises(ValueError, match=r"no option of node \w+ .* fits in .* GiB per device"):
+        search(graph, 2, load_profile(PROFILE), k=2, memory=1000)
+
+
+def test_plan_cli_writes_a_plan_that_loads(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert plan_main(["--model", "bert-switch:tiny", "--gpus", "2", "--out", str(out),
+                      "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert set(doc["plans"]) == {"hidup", "ddp", "megatron", "expert", "min-comm"}
+    hidup = doc["plans"]["hidup"]["k2_ms"]
+    assert all(hidup <= min(v for v in t.values() if v is not None) * (1 + 1e-9)
+               for name, t in doc["plans"].items() if name != "min-comm")
+    spec = get_model("bert-switch:tiny", gpus=2)
+    strategy = load_plan(out, capture_model(spec, spec.batch), 2)
+    assert strategy.options == {n: s for n, s in strategy.options.items()}
+    assert plan_main(["--model", "nope:tiny"]) == 2
+    assert "unknown model 'nope'" in capsys.readouterr().err
