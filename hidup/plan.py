@@ -31,7 +31,7 @@ def parse_args(argv=None):
     ap.add_argument("--batch", type=int, default=None, help="global batch (default: the model's)")
     ap.add_argument("--micro-batches", type=int, default=2, help="Duplex micro-batches k")
     ap.add_argument("--memory", type=float, default=32.0, help="device memory limit, GiB")
-    ap.add_argument("--beam", type=int, default=32, help="states kept per cut of the search")
+    ap.add_argument("--beam", type=int, default=16, help="states kept per cut of the search")
     ap.add_argument("--out", type=Path, default=None, help="write the chosen plan to this file")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("-v", "--verbose", action="store_true", help="log the search's progress")

@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from hidup.capture import Graph, Node
 from hidup.estimate import Estimate, estimate
@@ -33,14 +34,13 @@ _DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to
          "all_reduce": "all_reduce", "slice": "all_gather"}
 
 
-@dataclass(frozen=True)
-class _Label:
+class _Label(NamedTuple):  # a NamedTuple: the search makes hundreds of thousands of them
     time: float
     debt: float
     memory: float
     node: str = ""
     option: ShardingOption | None = None
-    back: _Label | None = field(default=None, repr=False)
+    back: _Label | None = None
 
     @property
     def cost(self) -> float:
@@ -66,7 +66,7 @@ class Search:
     """One search: a graph, a world size, a profile, k micro-batches, an objective."""
 
     def __init__(self, graph: Graph, world: int, profile: Profile, k: int = 2,
-                 memory: float | None = None, objective: str = "time", beam: int = 32,
+                 memory: float | None = None, objective: str = "time", beam: int = 16,
                  labels: int = 4):
         if objective not in ("time", "comm"):
             raise ValueError(f"objective {objective!r}: choose 'time' or 'comm'")
@@ -235,7 +235,7 @@ class Search:
 
 
 def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float | None = None,
-           objective: str = "time", beam: int = 32, keep: int = 3,
+           objective: str = "time", beam: int = 16, keep: int = 3,
            baselines: dict[str, Strategy] | None = None) -> SearchResult:
     """The best plan: the dynamic programme's `keep` cheapest plans and the `baselines`, each lowered
     with k micro-batches and ranked by the fast estimate (objective 'comm': by its own count)."""
@@ -243,10 +243,16 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
     dp = Search(graph, world, profile, k, memory, objective, beam)
     finals = dp.run()
     ranked: list[tuple[float, str, Strategy, float, Estimate]] = []
-    for j, label in enumerate(finals[:keep]):
+    seen: list[dict] = []
+    for j, label in enumerate(finals):
         strategy = dp.strategy(label, "hidup" if objective == "time" else "min-comm")
+        if strategy.options in seen:
+            continue  # the same plan reached through another state
+        seen.append(strategy.options)
         check(graph, strategy)
         _rank(ranked, graph, strategy, world, k, profile, f"search#{j}", label.cost)
+        if len(seen) == keep:
+            break
     for name, strategy in (baselines or {}).items():
         _rank(ranked, graph, strategy, world, k, profile, name, math.nan)
     if not ranked:

@@ -1,0 +1,95 @@
+"""The searched plan against the expert strategies, simulated: `python -m experiments.compare_baselines`.
+For each paper model and GPU count: HiDup (searched plan, Duplex) and every baseline as those
+systems run (ddp, megatron, expert, min-comm: no Duplex), with the baselines given Duplex too."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from hidup.models import capture_model, get_model
+from hidup.profile import load_profile
+from hidup.program import LoweringError, lower
+from hidup.search import search
+from hidup.strategy import FIXED
+from simulator import simulate
+
+log = logging.getLogger(__name__)
+MODELS = ("bert-sgmoe:paper", "bert-switch:paper", "vit-sgmoe:paper", "vit-switch:paper")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m experiments.compare_baselines", description=__doc__)
+    ap.add_argument("--models", nargs="+", default=list(MODELS), help="models NAME:SIZE")
+    ap.add_argument("--gpus", type=int, nargs="+", default=[8, 16, 32, 64], help="world sizes")
+    ap.add_argument("--cluster", default="v100-8x8-10gbps", help="profile name or path")
+    ap.add_argument("--memory", type=float, default=32.0, help="device memory limit, GiB")
+    ap.add_argument("--out", type=Path, default=Path("out/compare_baselines.json"),
+                    help="also write the table as JSON here")
+    return ap.parse_args(argv)
+
+
+def simulated_ms(graph, strategy, gpus, k, profile) -> float | None:
+    try:
+        return simulate(lower(graph, strategy, gpus, k), profile).step_time * 1e3
+    except (LoweringError, ValueError) as exc:
+        log.info("%s k=%d: %s", strategy.name, k, exc)
+        return None
+
+
+def compare(model: str, gpus: int, profile, memory: float) -> dict:
+    spec = get_model(model, gpus=gpus)
+    graph = capture_model(spec, spec.batch)
+    baselines = {}
+    for name, make in FIXED.items():
+        try:
+            baselines[name] = make(graph, gpus)
+        except ValueError:
+            pass
+    found = search(graph, gpus, profile, 2, memory, baselines=baselines)
+    baselines["min-comm"] = search(graph, gpus, profile, 1, memory, objective="comm").strategy
+    row = {"model": model, "gpus": gpus, "chosen": found.candidates[0][0],
+           "hidup_ms": simulated_ms(graph, found.strategy, gpus, 2, profile),
+           "search_s": found.seconds}
+    for name, strategy in baselines.items():
+        row[name] = {"k1_ms": simulated_ms(graph, strategy, gpus, 1, profile),
+                     "k2_ms": simulated_ms(graph, strategy, gpus, 2, profile)}
+    return row
+
+
+def table(rows) -> list[str]:
+    names = ["ddp", "megatron", "expert", "min-comm"]
+    head = f"{'model':<20}{'GPUs':>5}{'HiDup':>10}" + "".join(f"{n:>10}" for n in names)
+    lines = [head + f"{'speedup':>9}{'vs +Duplex':>11}  chosen"]
+    for r in rows:
+        plain = [r[n]["k1_ms"] for n in names if r.get(n) and r[n]["k1_ms"]]
+        duplexed = [r[n]["k2_ms"] for n in names if r.get(n) and r[n]["k2_ms"]]
+        cells = "".join(f"{r[n]['k1_ms']:>10.1f}" if r.get(n) and r[n]["k1_ms"] else f"{'-':>10}"
+                        for n in names)
+        lines.append(f"{r['model']:<20}{r['gpus']:>5}{r['hidup_ms']:>10.1f}{cells}"
+                     f"{min(plain) / r['hidup_ms']:>8.2f}x{min(duplexed) / r['hidup_ms']:>10.2f}x"
+                     f"  {r['chosen']}")
+    lines.append("times: simulated step (ms); baselines as their systems run (k=1); speedup: the "
+                 "best baseline over HiDup; vs +Duplex: the best baseline given Duplex (k=2)")
+    return lines
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    profile = load_profile(args.cluster)
+    rows = []
+    for model in args.models:
+        for gpus in args.gpus:
+            rows.append(compare(model, gpus, profile, args.memory * 2**30))
+            print(f"{model} {gpus} GPUs done", file=sys.stderr)
+    print("\n".join(table(rows)))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
