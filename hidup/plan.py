@@ -56,17 +56,19 @@ def plan(args) -> dict:
         except ValueError as exc:
             log.info("baseline %s does not apply: %s", name, exc)
     memory = args.memory * 2**30
-    found = search(graph, args.gpus, profile, args.micro_batches, memory, beam=args.beam,
-                   baselines=baselines)
     started = time.perf_counter()
     mincomm = search(graph, args.gpus, profile, 1, memory, objective="comm", beam=args.beam)
     baselines["min-comm"] = mincomm.strategy
     log.info("min-comm search: %.2f s", time.perf_counter() - started)
+    found = search(graph, args.gpus, profile, args.micro_batches, memory, beam=args.beam,
+                   baselines=baselines)
     rows = {"hidup": _times(graph, found.strategy, args.gpus, args.micro_batches, profile)}
+    rows["hidup"]["chosen_k"] = found.k
     rows.update({n: _times(graph, s, args.gpus, args.micro_batches, profile)
                  for n, s in baselines.items()})
     return {"model": spec.name, "batch": batch, "cluster": profile.name, "gpus": args.gpus,
             "micro_batches": args.micro_batches, "chosen": found.candidates[0][0],
+            "duplex": found.k > 1,
             "search_seconds": found.seconds, "labels": found.states,
             "dp_estimate_ms": found.dp_cost * 1e3, "plans": rows,
             "strategy": found.strategy, "graph": graph}
@@ -85,10 +87,11 @@ def _times(graph, strategy, world, k, profile) -> dict:
 
 def report(res: dict) -> list[str]:
     k, rows = res["micro_batches"], res["plans"]
-    best = rows["hidup"][f"k{k}_ms"]
+    best = rows["hidup"][f"k{rows['hidup']['chosen_k']}_ms"]
     lines = [f"{res['model']} (batch {res['batch']}) on {res['cluster']}, {res['gpus']} GPUs: "
              f"searched in {res['search_seconds']:.2f} s ({res['labels']} labels), chose "
-             f"{res['chosen']}", "", "placements of the key ops:"]
+             f"{res['chosen']} ({'with' if res['duplex'] else 'without'} Duplex)", "",
+             "placements of the key ops:"]
     graph, strategy = res["graph"], res["strategy"]
     for node in graph.ops:
         if any(key in node.op for key in KEY_OPS):
@@ -96,7 +99,8 @@ def report(res: dict) -> list[str]:
     lines += ["", f"{'plan':<10}{'SPMD k=1 (ms)':>15}{f'Duplex k={k} (ms)':>18}{'hidup speedup':>15}"]
     for name, t in rows.items():
         cells = [f"{t[key]:.2f}" if t[key] is not None else "-" for key in ("k1_ms", f"k{k}_ms")]
-        fastest = min(v for v in t.values() if v is not None) if any(t.values()) else None
+        times = [t[key] for key in ("k1_ms", f"k{k}_ms") if t[key] is not None]
+        fastest = min(times) if times else None
         gain = f"{fastest / best:.3f}x" if fastest and best else "-"
         lines.append(f"{name:<10}{cells[0]:>15}{cells[1]:>18}{gain:>15}")
     lines.append("(hidup speedup: this plan's best time, with or without Duplex, over hidup's)")

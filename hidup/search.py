@@ -54,7 +54,7 @@ class _Label(NamedTuple):  # a NamedTuple: the search makes hundreds of thousand
 @dataclass(frozen=True)
 class SearchResult:
     strategy: Strategy
-    k: int
+    k: int  # micro-batches of the chosen plan: k, or 1 where Duplex does not pay
     dp_cost: float  # the dynamic programme's own estimate of the chosen plan (s), if it chose one
     estimate: Estimate  # the fast estimate of the chosen plan, as lowered
     candidates: tuple[tuple[str, float], ...]  # (name, estimated step time) of every plan ranked
@@ -238,11 +238,12 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
            objective: str = "time", beam: int = 16, keep: int = 3,
            baselines: dict[str, Strategy] | None = None) -> SearchResult:
     """The best plan: the dynamic programme's `keep` cheapest plans and the `baselines`, each lowered
-    with k micro-batches and ranked by the fast estimate (objective 'comm': by its own count)."""
+    with k micro-batches and with one, ranked by the fast estimate (objective 'comm': by its own
+    count)."""
     started = time.perf_counter()
     dp = Search(graph, world, profile, k, memory, objective, beam)
     finals = dp.run()
-    ranked: list[tuple[float, str, Strategy, float, Estimate]] = []
+    ranked: list[tuple[float, str, Strategy, float, Estimate, int]] = []
     seen: list[dict] = []
     for j, label in enumerate(finals):
         strategy = dp.strategy(label, "hidup" if objective == "time" else "min-comm")
@@ -258,18 +259,21 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
     if not ranked:
         raise ValueError("search: no plan could be lowered for this model and world size")
     ranked.sort(key=lambda r: r[0] if objective == "time" else r[3])
-    _, _, best, dp_cost, est = ranked[0]
+    _, _, best, dp_cost, est, best_k = ranked[0]
     log.info("search: %d labels, %d plans ranked in %.2f s", dp.labels, len(ranked),
              time.perf_counter() - started)
-    return SearchResult(best, k, dp_cost, est, tuple((r[1], r[0]) for r in ranked),
+    return SearchResult(best, best_k, dp_cost, est, tuple((r[1], r[0]) for r in ranked),
                         time.perf_counter() - started, dp.labels)
 
 
 def _rank(ranked, graph, strategy, world, k, profile, name, dp_cost) -> None:
-    try:
-        program = lower(graph, strategy, world, k)
-    except (LoweringError, ValueError) as exc:
-        log.info("plan %s cannot be lowered: %s", name, exc)
-        return
-    est = estimate(program, profile)
-    ranked.append((est.step_time, name, strategy, dp_cost, est))
+    """Estimate the plan with k micro-batches and without (Duplex pays only where it hides more
+    than it costs); add each variant that lowers."""
+    for kk in sorted({1, k}):
+        try:
+            program = lower(graph, strategy, world, kk)
+        except (LoweringError, ValueError) as exc:
+            log.info("plan %s with k=%d cannot be lowered: %s", name, kk, exc)
+            continue
+        est = estimate(program, profile)
+        ranked.append((est.step_time, f"{name} k={kk}", strategy, dp_cost, est, kk))
