@@ -24,6 +24,7 @@ from typing import NamedTuple
 from hidup.capture import Graph, Node
 from hidup.estimate import Estimate, estimate
 from hidup.flops import backward_flops, forward_flops
+from hidup.memory import peak_memory
 from hidup.placement import Partial, Placement, R, Replicate, ShardingOption
 from hidup.profile import Profile
 from hidup.program import LoweringError, local_shape, lower
@@ -127,7 +128,7 @@ class Search:
         for t, p in zip(node.inputs, opt.inputs):
             if self.g.node(t).kind == "param":
                 size = self.nbytes(t, p)
-                memory += 3 * size  # parameter, gradient, optimizer state
+                memory += 2 * size  # parameter and gradient (SGD keeps no state)
                 if p == R and opt.output != R:  # its gradient is a Partial sum: all-reduced
                     grads += size if self.objective == "comm" else \
                         self.profile.collective_time("all_reduce", size, self.group)
@@ -251,13 +252,14 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
             continue  # the same plan reached through another state
         seen.append(strategy.options)
         check(graph, strategy)
-        _rank(ranked, graph, strategy, world, k, profile, f"search#{j}", label.cost)
+        _rank(ranked, graph, strategy, world, k, profile, f"search#{j}", label.cost, dp.memory)
         if len(seen) == keep:
             break
     for name, strategy in (baselines or {}).items():
-        _rank(ranked, graph, strategy, world, k, profile, name, math.nan)
+        _rank(ranked, graph, strategy, world, k, profile, name, math.nan, dp.memory)
     if not ranked:
-        raise ValueError("search: no plan could be lowered for this model and world size")
+        raise ValueError(f"search: no plan fits in {dp.memory / 2**30:.3g} GiB per device and "
+                         f"lowers for this model and world size")
     ranked.sort(key=lambda r: r[0] if objective == "time" else r[3])
     _, _, best, dp_cost, est, best_k = ranked[0]
     log.info("search: %d labels, %d plans ranked in %.2f s", dp.labels, len(ranked),
@@ -266,14 +268,19 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
                         time.perf_counter() - started, dp.labels)
 
 
-def _rank(ranked, graph, strategy, world, k, profile, name, dp_cost) -> None:
+def _rank(ranked, graph, strategy, world, k, profile, name, dp_cost, memory) -> None:
     """Estimate the plan with k micro-batches and without (Duplex pays only where it hides more
-    than it costs); add each variant that lowers."""
+    than it costs); add each variant that lowers and fits in `memory` bytes per device."""
     for kk in sorted({1, k}):
         try:
             program = lower(graph, strategy, world, kk)
         except (LoweringError, ValueError) as exc:
             log.info("plan %s with k=%d cannot be lowered: %s", name, kk, exc)
+            continue
+        peak = peak_memory(program).peak
+        if peak > memory:
+            log.info("plan %s with k=%d needs %.3g GiB per device: over the limit", name, kk,
+                     peak / 2**30)
             continue
         est = estimate(program, profile)
         ranked.append((est.step_time, f"{name} k={kk}", strategy, dp_cost, est, kk))

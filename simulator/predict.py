@@ -17,7 +17,7 @@ from hidup.models import capture_model
 from hidup.program import lower
 from hidup.strategy import Strategy, resolve_strategy, save_plan
 from simulator.engine import Result, simulate
-from simulator.memory import MemoryReport, peak_memory
+from hidup.memory import MemoryReport, peak_memory
 from simulator.montecarlo import Interval, step_time_interval
 from hidup.profile import Profile, load_profile
 from simulator.trace import write_trace

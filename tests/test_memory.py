@@ -9,7 +9,7 @@ from hidup.models import capture_model, get_model
 from hidup.placement import Partial, R, Shard
 from hidup.program import Compute, Convert, Program, Wait, lower
 from hidup.strategy import data_parallel, megatron
-from simulator.memory import peak_memory
+from hidup.memory import peak_memory
 
 
 def _fwd(i, node, op, inputs, in_shapes, out_shape, output):

@@ -84,3 +84,15 @@ def test_plan_cli_writes_a_plan_that_loads(tmp_path, capsys):
     assert strategy.options == {n: s for n, s in strategy.options.items()}
     assert plan_main(["--model", "nope:tiny"]) == 2
     assert "unknown model 'nope'" in capsys.readouterr().err
+
+
+def test_a_plan_that_does_not_fit_is_never_returned():
+    from hidup.memory import peak_memory
+    spec = get_model("bert-sgmoe:tiny", gpus=2)
+    graph = capture_model(spec, spec.batch)
+    profile = load_profile(PROFILE)
+    base = baselines(graph, 2)
+    ddp_peak = min(peak_memory(lower(graph, base["ddp"], 2, k)).peak for k in (1, 2))
+    found = search(graph, 2, profile, k=2, memory=ddp_peak - 1, baselines=base)
+    assert peak_memory(lower(graph, found.strategy, 2, found.k)).peak <= ddp_peak - 1
+    assert found.strategy.options != base["ddp"].options
