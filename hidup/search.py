@@ -246,14 +246,17 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
     finals = dp.run()
     ranked: list[tuple[float, str, Strategy, float, Estimate, int]] = []
     seen: list[dict] = []
-    for j, label in enumerate(finals):
+    for j, label in enumerate(finals[:10 * keep]):
         strategy = dp.strategy(label, "hidup" if objective == "time" else "min-comm")
         if strategy.options in seen:
             continue  # the same plan reached through another state
         seen.append(strategy.options)
         check(graph, strategy)
+        before = len(ranked)
         _rank(ranked, graph, strategy, world, k, profile, f"search#{j}", label.cost, dp.memory)
-        if len(seen) == keep:
+        if len(ranked) > before:  # it fits: the DP's memory model is an estimate, this is not
+            keep -= 1
+        if keep == 0:
             break
     for name, strategy in (baselines or {}).items():
         _rank(ranked, graph, strategy, world, k, profile, name, math.nan, dp.memory)
