@@ -86,8 +86,8 @@ class Lowering:
                     for m in self.mbs(node.name):
                         key = gkey(t, p, self.in_mb(t, m))
                         self.expected[key] = self.expected.get(key, 0) + 1
-        for t in self.has_grad:
-            for p in self.converted(t):
+        for t in self.has_grad:  # each conversion's backward adds once to t's own gradient
+            for _ in self.converted(t):
                 for m in self.mbs(t):
                     key = gkey(t, self.s.home(t), m)
                     self.expected[key] = self.expected.get(key, 0) + 1

@@ -2,13 +2,11 @@
 tagged with its micro-batch. `lower` builds it; the executor runs it, the simulator times it."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from hidup.capture import Graph
-from hidup.flops import backward_flops, forward_flops
-from hidup.placement import Partial, Placement, R, Replicate, Shard, ShardingOption
-from hidup.strategy import Strategy, conversion, microbatch_split
+from hidup.placement import Placement, Shard, ShardingOption
+from hidup.strategy import Strategy
 
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 

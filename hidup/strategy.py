@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hidup import ops
 from hidup.capture import Graph, Node
-from hidup.placement import (P, R, Partial, Placement, Replicate, Shard, ShardingOption,
+from hidup.placement import (R, Partial, Placement, Replicate, Shard, ShardingOption,
                              parse_option, parse_placement)
 
 PLAN_FORMAT, PLAN_VERSION = "hidup-plan", 1
@@ -250,7 +250,3 @@ def load_plan(path: Path, graph: Graph, world: int) -> Strategy:
                         {n: parse_option(o) for n, o in doc["options"].items()})
     check(graph, strategy)
     return strategy
-
-
-__all__ = ["P", "R", "Shard", "Strategy", "PlanError", "conversion", "propagate", "data_parallel",
-           "megatron", "expert_parallel", "microbatch_split", "fixed_strategy", "resolve_strategy", "save_plan", "load_plan", "check"]
