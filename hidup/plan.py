@@ -9,6 +9,7 @@ import json
 import logging
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from hidup.estimate import estimate
@@ -62,7 +63,8 @@ def plan(args) -> dict:
     log.info("min-comm search: %.2f s", time.perf_counter() - started)
     found = search(graph, args.gpus, profile, args.micro_batches, memory, beam=args.beam,
                    baselines=baselines)
-    rows = {"hidup": _times(graph, found.strategy, args.gpus, args.micro_batches, profile)}
+    chosen = replace(found.strategy, name=f"hidup({found.candidates[0][0].split()[0]})")
+    rows = {"hidup": _times(graph, chosen, args.gpus, args.micro_batches, profile)}
     rows["hidup"]["chosen_k"] = found.k
     rows.update({n: _times(graph, s, args.gpus, args.micro_batches, profile)
                  for n, s in baselines.items()})
@@ -71,7 +73,7 @@ def plan(args) -> dict:
             "duplex": found.k > 1,
             "search_seconds": found.seconds, "labels": found.states,
             "dp_estimate_ms": found.dp_cost * 1e3, "plans": rows,
-            "strategy": found.strategy, "graph": graph}
+            "strategy": chosen, "graph": graph}
 
 
 def _times(graph, strategy, world, k, profile) -> dict:
