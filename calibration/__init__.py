@@ -1,1 +1,2 @@
-"""Calibration: fitting simulator Profiles from microbenchmarks and profiler traces (issue 6)."""
+"""Calibration: reading real profiler traces (calibration/trace.py) and, next, fitting simulator
+Profiles from them and from microbenchmarks on the user's cluster."""

@@ -1,0 +1,115 @@
+"""Read PyTorch-profiler Chrome traces (gzip JSON or JSON): per profiled step, the wall time, the
+GPU computation, the communication (NCCL kernels and device-to-device copies) and the share of
+communication hidden under computation, as the paper's Table III defines them."""
+from __future__ import annotations
+
+import gzip
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class TraceError(ValueError):
+    """A trace file is missing, unreadable or not a PyTorch-profiler Chrome trace."""
+
+
+@dataclass(frozen=True)
+class StepBreakdown:
+    wall: float  # seconds
+    computation: float
+    communication: float
+    overlap: float  # share of communication under computation
+
+    def __str__(self) -> str:
+        return (f"step {self.wall * 1e3:.1f} ms: computation {self.computation * 1e3:.1f} ms, "
+                f"communication {self.communication * 1e3:.1f} ms, overlap {self.overlap:.0%}")
+
+
+def load_trace(path: Path) -> list[dict]:
+    """The trace's events; a missing or corrupt file is a one-line TraceError."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+        text = gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw
+        doc = json.loads(text)
+    except (OSError, EOFError, gzip.BadGzipFile, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise TraceError(f"trace {path}: cannot read it ({exc}); give a PyTorch-profiler Chrome "
+                         f"trace (.json or .json.gz)") from exc
+    events = doc.get("traceEvents") if isinstance(doc, dict) else None
+    if not isinstance(events, list):
+        raise TraceError(f"trace {path}: no \"traceEvents\" list; not a Chrome trace")
+    return events
+
+
+def is_communication(event: dict) -> bool:
+    name = event.get("name", "")
+    return name.startswith("ncclKernel") or name.startswith("ncclDevKernel") or (
+        event.get("cat") == "Memcpy" and "DtoD" in name)
+
+
+def gpu_events(events: list[dict]) -> list[dict]:
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") in ("Kernel", "Memcpy")]
+
+
+def steps(events: list[dict]) -> list[dict]:
+    found = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")
+             and e.get("ph") == "X"]
+    if not found:
+        raise TraceError("the trace has no ProfilerStep# ranges; profile with a schedule "
+                         "(torch.profiler.schedule) so that steps are marked")
+    return sorted(found, key=lambda e: e["ts"])
+
+
+def breakdown(events: list[dict]) -> StepBreakdown:
+    """Mean over the profiled steps of wall time, computation, communication and overlap."""
+    marks = steps(events)
+    gpu = gpu_events(events)
+    rows = []
+    for i, step in enumerate(marks):
+        start = step["ts"]
+        end = marks[i + 1]["ts"] if i + 1 < len(marks) else step["ts"] + step["dur"]
+        inside = [e for e in gpu if start <= e["ts"] < end]
+        comm = [(e["ts"], e["ts"] + e["dur"]) for e in inside if is_communication(e)]
+        comp = _union([(e["ts"], e["ts"] + e["dur"]) for e in inside if not is_communication(e)])
+        computation = sum(b - a for a, b in comp)  # busy time: two streams count once
+        communication = sum(b - a for a, b in comm)
+        hidden = sum(_covered(a, b, comp) for a, b in comm)
+        rows.append((step["dur"], computation, communication, hidden))
+    wall, computation, communication, hidden = (statistics.fmean(c) for c in zip(*rows))
+    return StepBreakdown(wall * 1e-6, computation * 1e-6, communication * 1e-6,
+                         hidden / communication if communication else 0.0)
+
+
+def _union(intervals):
+    merged = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def _covered(a: float, b: float, merged) -> float:
+    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in merged if x < b and y > a)
+
+
+def main(argv=None) -> int:
+    """`python -m calibration.trace TRACE...`: the step breakdown of each trace."""
+    import argparse
+    import sys
+    ap = argparse.ArgumentParser(prog="python -m calibration.trace", description=__doc__)
+    ap.add_argument("traces", nargs="+", type=Path, help="PyTorch-profiler Chrome traces")
+    args = ap.parse_args(argv)
+    try:
+        for path in args.traces:
+            print(f"{path}: {breakdown(load_trace(path))}")
+    except TraceError as exc:
+        print(f"python -m calibration.trace: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
