@@ -9,6 +9,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from simulator.intervals import covered, union
+
 
 class TraceError(ValueError):
     """A trace file is missing, unreadable or not a PyTorch-profiler Chrome trace."""
@@ -71,28 +73,14 @@ def breakdown(events: list[dict]) -> StepBreakdown:
         end = marks[i + 1]["ts"] if i + 1 < len(marks) else step["ts"] + step["dur"]
         inside = [e for e in gpu if start <= e["ts"] < end]
         comm = [(e["ts"], e["ts"] + e["dur"]) for e in inside if is_communication(e)]
-        comp = _union([(e["ts"], e["ts"] + e["dur"]) for e in inside if not is_communication(e)])
+        comp = union([(e["ts"], e["ts"] + e["dur"]) for e in inside if not is_communication(e)])
         computation = sum(b - a for a, b in comp)  # busy time: two streams count once
         communication = sum(b - a for a, b in comm)
-        hidden = sum(_covered(a, b, comp) for a, b in comm)
+        hidden = sum(covered(a, b, comp) for a, b in comm)
         rows.append((step["dur"], computation, communication, hidden))
     wall, computation, communication, hidden = (statistics.fmean(c) for c in zip(*rows))
     return StepBreakdown(wall * 1e-6, computation * 1e-6, communication * 1e-6,
                          hidden / communication if communication else 0.0)
-
-
-def _union(intervals):
-    merged = []
-    for a, b in sorted(intervals):
-        if merged and a <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-        else:
-            merged.append((a, b))
-    return merged
-
-
-def _covered(a: float, b: float, merged) -> float:
-    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in merged if x < b and y > a)
 
 
 def main(argv=None) -> int:

@@ -13,7 +13,7 @@ from hidup.models import capture_model, get_model
 from hidup.profile import load_profile
 from hidup.program import LoweringError, lower
 from hidup.search import search
-from hidup.strategy import FIXED
+from hidup.strategy import fixed_strategies
 from simulator import simulate
 
 log = logging.getLogger(__name__)
@@ -42,12 +42,7 @@ def simulated_ms(graph, strategy, gpus, k, profile) -> float | None:
 def compare(model: str, gpus: int, profile, memory: float) -> dict:
     spec = get_model(model, gpus=gpus)
     graph = capture_model(spec, spec.batch)
-    baselines = {}
-    for name, make in FIXED.items():
-        try:
-            baselines[name] = make(graph, gpus)
-        except ValueError:
-            pass
+    baselines = fixed_strategies(graph, gpus)
     baselines["min-comm"] = search(graph, gpus, profile, 1, memory, objective="comm").strategy
     found = search(graph, gpus, profile, 2, memory, baselines=baselines)
     row = {"model": model, "gpus": gpus, "chosen": found.candidates[0][0],

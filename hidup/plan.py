@@ -17,7 +17,7 @@ from hidup.models import capture_model, get_model, names
 from hidup.profile import load_profile
 from hidup.program import LoweringError, lower
 from hidup.search import search
-from hidup.strategy import FIXED, Strategy, save_plan
+from hidup.strategy import fixed_strategies, save_plan
 
 log = logging.getLogger(__name__)
 PROG = "python -m hidup.plan"
@@ -50,12 +50,7 @@ def plan(args) -> dict:
     spec = get_model(args.model, gpus=args.gpus)
     batch = args.batch or spec.batch
     graph = capture_model(spec, batch)
-    baselines: dict[str, Strategy] = {}
-    for name, make in FIXED.items():
-        try:
-            baselines[name] = make(graph, args.gpus)
-        except ValueError as exc:
-            log.info("baseline %s does not apply: %s", name, exc)
+    baselines = fixed_strategies(graph, args.gpus)
     memory = args.memory * 2**30
     started = time.perf_counter()
     mincomm = search(graph, args.gpus, profile, 1, memory, objective="comm", beam=args.beam)

@@ -190,6 +190,17 @@ def expert_parallel(graph: Graph, world: int, batch_dim: int = 0) -> Strategy:
 FIXED = {"ddp": data_parallel, "megatron": megatron, "expert": expert_parallel}
 
 
+def fixed_strategies(graph: Graph, world: int) -> dict[str, Strategy]:
+    """Every fixed strategy that applies to the model (expert needs expert weights)."""
+    out = {}
+    for name, make in FIXED.items():
+        try:
+            out[name] = make(graph, world)
+        except ValueError:
+            continue
+    return out
+
+
 def fixed_strategy(name: str, graph: Graph, world: int) -> Strategy:
     if name not in FIXED:
         raise ValueError(f"unknown strategy {name!r}; choose one of {sorted(FIXED)} or a plan file")

@@ -10,7 +10,6 @@ where the executor's collectives are the identity).
 """
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -19,6 +18,7 @@ import simpy
 
 from hidup.program import Compute, Convert, Program, Wait
 from hidup.profile import Profile
+from simulator.intervals import covered, union
 
 log = logging.getLogger(__name__)
 
@@ -266,32 +266,11 @@ class _Device:
 def _result(records: list[list[Record]], comm_stream: int) -> Result:
     ends = [r.end for rank in records for r in rank]
     mine = records[0] if records else []
-    busy = _union([(r.start, r.end) for r in mine if r.stream != comm_stream])
+    busy = union([(r.start, r.end) for r in mine if r.stream != comm_stream])
     comm = [(r.start, r.end) for r in mine if r.stream == comm_stream]
     communication = sum(e - s for s, e in comm)
-    overlapped = sum(_covered(s, e, busy) for s, e in comm)
+    overlapped = sum(covered(s, e, busy) for s, e in comm)
     return Result(max(ends, default=0.0), sum(e - s for s, e in busy), communication,
                   overlapped / communication if communication > 0 else 0.0,
                   communication - overlapped, comm_stream,
                   tuple(tuple(rank) for rank in records))
-
-
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Sorted, disjoint intervals covering the same time as `intervals`."""
-    merged: list[tuple[float, float]] = []
-    for s, e in sorted(intervals):
-        if merged and s <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
-        else:
-            merged.append((s, e))
-    return merged
-
-
-def _covered(start: float, end: float, busy: list[tuple[float, float]]) -> float:
-    """How much of [start, end] the disjoint intervals `busy` cover."""
-    total, i = 0.0, bisect.bisect_right(busy, (start, start))
-    i = max(i - 1, 0)  # the interval before may reach into [start, end]
-    while i < len(busy) and busy[i][0] < end:
-        total += max(0.0, min(end, busy[i][1]) - max(start, busy[i][0]))
-        i += 1
-    return total

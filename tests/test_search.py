@@ -12,20 +12,14 @@ from hidup.plan import main as plan_main
 from hidup.profile import load_profile
 from hidup.program import lower
 from hidup.search import search
-from hidup.strategy import FIXED, load_plan
+from hidup.strategy import fixed_strategies, load_plan
 from simulator import simulate
 
 PROFILE = "v100-8x8-10gbps"
 
 
 def baselines(graph, world):
-    out = {}
-    for name, make in FIXED.items():
-        try:
-            out[name] = make(graph, world)
-        except ValueError:
-            pass
-    return out
+    return fixed_strategies(graph, world)
 
 
 @pytest.mark.parametrize("name", [n for n in names() if n.endswith(":tiny")])
