@@ -3,11 +3,12 @@ of it ran while another micro-batch was computing: `python -m experiments.trace_
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from calibration.trace import TraceError, load_trace
 
 _ISSUE = re.compile(r"^(all_gather|all_reduce|reduce_scatter|all_to_all) (\S+)(?: mb(\d+))?$")
 _COMPUTE = re.compile(r"^(fwd|bwd) (\S+) mb(\d+)$")
@@ -27,11 +28,8 @@ class Overlap:
 
 
 def load_events(path: Path) -> list[dict]:
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SystemExit(f"trace_overlap: cannot read trace {path}: {exc}")
-    return [e for e in doc.get("traceEvents", []) if e.get("ph") == "X"]
+    """The trace's complete events ("ph": "X"); a bad file raises TraceError."""
+    return [e for e in load_trace(path) if e.get("ph") == "X"]
 
 
 def overlaps(events: list[dict]) -> list[Overlap]:
@@ -60,7 +58,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.trace_overlap", description=__doc__)
     ap.add_argument("trace", type=Path, help="Chrome trace written by hidup.train --trace")
     args = ap.parse_args(argv)
-    found = overlaps(load_events(args.trace))
+    try:
+        found = overlaps(load_events(args.trace))
+    except TraceError as exc:
+        print(f"python -m experiments.trace_overlap: error: {exc}", file=sys.stderr)
+        return 2
     for o in found:
         print(o)
     total = sum(o.end_us - o.start_us for o in found)

@@ -13,7 +13,7 @@ from hidup.capture import Graph
 from hidup.flops import backward_flops, forward_flops
 from hidup.placement import Partial, Placement, R, Replicate, Shard
 from hidup.program import (BUCKET_BYTES, COLLECTIVES, Compute, Convert, Program, Task, Wait,
-                           gkey, local_shape, vkey)
+                           gkey, tensor_nbytes, tensor_shape, vkey)
 from hidup.strategy import Strategy, conversion, microbatch_split
 
 
@@ -49,11 +49,10 @@ class Lowering:
         return None if isinstance(self.mb_place(t), Replicate) else m
 
     def shape(self, t: str, p: Placement) -> tuple[int, ...]:
-        return local_shape(self.g.node(t).out.shape, p, self.mb_place(t), self.world, self.k,
-                           f"tensor {t} as {p}")
+        return tensor_shape(self.g, self.mbs_split, t, p, self.world, self.k)
 
     def nbytes(self, t: str, p: Placement) -> int:
-        return math.prod(self.shape(t, p)) * self.g.node(t).out.itemsize
+        return tensor_nbytes(self.g, self.mbs_split, t, p, self.world, self.k)
 
     # -- gradients: which tensors get one, and replicated gradients' kind (R or P) ------------
     def _grad_analysis(self) -> None:

@@ -2,6 +2,7 @@
 tagged with its micro-batch. `lower` builds it; the executor runs it, the simulator times it."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from hidup.capture import Graph
@@ -133,6 +134,19 @@ def local_shape(shape, placement: Placement, mb_placement: Placement, world: int
 
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default gradient bucket
+
+
+def tensor_shape(graph: Graph, mb_split: Strategy, t: str, p: Placement, world: int,
+                 k: int) -> tuple[int, ...]:
+    """Local shape of tensor t held as p, with the micro-batch split `mb_split` gives it."""
+    return local_shape(graph.node(t).out.shape, p, mb_split.home(t), world, k,
+                       f"tensor {t} as {p}")
+
+
+def tensor_nbytes(graph: Graph, mb_split: Strategy, t: str, p: Placement, world: int,
+                  k: int) -> int:
+    shape = tensor_shape(graph, mb_split, t, p, world, k)
+    return math.prod(shape) * graph.node(t).out.itemsize
 
 
 def lower(graph: Graph, strategy: Strategy, world: int, k: int = 1, model: str = "",

@@ -27,7 +27,7 @@ from hidup.flops import backward_flops, forward_flops
 from hidup.memory import peak_memory
 from hidup.placement import Partial, Placement, R, Replicate, ShardingOption
 from hidup.profile import Profile
-from hidup.program import LoweringError, local_shape, lower
+from hidup.program import LoweringError, lower, tensor_nbytes, tensor_shape
 from hidup.strategy import (Strategy, check, conversion, fitting_options, microbatch_split)
 
 log = logging.getLogger(__name__)
@@ -87,10 +87,10 @@ class Search:
 
     # -- costs --------------------------------------------------------------------------------
     def shape(self, t: str, p: Placement) -> tuple[int, ...]:
-        return local_shape(self.g.node(t).out.shape, p, self.mbs.home(t), self.world, self.k, t)
+        return tensor_shape(self.g, self.mbs, t, p, self.world, self.k)
 
     def nbytes(self, t: str, p: Placement) -> int:
-        return math.prod(self.shape(t, p)) * self.g.node(t).out.itemsize
+        return tensor_nbytes(self.g, self.mbs, t, p, self.world, self.k)
 
     def per_mb(self, t: str) -> float:
         """Share of a once-per-step cost carried by one micro-batch."""
@@ -137,15 +137,15 @@ class Search:
     # -- the dynamic programme ----------------------------------------------------------------
     def run(self) -> list[_Label]:
         states: dict[tuple, list[_Label]] = {(): [_Label(0.0, 0.0, 0.0)]}
-        for i, node in enumerate(self.g.ops):
-            states = self.extend(states, node, i)
+        for node in self.g.ops:
+            states = self.extend(states, node)
             if not states:
                 raise ValueError(f"search: no option of node {node.name} ({node.op}) fits in "
                                  f"{self.memory / 2**30:.3g} GiB per device or divides evenly")
         finals = [label for labels in states.values() for label in labels]
         return sorted(finals, key=lambda lab: lab.cost)
 
-    def extend(self, states, node: Node, i: int) -> dict[tuple, list[_Label]]:
+    def extend(self, states, node: Node) -> dict[tuple, list[_Label]]:
         """Every label of every state, extended by every option of the node."""
         options = []
         for opt in fitting_options(self.g, node, self.world):
