@@ -24,6 +24,7 @@ PROFILE_FORMAT, PROFILE_VERSION = "hidup-profile", 2
 _SCALARS = ("flops", "mem_bandwidth", "op_overhead", "gpus_per_node")
 _KEYS = {"format", "version", "name", "source", "collectives", "inter_node", "interference",
          *_SCALARS}
+_OPTIONAL = {"provenance"}  # where a measured profile was taken: host, devices, date, versions
 
 
 class ProfileError(ValueError):
@@ -65,6 +66,7 @@ class Profile:
     inter_node: dict[str, LinkCost] | None = field(default=None, hash=False)
     interference_compute: float = 1.0  # kernels run this much longer while a collective runs
     interference_comm: float = 1.0  # collectives run this much longer while a kernel runs
+    provenance: dict | None = field(default=None, hash=False, compare=False)
 
     def compute_time(self, task: Compute | Convert) -> float:
         """Seconds of a kernel on a compute stream: a Compute, or a local slice / alias."""
@@ -102,6 +104,8 @@ class Profile:
             if doc[tier] is not None:
                 doc[tier] = {k: {"alpha": c["alpha"], "bus_bandwidth": c["beta"]}
                              for k, c in doc[tier].items()}
+        if doc["provenance"] is None:
+            del doc["provenance"]
         return doc
 
     def to_json(self) -> str:
@@ -155,10 +159,15 @@ def from_dict(doc, where: str = "profile") -> Profile:
     if doc.get("version") != PROFILE_VERSION:
         raise ProfileError(f"{where}: version {doc.get('version')}, this HiDup reads version "
                            f"{PROFILE_VERSION}; re-create the profile")
-    unknown, missing = sorted(set(doc) - _KEYS), sorted(_KEYS - set(doc))
+    unknown, missing = sorted(set(doc) - _KEYS - _OPTIONAL), sorted(_KEYS - set(doc))
     if unknown or missing:
         what = f"unknown keys {unknown}" if unknown else f"missing keys {missing}"
-        raise ProfileError(f"{where}: {what}; the keys are {sorted(_KEYS)}")
+        raise ProfileError(f"{where}: {what}; the keys are {sorted(_KEYS)} (optional: "
+                           f"{sorted(_OPTIONAL)})")
+    provenance = doc.get("provenance")
+    if provenance is not None and not isinstance(provenance, dict):
+        raise ProfileError(f"{where}: \"provenance\" must be an object (host, devices, date, "
+                           f"versions), got {type(provenance).__name__}")
     values = {k: _number(doc[k], k, where, zero_ok=k == "op_overhead") for k in _SCALARS}
     if values["gpus_per_node"] != int(values["gpus_per_node"]):
         raise ProfileError(f"{where}: gpus_per_node must be a whole number")
@@ -173,7 +182,7 @@ def from_dict(doc, where: str = "profile") -> Profile:
     return Profile(str(doc["name"]), str(doc["source"]), values["flops"],
                    values["mem_bandwidth"], values["op_overhead"],
                    _collectives(doc["collectives"], where), int(values["gpus_per_node"]), inter,
-                   slow["compute"], slow["communication"])
+                   slow["compute"], slow["communication"], provenance)
 
 
 def _collectives(doc, where: str, tier: str = "collectives") -> dict[str, LinkCost]:
