@@ -44,6 +44,10 @@ class Executor:
                  params: dict[str, torch.Tensor], lr: float = 0.01,
                  device: torch.device | str = "cpu", group=None,
                  buffers: dict[str, torch.Tensor] | None = None):
+        split = next((t for t in program.collectives if t.groups), None)
+        if split is not None:
+            raise ValueError(f"task {split} runs in sub-groups {split.groups}: the executor runs "
+                             f"world-spanning collectives only (a Program from hidup.program.lower)")
         self.g, self.s, self.p = graph, strategy, program
         self.world, self.k, self.device = program.world, program.k, torch.device(device)
         self.group = group

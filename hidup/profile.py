@@ -6,7 +6,8 @@ Collectives follow NCCL's ring formulas on a group of n ranks: all-gather, reduc
 all-to-all take (n-1) steps and move (n-1)/n of the tensor per rank; all-reduce takes the cheaper
 of a ring (2(n-1) steps, 2(n-1)/n of the tensor) and a tree (2 ceil(log2 n) steps, twice the
 tensor). A group inside one machine uses the intra-node tier; a group that spans machines is
-bound by the inter-node tier."""
+bound by the inter-node tier, whose bus bandwidth is each machine's link to the others: groups
+crossing it at the same time share it (the simulator divides the transfer part among them)."""
 from __future__ import annotations
 
 import json
@@ -40,13 +41,18 @@ class LinkCost:
 
     def time(self, kind: str, nbytes: float, n: int) -> float:
         """Seconds for a group of n ranks on a tensor of nbytes (the whole tensor)."""
+        return sum(self.split(kind, nbytes, n))
+
+    def split(self, kind: str, nbytes: float, n: int) -> tuple[float, float]:
+        """(latency, transfer) seconds: the steps' latency, and the bytes at the bus bandwidth
+        (the part that groups sharing a link share)."""
         if n <= 1:
-            return 0.0
+            return 0.0, 0.0
         if kind == "all_reduce":
-            ring = 2 * (n - 1) * self.alpha + 2 * (n - 1) / n * nbytes / self.beta
-            tree = 2 * math.ceil(math.log2(n)) * self.alpha + 2 * nbytes / self.beta
-            return min(ring, tree)
-        return (n - 1) * self.alpha + (n - 1) / n * nbytes / self.beta
+            ring = 2 * (n - 1) * self.alpha, 2 * (n - 1) / n * nbytes / self.beta
+            tree = 2 * math.ceil(math.log2(n)) * self.alpha, 2 * nbytes / self.beta
+            return min(ring, tree, key=sum)
+        return (n - 1) * self.alpha, (n - 1) / n * nbytes / self.beta
 
     def __str__(self) -> str:
         return f"{self.alpha * 1e6:g} us/step, {self.beta / 1e9:g} GB/s bus"
@@ -84,16 +90,25 @@ class Profile:
 
     def collective_time(self, kind: str, nbytes: float, group: tuple[int, ...]) -> float:
         """Seconds of one collective of `kind` on a tensor of `nbytes` over the ranks `group`."""
+        return sum(self.collective_split(kind, nbytes, group))
+
+    def collective_split(self, kind: str, nbytes: float,
+                         group: tuple[int, ...]) -> tuple[float, float]:
+        """(latency, transfer) seconds of one collective alone on its links (LinkCost.split)."""
         tier = self.tier(group)
         if kind not in tier:
             raise ProfileError(f"profile {self.name} has no figures for collective {kind!r}; "
                                f"add it under \"collectives\"")
-        return tier[kind].time(kind, nbytes, len(group))
+        return tier[kind].split(kind, nbytes, len(group))
+
+    def machines(self, group: tuple[int, ...]) -> tuple[int, ...]:
+        """The machines whose inter-node link a group crosses (none if it stays in one)."""
+        nodes = sorted({rank // self.gpus_per_node for rank in group})
+        return tuple(nodes) if len(nodes) > 1 and self.inter_node else ()
 
     def tier(self, group: tuple[int, ...]) -> dict[str, LinkCost]:
         """The intra-node figures, or the inter-node ones if the group spans machines."""
-        nodes = {rank // self.gpus_per_node for rank in group}
-        return self.inter_node if len(nodes) > 1 and self.inter_node else self.collectives
+        return self.inter_node if self.machines(group) else self.collectives
 
     def to_dict(self) -> dict:
         doc = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION}

@@ -54,16 +54,25 @@ class Convert:
     mb: int | None
     shape: tuple[int, ...]  # local input shape
     bytes: int  # the whole (gathered / reduced) tensor on one rank
-    group: tuple[int, ...]
+    group: tuple[int, ...]  # the ranks of rank 0's group (the world unless `groups` splits it)
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     root_only: tuple[str, ...] = ()
     stream: int = 0  # the compute stream that issues it (and runs it, if local)
     after: tuple[int, ...] = ()  # tasks on other compute streams to wait for (CUDA events)
+    # sub-groups: the world split into disjoint groups, each rank's collective runs in its own
+    # (a 2-D mesh's row or column). The simulator times them; `lower` makes world-spanning
+    # collectives only (a 1-D mesh), and the executor refuses sub-groups.
+    groups: tuple[tuple[int, ...], ...] = ()
 
     @property
     def collective(self) -> bool:
         return self.kind in COLLECTIVES
+
+    @property
+    def parts(self) -> tuple[tuple[int, ...], ...]:
+        """The groups that run this collective at once: `groups`, or the one `group`."""
+        return self.groups or (self.group,)
 
     def __str__(self) -> str:
         mb = "*" if self.mb is None else self.mb

@@ -7,6 +7,13 @@ communication stream runs the collectives in program order; each starts once the
 the earlier tasks that write its input have finished on the rank, and every rank of its group has
 got that far (rendezvous); it then takes the same time on all of them (none in a group of one,
 where the executor's collectives are the identity).
+
+A collective's time is its steps' latency, then its bytes at the link's bus bandwidth. A group
+that crosses machines moves those bytes over each of its machines' inter-node link; when the
+world is split into sub-groups (Convert.groups), several groups cross the same link at once and
+share it: each runs its transfer at 1/n of the speed while n groups load its busiest link
+(re-timed whenever one starts or ends). Interference slows kernels while a collective runs on the
+device and collectives while a kernel runs (the profile's factors).
 """
 from __future__ import annotations
 
@@ -69,17 +76,32 @@ class _Plan:
     streams: dict[int, tuple[Compute | Convert | Wait, ...]]
     collectives: tuple[Convert, ...]
     producers: dict[int, tuple[int, ...]]  # collective id -> earlier tasks writing its input
-    duration: dict[int, float]
+    duration: dict[int, float]  # compute-stream tasks
+    links: dict[tuple[int, int], tuple[float, float, tuple[int, ...]]]  # (collective, group
+    #   index) -> (latency, transfer, machines whose inter-node link it crosses)
+    part: dict[tuple[int, int], int]  # (collective, rank) -> index of the rank's group
     comm_stream: int
+
+    @property
+    def identical(self) -> bool:
+        """Every collective spans the world: all ranks do and wait for the same."""
+        return all(len(c.parts) == 1 for c in self.collectives)
+
+    @property
+    def shared_links(self) -> bool:
+        """Several groups of one collective cross machines: they can load a link together."""
+        return any(len(c.parts) > 1 and any(self.links[c.id, i][2] for i in range(len(c.parts)))
+                   for c in self.collectives)
 
 
 def simulate(program: Program, profile: Profile, all_ranks: bool = False,
              slow_ranks: dict[int, float] | None = None) -> Result:
-    """Run one step of `program` and measure it. Every rank runs the same tasks and every
-    collective spans the world, so the ranks are identical: one is simulated (all_ranks=True
-    simulates each of them, to the same result). `slow_ranks` {rank: factor} makes those ranks'
-    kernels take `factor` times longer (stragglers, noise): every rank is simulated then, and
-    collectives wait at the rendezvous for the slowest member."""
+    """Run one step of `program` and measure it. Every rank runs the same tasks; when every
+    collective spans the world the ranks are identical and one is simulated (all_ranks=True
+    simulates each of them, to the same result); sub-group collectives simulate them all.
+    `slow_ranks` {rank: factor} makes those ranks' kernels take `factor` times longer
+    (stragglers, noise): every rank is simulated then, and collectives wait at the rendezvous
+    for the slowest member."""
     plan = _plan(program, profile)
     env = simpy.Environment()
     slow = dict(slow_ranks or {})
@@ -87,7 +109,7 @@ def simulate(program: Program, profile: Profile, all_ranks: bool = False,
     if bad:
         raise SimulationError(f"slow_ranks {bad}: ranks must be in 0..{program.world - 1} and "
                               f"factors positive")
-    ranks = program.world if all_ranks or slow else 1
+    ranks = program.world if all_ranks or slow or not plan.identical else 1
     sim = _Sim(env, plan, ranks, profile, slow)
     started, events = time.perf_counter(), _run(env)
     elapsed = time.perf_counter() - started
@@ -114,10 +136,14 @@ def _plan(program: Program, profile: Profile) -> _Plan:
     ids = {c.id for c in collectives}
     streams: dict[int, list] = {0: []}
     duration: dict[int, float] = {}
+    links, part = {}, {}
     for task in program.tasks:
         if isinstance(task, Convert) and task.collective:
-            _check_group(task, program.world)
-            duration[task.id] = profile.collective_time(task.kind, task.bytes, task.group)
+            _check_groups(task, program.world)
+            for i, group in enumerate(task.parts):
+                links[task.id, i] = (*profile.collective_split(task.kind, task.bytes, group),
+                                     profile.machines(group))
+                part.update({(task.id, rank): i for rank in group})
             continue
         if isinstance(task, Wait) and task.collective not in ids:
             raise SimulationError(f"task {task}: #{task.collective} is not a collective of "
@@ -126,13 +152,15 @@ def _plan(program: Program, profile: Profile) -> _Plan:
             duration[task.id] = profile.compute_time(task)
         streams.setdefault(task.stream, []).append(task)
     return _Plan({s: tuple(q) for s, q in sorted(streams.items())}, collectives,
-                 _producers(program), duration, max(streams) + 1)
+                 _producers(program), duration, links, part, max(streams) + 1)
 
 
-def _check_group(task: Convert, world: int) -> None:
-    if set(task.group) != set(range(world)):
-        raise SimulationError(f"task {task}: group {task.group} is not all {world} ranks; every "
-                              f"rank runs every task, so each collective must span the world")
+def _check_groups(task: Convert, world: int) -> None:
+    ranks = sorted(r for group in task.parts for r in group)
+    if ranks != list(range(world)) or task.group not in task.parts:
+        raise SimulationError(f"task {task}: groups {task.parts} do not split the {world} ranks "
+                              f"into disjoint groups with rank 0's first; every rank runs every "
+                              f"task, so each rank must be in exactly one group")
 
 
 def _producers(program: Program) -> dict[int, tuple[int, ...]]:
@@ -156,14 +184,16 @@ class _Sim:
     def __init__(self, env: simpy.Environment, plan: _Plan, ranks: int, profile: Profile,
                  slow: dict[int, float] | None = None):
         self.env, self.plan, self.ranks, self.slow = env, plan, ranks, slow or {}
-        self.done = {(r, i): env.event() for r in range(ranks) for i in plan.duration}
-        self.arrived: dict[int, int] = {}
-        self.barrier = {c.id: env.event() for c in plan.collectives}
+        tasks = [*plan.duration, *(c.id for c in plan.collectives)]
+        self.done = {(r, i): env.event() for r in range(ranks) for i in tasks}
+        self.arrived: dict[tuple[int, int], int] = {}
+        self.barrier = {key: env.event() for key in plan.links}
         self.records: list[list[Record]] = [[] for _ in range(ranks)]
         self.slowdown = {"compute": profile.interference_compute,
                          "comm": profile.interference_comm}
         self.interfere = max(self.slowdown.values()) > 1.0
         self.devices = [_Device() for _ in range(ranks)]
+        self.links = _Links() if plan.shared_links else None
         # kernels of several compute streams take turns on the device (one at a time)
         self.kernels = ([simpy.Resource(env, capacity=1) for _ in range(ranks)]
                         if len(plan.streams) > 1 else None)
@@ -191,44 +221,63 @@ class _Sim:
             inputs = [self.done[rank, i] for i in self.plan.producers[task.id]]
             if inputs:
                 yield self.env.all_of(inputs)
-            yield self.arrive(task)
-            yield from self.execute(rank, self.plan.comm_stream, task)
+            key = (task.id, self.plan.part[task.id, rank])
+            yield self.arrive(key, len(task.parts[key[1]]))
+            latency, transfer, machines = self.plan.links[key]
+            start = self.env.now
+            if self.links is None or not machines:
+                yield from self.run(rank, self.plan.comm_stream, latency + transfer)
+            else:  # the transfer shares the machines' links with the groups crossing them
+                yield from self.run(rank, self.plan.comm_stream, latency)
+                yield from self.run(rank, self.plan.comm_stream, transfer, (key, machines))
+            self.finish(rank, self.plan.comm_stream, task, start)
 
-    def arrive(self, task: Convert) -> simpy.Event:
-        """This rank has reached `task`; the returned event fires when all its group has."""
-        self.arrived[task.id] = self.arrived.get(task.id, 0) + 1
-        if self.arrived[task.id] == min(len(task.group), self.ranks):
-            self.barrier[task.id].succeed()
-        return self.barrier[task.id]
+    def arrive(self, key: tuple[int, int], size: int) -> simpy.Event:
+        """This rank has reached collective `key` (id, group); the returned event fires when all
+        of its group has."""
+        self.arrived[key] = self.arrived.get(key, 0) + 1
+        if self.arrived[key] == min(size, self.ranks):
+            self.barrier[key].succeed()
+        return self.barrier[key]
 
     def execute(self, rank: int, stream: int, task: Compute | Convert):
         start = self.env.now
-        work = self.plan.duration[task.id]
-        if stream != self.plan.comm_stream:
-            work *= self.slow.get(rank, 1.0)
-        if self.interfere:
-            yield from self.run_slowed(self.devices[rank], stream, work)
-        else:
-            yield self.env.timeout(work)
+        yield from self.run(rank, stream, self.plan.duration[task.id] * self.slow.get(rank, 1.0))
+        self.finish(rank, stream, task, start)
+
+    def finish(self, rank: int, stream: int, task: Compute | Convert, start: float) -> None:
         self.records[rank].append(Record(task, stream, start, self.env.now))
         self.done[rank, task.id].succeed()
 
-    def run_slowed(self, device: _Device, stream: int, work: float):
-        """Run `work` seconds of full-speed work at the rate the other kind of stream allows:
-        re-timed whenever communication or computation starts or stops on the device."""
+    def run(self, rank: int, stream: int, work: float, flow=None):
+        """Run `work` seconds of full-speed work on `stream` of `rank`: at the rate the other kind
+        of stream allows (interference) and, for a transfer `flow` (key, machines), its share of
+        the loaded links; re-timed whenever one of those changes."""
+        if not self.interfere and flow is None:
+            yield self.env.timeout(work)
+            return
+        device = self.devices[rank] if self.interfere else None
         kind = "comm" if stream == self.plan.comm_stream else "compute"
         other = "compute" if kind == "comm" else "comm"
         me = self.env.active_process
-        device.begin(kind, me)
+        if device:
+            device.begin(kind, me)
+        if flow:
+            self.links.begin(*flow, me)
         while work > 1e-15:
-            rate = 1.0 / self.slowdown[kind] if device.busy(other) else 1.0
+            rate = 1.0 / self.slowdown[kind] if device and device.busy(other) else 1.0
+            if flow:
+                rate *= self.links.share(flow[0])
             began = self.env.now
             try:
                 yield self.env.timeout(work / rate)
                 work = 0.0
             except simpy.Interrupt:
                 work -= (self.env.now - began) * rate
-        device.end(kind, me)
+        if device:
+            device.end(kind, me)
+        if flow:
+            self.links.end(flow[0], me)
 
     def check_finished(self) -> None:
         """Every task ran on every rank; otherwise name the first task that never finished."""
@@ -261,6 +310,43 @@ class _Device:
             for process in list(self.running[other]):
                 if process.is_alive:
                     process.interrupt()
+
+
+class _Links:
+    """The machines' inter-node links and the group transfers crossing them: a transfer runs at
+    1/n of its speed while n transfers cross the busiest of its links (fair sharing)."""
+
+    def __init__(self):
+        self.members: dict[tuple, set] = {}  # transfer -> its ranks' running processes
+        self.machines: dict[tuple, tuple[int, ...]] = {}
+        self.load: dict[int, int] = {}  # machine -> transfers crossing its link
+
+    def share(self, key: tuple) -> float:
+        return 1.0 / max(self.load[m] for m in self.machines[key])
+
+    def begin(self, key: tuple, machines: tuple[int, ...], process) -> None:
+        if key not in self.members:  # a new transfer loads the links: the others slow down
+            self.members[key], self.machines[key] = set(), machines
+            for m in machines:
+                self.load[m] = self.load.get(m, 0) + 1
+            self._retime(machines)
+        self.members[key].add(process)
+
+    def end(self, key: tuple, process) -> None:
+        self.members[key].discard(process)
+        if not self.members[key]:  # its last rank is done: the others speed up
+            del self.members[key]
+            machines = self.machines.pop(key)
+            for m in machines:
+                self.load[m] -= 1
+            self._retime(machines)
+
+    def _retime(self, machines: tuple[int, ...]) -> None:
+        for key, processes in self.members.items():
+            if set(self.machines[key]) & set(machines):
+                for process in processes:
+                    if process.is_alive:
+                        process.interrupt()
 
 
 def _result(records: list[list[Record]], comm_stream: int) -> Result:

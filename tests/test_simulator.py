@@ -105,7 +105,7 @@ def test_a_wait_before_the_collectives_input_is_a_deadlock():
 
 
 def test_a_collective_outside_the_world_is_refused():
-    with pytest.raises(SimulationError, match=r"group \(0, 1, 2\) is not all 2 ranks"):
+    with pytest.raises(SimulationError, match=r"groups \(\(0, 1, 2\),\) do not split the 2 ranks"):
         simulate(program(A, all_reduce("a", 8, world=3), Wait(-1, 1)), profile())
 
 

@@ -133,3 +133,66 @@ def test_rendezvous_waits_for_the_slowest_rank():
     assert [(x.start, x.end) for x in ar] == [(pytest.approx(1.5), pytest.approx(2.5))] * 2
     assert r.step_time == pytest.approx(2.5 + 1.5, rel=1e-12)  # rank 1's B takes 1.5 s
     assert simulate(program(A, AR, Wait(-1, 1), B), p).step_time == pytest.approx(3.0)
+
+
+# -- sub-groups sharing the inter-node links ---------------------------------------------------
+def _split(groups):
+    """A (1 s), the all-reduce of 1e9 bytes in `groups` of 4 ranks on 2 machines of 2, B (1 s)."""
+    from dataclasses import replace as rep
+    ar = rep(AR, group=groups[0], groups=groups)
+    return rep(program(A, ar, Wait(-1, 1), B), world=4)
+
+
+def _links() -> Profile:
+    """Inter-node links of 1 GB/s without latency; NVLink-like 100 GB/s inside a machine."""
+    intra = {k: LinkCost(0.0, 100e9) for k in COLLECTIVES}
+    inter = {k: LinkCost(0.0, 1e9) for k in COLLECTIVES}
+    return Profile("links", "test", 1e12, 1e12, 0.0, intra, 2, inter)
+
+
+def _all_reduce_spans(result):
+    return [[(r.start, r.end) for r in rank if r.task.id == 1][0] for rank in result.records]
+
+
+def test_groups_crossing_the_same_links_share_them():
+    """Pairs {0,2} and {1,3} each cross both machines' links: alone, a 2-rank ring all-reduce of
+    1e9 bytes moves 2(n-1)/n x 1e9 = 1e9 bytes at 1 GB/s = 1 s; together each gets half: 2 s."""
+    r = simulate(_split(((0, 2), (1, 3))), _links())
+    assert len(r.records) == 4  # sub-groups: every rank simulated
+    assert _all_reduce_spans(r) == [(pytest.approx(1.0), pytest.approx(3.0))] * 4
+    assert r.step_time == pytest.approx(4.0, rel=1e-12)
+    # pairs inside a machine ({0,1}, {2,3}) use NVLink and share nothing: 1e9 / 100e9 = 0.01 s
+    inside = simulate(_split(((0, 1), (2, 3))), _links())
+    assert _all_reduce_spans(inside) == [(pytest.approx(1.0), pytest.approx(1.01))] * 4
+    # {0,2} alone on the links (ranks 1 and 3 in groups of one, which move nothing): 1 s
+    alone = simulate(_split(((0, 2), (1,), (3,))), _links())
+    assert _all_reduce_spans(alone)[0] == (pytest.approx(1.0), pytest.approx(2.0))
+
+
+def test_link_share_is_re_timed_when_a_group_starts_and_ends():
+    """Ranks 1 and 3 compute A 1.5x slower, so pair {1,3} starts at 1.5 s while {0,2} has run
+    alone since 1.0 s: {0,2} moves 0.5 s of its 1 s alone, the other 0.5 s at half speed (1 s)
+    and ends at 2.5; {1,3} moved 0.5 of its 1 s by then and ends alone at 3.0."""
+    r = simulate(_split(((0, 2), (1, 3))), _links(), slow_ranks={1: 1.5, 3: 1.5})
+    spans = _all_reduce_spans(r)
+    assert spans[0] == spans[2] == (pytest.approx(1.0), pytest.approx(2.5))
+    assert spans[1] == spans[3] == (pytest.approx(1.5), pytest.approx(3.0))
+    assert r.step_time == pytest.approx(3.0 + 1.5, rel=1e-12)  # rank 1's B takes 1.5 s
+
+
+def test_groups_that_do_not_split_the_world_are_refused():
+    from simulator.engine import SimulationError
+    with pytest.raises(SimulationError, match=r"do not split the 4 ranks"):
+        simulate(_split(((0, 2), (1, 2))), _links())
+
+
+def test_the_executor_refuses_sub_groups(tiny_graphs):
+    from dataclasses import replace as rep
+    from hidup.execute import Executor
+    spec, model, graph = tiny_graphs["mlp:tiny"]
+    prog = lower(graph, megatron(graph, 4), 4, 1)
+    first = prog.collectives[0]
+    tasks = tuple(rep(t, group=(0, 2), groups=((0, 2), (1, 3))) if t is first else t
+                  for t in prog.tasks)
+    with pytest.raises(ValueError, match=r"runs in sub-groups"):
+        Executor(graph, megatron(graph, 4), rep(prog, tasks=tasks), {})
