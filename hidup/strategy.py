@@ -73,16 +73,17 @@ def fitting_options(graph: Graph, node: Node, n: int, replicate_fallback: bool =
 
 def propagate(graph: Graph, world: int, name: str, seeds: dict[str, Placement],
               shard_params: bool, allowed: set[str] | None = None,
-              replicate_fallback: bool = False, partial_outputs: bool = True) -> Strategy:
+              replicate_fallback: bool = False, no_partial: set[str] = frozenset()) -> Strategy:
     """Greedy in topological order: each op takes the option that needs the least conversion traffic,
     then the fewest conversions, then the most split parameters (if `shard_params`), then split work.
-    Parameters are placed by their first consumer; `allowed` limits the conversions used."""
+    Parameters are placed by their first consumer; `allowed` limits the conversions used; the
+    ops in `no_partial` take no option with a Partial output."""
     placements: dict[str, Placement] = {n.name: R for n in graph.nodes if n.kind == "buffer"}
     placements.update(seeds)
     choices: dict[str, ShardingOption] = {}
     for node in graph.ops:
         cands = [o for o in fitting_options(graph, node, world, replicate_fallback)
-                 if partial_outputs or not isinstance(o.output, Partial)]
+                 if node.name not in no_partial or not isinstance(o.output, Partial)]
         scored = [(_score(graph, node, o, placements, choices, world, shard_params, allowed), i, o)
                   for i, o in enumerate(cands)]
         best_score, _, best = min(scored, key=lambda s: (s[0], s[1]))
@@ -174,17 +175,19 @@ def random_strategy(graph: Graph, world: int, rng, divide: int | None = None) ->
 def expert_parallel(graph: Graph, world: int, batch_dim: int = 0) -> Strategy:
     """DeepSpeed-MoE / FastMoE: data parallel, except the experts, split across ranks (each holds
     experts / world of them), reached with all-to-all and left the same way (no partial sums).
-    Expert weights are the 3-d parameters that einsums read (experts, in, out)."""
+    Expert weights are the 3-d parameters that einsums read (experts, in, out). The loss's sum
+    over the batch stays a partial sum, as in data parallel."""
     seeds: dict[str, Placement] = {n.name: Shard(batch_dim) for n in graph.user_inputs}
+    einsums = {n.name for n in graph.ops if n.op == "aten.einsum.default"}
     for node in graph.ops:
-        if node.op == "aten.einsum.default":
+        if node.name in einsums:
             for t in node.inputs:
                 if graph.node(t).kind == "param" and len(graph.node(t).out.shape) == 3:
                     seeds[t] = Shard(0)
     if not any(isinstance(p, Shard) and graph.node(n).kind == "param" for n, p in seeds.items()):
         raise ValueError("strategy expert: the model has no expert weights (3-d parameters read "
                          "by einsums); use ddp")
-    return propagate(graph, world, "expert", seeds, shard_params=False, partial_outputs=False)
+    return propagate(graph, world, "expert", seeds, shard_params=False, no_partial=einsums)
 
 
 FIXED = {"ddp": data_parallel, "megatron": megatron, "expert": expert_parallel}

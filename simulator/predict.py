@@ -111,7 +111,8 @@ def _plan_lines(strategy: Strategy) -> list[str]:
 
 
 def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | None,
-            k: int, samples: int = 0, noise: float = 0.1, streams: int = 1) -> Prediction:
+            k: int, samples: int = 0, noise: float = 0.1, streams: int = 1,
+            bucket_mb: float = 25.0) -> Prediction:
     """Capture, plan, lower for k=1 and for k micro-batches, and simulate both."""
     spec = models.get_model(model, gpus=gpus)
     profile = load_profile(cluster)
@@ -122,8 +123,9 @@ def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | Non
              time.perf_counter() - started)
     plan = resolve_strategy(strategy, graph, gpus)
     results, intervals, memory = [], [], []
-    for program in [lower(graph, plan, gpus, n, spec.name, streams=streams if n > 1 else 1)
-                    for n in (1, k)]:
+    bucket = int(bucket_mb * 2 ** 20)
+    for program in [lower(graph, plan, gpus, n, spec.name, bucket_bytes=bucket,
+                          streams=streams if n > 1 else 1) for n in (1, k)]:
         started = time.perf_counter()
         results.append(simulate(program, profile))
         log.info("simulated k=%d: %d tasks in %.3f s: %s", program.k, len(program.tasks),
@@ -165,6 +167,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--streams", metavar="S", type=int, choices=[1, 2], default=1,
                    help="compute streams for Duplex (2: one per micro-batch, as the paper's "
                         "prototype; default: %(default)s)")
+    p.add_argument("--bucket-mb", metavar="MB", type=float, default=25.0,
+                   help="gradient bucket size for the replicated parameters' all-reduces, as "
+                        "DDP's bucket_cap_mb; 0: one all-reduce per parameter, as the HiDup "
+                        "prototype (default: %(default)s)")
     p.add_argument("--monte-carlo", metavar="N", type=int, default=0,
                    help="also simulate N times with perturbed profile figures and report a 95%% "
                         "interval of the step time (default: off)")
@@ -181,12 +187,14 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if not args.bucket_mb >= 0:
+        parser.error(f"--bucket-mb {args.bucket_mb}: must be 0 or more megabytes")
     level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         prediction = predict(args.model, args.cluster, args.gpus, args.strategy,
                              args.batch, args.micro_batches, args.monte_carlo, args.noise,
-                             args.streams)
+                             args.streams, args.bucket_mb)
     except ValueError as exc:
         parser.exit(2, f"{PROG}: error: {' '.join(str(exc).split())}\n")
     if args.trace is not None:

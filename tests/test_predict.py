@@ -95,3 +95,11 @@ def test_default_run(capsys):
     assert "model gpt:small (batch 16), cluster v100-1x4-nvlink, 4 GPUs" in out
     assert "Duplex (k=2)" in out and "speedup of Duplex over SPMD" in out
     assert time.perf_counter() - started < 10
+
+
+def test_bucket_mb_zero_reduces_each_parameter_on_its_own():
+    from simulator.predict import predict
+    def reductions(mb):
+        p = predict("mlp:tiny", "v100-1x4-nvlink", 2, "ddp", None, 1, bucket_mb=mb)
+        return sum(r.task.kind == "all_reduce" for r in p.spmd.records[0] if hasattr(r.task, "kind"))
+    assert reductions(0) > reductions(25) >= 1

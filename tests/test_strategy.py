@@ -60,3 +60,16 @@ def test_plan_file_bad_input(tmp_path, tiny_graphs):
     (tmp_path / "plan.json").write_text(json.dumps(doc))
     with pytest.raises(PlanError, match=r"node linear \(aten.linear.default\): option .* is not one"):
         load_plan(tmp_path / "plan.json", graph, 2)
+
+
+def test_expert_keeps_the_loss_a_partial_sum_and_moves_tokens_by_all_to_all():
+    """Only the expert einsums are kept from partial sums: the loss's sum over a batch-split
+    output stays Partial (as in DDP) instead of gathering the whole output."""
+    import collections
+    from hidup.models import capture_model, get_model
+    from hidup.program import lower
+    from hidup.strategy import expert_parallel
+    spec = get_model("bert-switch:tiny", gpus=2)
+    graph = capture_model(spec, spec.batch)
+    kinds = collections.Counter(c.kind for c in lower(graph, expert_parallel(graph, 2), 2).collectives)
+    assert set(kinds) == {"all_to_all", "all_reduce"}

@@ -1,0 +1,82 @@
+"""Derive a cluster profile from a measured one: other machine sizes, another inter-node link.
+
+`python -m calibration.derive --base v100-2x4 --gpus-per-node 8 --inter-bandwidth 9.71gbit
+--name v100-8x8-10gbps --out PROFILE` keeps the base's device and intra-node figures and
+latencies, and scales every inter-node collective's bus bandwidth by the new link rate over the
+base's fastest inter-node bus bandwidth (taken as its link's rate: the base link's speed may not
+be recorded), so each kind keeps its measured efficiency relative to the link."""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from hidup.profile import LinkCost, Profile, ProfileError, load_profile
+
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def parse_rate(text: str) -> float:
+    """'9.71gbit' / '100mbit' / '1.2e9' (bits per second) -> bytes per second."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?)(?:bit)?(?:/s)?\s*",
+                     text.lower())
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"bandwidth {text!r}: give a positive rate in bits per second, e.g. "
+                         f"100mbit, 9.71gbit, 1e9")
+    return float(m.group(1)) * _UNITS[m.group(2)] / 8
+
+
+def with_inter_link(base: Profile, link_bytes_per_s: float, gpus_per_node: int | None = None,
+                    name: str | None = None) -> Profile:
+    """`base` with its inter-node bus bandwidths scaled to a link of `link_bytes_per_s`."""
+    if not base.inter_node:
+        raise ProfileError(f"profile {base.name} has no inter-node tier to scale; derive from a "
+                           f"profile measured across machines (e.g. v100-2x4)")
+    scale = link_bytes_per_s / max(c.beta for c in base.inter_node.values())
+    inter = {k: LinkCost(c.alpha, c.beta * scale) for k, c in base.inter_node.items()}
+    return replace(base, name=name or base.name, inter_node=inter,
+                   gpus_per_node=gpus_per_node or base.gpus_per_node)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m calibration.derive", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", required=True, help="the measured profile, a name or a path")
+    ap.add_argument("--gpus-per-node", type=int, default=None,
+                    help="GPUs per machine of the derived cluster (default: the base's)")
+    ap.add_argument("--inter-bandwidth", required=True, metavar="RATE",
+                    help="the inter-node link's rate, e.g. 9.71gbit")
+    ap.add_argument("--name", required=True, help="the derived profile's name")
+    ap.add_argument("--out", type=Path, required=True, help="where to write it")
+    args = ap.parse_args(argv)
+    try:
+        if args.gpus_per_node is not None and args.gpus_per_node < 1:
+            raise ValueError(f"--gpus-per-node {args.gpus_per_node}: must be 1 or more")
+        if not args.out.parent.is_dir():
+            raise ValueError(f"--out {args.out}: folder {args.out.parent} does not exist")
+        base = load_profile(args.base)
+        rate = parse_rate(args.inter_bandwidth)
+        derived = with_inter_link(base, rate, args.gpus_per_node, args.name)
+        derived = replace(derived, source=(
+            f"Derived by calibration.derive from {base.name} ({base.source}) with "
+            f"{derived.gpus_per_node} GPUs per machine and the inter-node bus bandwidths scaled "
+            f"to a {args.inter_bandwidth} link (x{rate / max(c.beta for c in base.inter_node.values()):.4g}"
+            f" of the base's fastest inter-node bus bandwidth)."),
+            provenance={"base": base.name, "command": "python -m calibration.derive "
+                        + " ".join(sys.argv[1:] if argv is None else argv)})
+    except (ValueError, ProfileError) as exc:
+        print(f"python -m calibration.derive: error: {exc}", file=sys.stderr)
+        return 2
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(derived.to_json())
+    os.replace(tmp, args.out)
+    print(f"{derived}\ninter-node: " + ", ".join(f"{k} {c}" for k, c in derived.inter_node.items()))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

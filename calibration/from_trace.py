@@ -1,0 +1,379 @@
+"""Fit a Profile from PyTorch-profiler Chrome traces of real runs.
+
+A trace records kernel durations but not the shapes they ran on, so each trace is paired with
+the Program of the same run: `--model` (with its batch) on `--gpus` ranks under the strategy
+named beside the trace (`TRACE=STRATEGY`: ddp, expert, megatron, a plan file, or `traced` — the
+plan read from the trace's own collectives, calibration.traced_plan). Then:
+
+- kernels: per forward op kind (linear, einsum, layer norm, element-wise add / mul / relu) the
+  trace's GPU time per step (every kernel launched under the op, found by external id) against
+  the Program's FLOPs and bytes of that kind: one point per kind and trace, fitted to the
+  roofline t = overhead + max(flops / F, bytes / B) (calibration.fit.fit_roofline);
+- collectives: an all-gather or reduce-scatter whose chunk copies the trace records is sized by
+  them; otherwise, per kind, the trace's NCCL kernels of a step in issue order are paired with
+  the Program's collectives of that kind in order (bytes from the Program; where the Program has
+  more, its smallest are left out, e.g. the loss's scalar all-reduce that the real run did not
+  issue). Each kernel's time is its shortest over the profiled steps (an NCCL kernel also spins
+  while it waits for its peers). Fitted to the ring / tree formulas per link tier
+  (calibration.fit.fit_link). A trace whose ranks span machines (--gpus > --gpus-per-node)
+  calibrates the inter-node tier.
+
+The kernels' times in a trace already include whatever slowed them while they overlapped, so
+the profile's interference factors are 1.0 (or the --base profile's). Figures no trace gives
+come from --base; without one, every kind must be measured.
+
+`python -m calibration.from_trace ddp.json.gz=ddp hidup.json.gz=traced --model
+switch-trace:paper --gpus 4 --gpus-per-node 4 --name v100-1x4-nvlink --out PROFILE`
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import datetime
+import math
+import os
+import platform
+import statistics
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+from scipy.optimize import least_squares
+
+from calibration.fit import FitError, Residuals, fit_link, fit_roofline, residuals
+from calibration.trace import TraceError, gpu_events, is_communication, load_trace, steps
+from calibration.traced_plan import collective_kernels, derive_plan, nccl_kind, sized
+from hidup.capture import Graph
+from hidup.models import capture_model, get_model
+from hidup.profile import LinkCost, Profile, ProfileError, load_profile
+from hidup.program import COLLECTIVES, Compute, Convert, Program, lower
+from hidup.strategy import PlanError, resolve_strategy
+
+# the trace's forward op (PyTorch 1.10 names) -> the captured graph's op of the same kind
+OP_KINDS = {"aten::linear": "aten.linear.default", "aten::einsum": "aten.einsum.default",
+            "aten::layer_norm": "aten.layer_norm.default", "aten::relu": "aten.relu.default",
+            "aten::add": "aten.add.Tensor", "aten::mul": "aten.mul.Tensor"}
+
+
+@dataclass(frozen=True)
+class TracedRun:
+    """One trace, the Program it is paired with, and what was read off it."""
+
+    path: Path
+    strategy: str
+    program: Program
+    kernel_points: dict[str, tuple[float, float, float]]  # op kind -> (flops, bytes, s) per op
+    link_points: list[tuple[str, int, float, float]]  # (kind, n, nbytes, seconds)
+    notes: list[str]
+    computation: float  # summed computation kernel seconds per step, from the trace
+
+
+def forward_op_times(events: list[dict]) -> dict[str, list[float]]:
+    """Per op kind in OP_KINDS, the GPU seconds of each profiled step's forward pass: every
+    kernel launched under the outermost op of that kind (nested ops by time range, kernels by
+    their external id)."""
+    kernels: dict[int, float] = {}
+    for e in events:
+        if e.get("cat") == "Kernel" and not is_communication(e):
+            ext = e.get("args", {}).get("external id")
+            kernels[ext] = kernels.get(ext, 0.0) + e["dur"] * 1e-6
+    cpu = sorted((e for e in events if e.get("cat") == "cpu_op"),
+                 key=lambda e: (e["tid"], e["ts"], -e["dur"]))
+    starts = [(e["tid"], e["ts"]) for e in cpu]
+    out: dict[str, list[float]] = {k: [] for k in OP_KINDS}
+    for step in steps(events):
+        fwd = [e for e in cpu if e["name"] == "forward"
+               and step["ts"] <= e["ts"] < step["ts"] + step["dur"]]
+        if not fwd:
+            raise TraceError("a profiled step has no 'forward' range; annotate the forward pass "
+                             "with torch.profiler.record_function('forward')")
+        totals = dict.fromkeys(OP_KINDS, 0.0)
+        f = fwd[0]
+        i, end = bisect.bisect_left(starts, (f["tid"], f["ts"])), f["ts"] + f["dur"]
+        inside_until = -1.0  # the end of the outermost counted op we are in
+        while i < len(cpu) and cpu[i]["tid"] == f["tid"] and cpu[i]["ts"] <= end:
+            op = cpu[i]
+            if op["name"] in OP_KINDS and op["ts"] >= inside_until:
+                inside_until = op["ts"] + op["dur"]
+                j = i
+                while j < len(cpu) and cpu[j]["tid"] == op["tid"] and cpu[j]["ts"] <= inside_until:
+                    totals[op["name"]] += kernels.get(cpu[j]["args"].get("External id"), 0.0)
+                    j += 1
+            i += 1
+        for kind, seconds in totals.items():
+            out[kind].append(seconds)
+    return out
+
+
+def collective_times(events: list[dict]) -> dict[str, list[float]]:
+    """Per collective kind, the shortest duration over the profiled steps of its i-th kernel: an
+    NCCL kernel starts on this rank when issued and spins until its peers join, so the shortest
+    of the repeats is the closest to the transfer itself."""
+    per_step = []
+    for s in range(len(steps(events))):
+        kinds: dict[str, list[float]] = {}
+        for e in collective_kernels(events, s):
+            kind = nccl_kind(e["name"])
+            if kind:
+                kinds.setdefault(kind, []).append(e["dur"] * 1e-6)
+        per_step.append(kinds)
+    out = {}
+    for kind in per_step[0]:
+        runs = [k.get(kind, []) for k in per_step]
+        if len({len(r) for r in runs}) == 1:
+            out[kind] = [min(col) for col in zip(*runs)]
+    return out
+
+
+def read_run(path: Path, strategy_arg: str, graph: Graph, model: str, world: int) -> TracedRun:
+    """Pair one trace with its Program and read the kernel and collective points off it."""
+    events = load_trace(path)
+    notes = []
+    if strategy_arg == "traced":
+        strategy, lines = derive_plan(events, graph, world)
+        notes.append(f"plan read from the trace's all-gathers: {len(lines)} parameters kept "
+                     f"sharded")
+        bucket = 0  # the prototype reduced each replicated parameter's gradient on its own
+    else:
+        strategy, bucket = resolve_strategy(strategy_arg, graph, world), 25 * 2 ** 20
+    streams = _compute_streams(events)
+    k = 2 if streams > 1 else 1
+    program = lower(graph, strategy, world, k, model, bucket_bytes=bucket, streams=streams)
+    notes.append(f"{strategy.name}, k={k}, {streams} compute stream(s)")
+
+    times = forward_op_times(events)
+    fwd = [t for t in program.tasks if isinstance(t, Compute) and t.phase == "fwd"]
+    kernel_points = {}
+    for trace_op, op in OP_KINDS.items():
+        tasks = [t for t in fwd if t.op == op]
+        seconds = statistics.fmean(times[trace_op]) if times[trace_op] else 0.0
+        if tasks and seconds > 0:
+            n = len(tasks)
+            kernel_points[op] = (sum(t.flops for t in tasks) / n, sum(t.bytes for t in tasks) / n,
+                                 seconds / n)
+
+    link_points = []
+    traced = collective_times(events)
+    for kind in ("all_gather", "reduce_scatter"):  # sized by their chunk copies, if recorded
+        try:
+            runs = [sized(events, world, kind, s) for s in range(len(steps(events)))]
+        except TraceError:
+            continue
+        if runs[0] and len({tuple(g.nbytes for g in r) for r in runs}) == 1:
+            link_points += [(kind, world, float(col[0].nbytes), min(g.seconds for g in col))
+                            for col in zip(*runs)]
+            notes.append(f"{kind}: {len(runs[0])} kernels sized by their chunk copies")
+            traced.pop(kind, None)
+    for kind in COLLECTIVES:
+        ours = [c for c in program.collectives if c.kind == kind]
+        theirs = traced.get(kind, [])
+        if not theirs:
+            continue
+        if len(ours) < len(theirs):
+            notes.append(f"{kind}: trace {len(theirs)} kernels, Program {len(ours)}: not paired")
+            continue
+        if len(ours) > len(theirs):
+            drop = sorted(ours, key=lambda c: c.bytes)[:len(ours) - len(theirs)]
+            notes.append(f"{kind}: the Program's {len(drop)} smallest "
+                         f"({', '.join(f'{c.bytes} B' for c in drop)}) not in the trace")
+            ours = [c for c in ours if c not in drop]
+        link_points += [(kind, len(c.group), float(c.bytes), s) for c, s in zip(ours, theirs)]
+        notes.append(f"{kind}: {len(theirs)} kernels paired")
+    return TracedRun(path, strategy_arg, program, kernel_points, link_points, notes,
+                     kernel_seconds(events))
+
+
+def kernel_seconds(events: list[dict]) -> float:
+    """Mean over the profiled steps of the summed durations of the computation kernels (kernels
+    of two streams that ran at the same time both count: the Program's kernels are summed too)."""
+    marks = steps(events)
+    totals = []
+    for i, step in enumerate(marks):
+        end = marks[i + 1]["ts"] if i + 1 < len(marks) else step["ts"] + step["dur"]
+        totals.append(sum(e["dur"] for e in gpu_events(events)
+                          if step["ts"] <= e["ts"] < end and not is_communication(e)) * 1e-6)
+    return statistics.fmean(totals)
+
+
+def _compute_streams(events: list[dict]) -> int:
+    """How many CUDA streams ran the computation in the profiled steps (each at least 5% of its
+    kernels; a few set-up kernels on another stream do not count)."""
+    first = steps(events)[0]["ts"]
+    counts: dict = {}
+    for e in events:
+        if e.get("cat") == "Kernel" and e["ts"] >= first and not is_communication(e):
+            counts[e["args"].get("stream")] = counts.get(e["args"].get("stream"), 0) + 1
+    return max(1, sum(c >= 0.05 * sum(counts.values()) for c in counts.values()))
+
+
+def fit_profile(runs: list[TracedRun], name: str, gpus_per_node: int, base: Profile | None,
+                world: int, links_only: bool = False) -> tuple[Profile, list[Residuals]]:
+    """The Profile fitted to the runs' points, with figures no run gives taken from `base`
+    (and the device figures too if `links_only`)."""
+    report = []
+    points = [p for run in runs for p in run.kernel_points.values()]
+    if points and not links_only:
+        flops, mem, overhead, res = fit_roofline(points)
+        flops, mem, overhead, res = fit_kernels(runs, (flops, mem, overhead))
+        report += res
+    elif base:
+        flops, mem, overhead = base.flops, base.mem_bandwidth, base.op_overhead
+    else:
+        raise FitError("no kernel points in the traces and no --base profile to take the device "
+                       "figures from")
+    spans = world > gpus_per_node
+    tier: dict[str, LinkCost] = {}
+    for kind in COLLECTIVES:
+        rows = [(n, b, s) for run in runs for k, n, b, s in run.link_points if k == kind]
+        if rows:
+            tier[kind], res = fit_link(kind, rows)
+            report.append(replace(res, label=f"{'inter-node' if spans else 'intra-node'} {kind}"))
+    fallback = (base.inter_node if spans else base.collectives) if base else None
+    missing = [k for k in COLLECTIVES if k not in tier]
+    if missing and not fallback:
+        raise FitError(f"the traces have no {missing} collectives to fit; give a --base profile "
+                       f"for them")
+    tier.update({k: fallback[k] for k in missing})
+    intra = base.collectives if spans and base else tier
+    inter = tier if spans else (base.inter_node if base else None)
+    factors = (base.interference_compute, base.interference_comm) if base else (1.0, 1.0)
+    profile = Profile(name, "", flops, mem, overhead, intra, gpus_per_node, inter, *factors)
+    return profile, report
+
+
+def fit_kernels(runs: list[TracedRun], start: tuple[float, float, float]
+                ) -> tuple[float, float, float, list[Residuals]]:
+    """The roofline (FLOP/s, bytes/s, overhead) fitted jointly to the forward op kinds' points
+    and to each trace's whole-step computation (every kernel of the Program, forward, backward
+    and update, against the trace's summed computation kernel time), each whole step weighted as
+    much as all the op points together (the step is what the simulator must get right); `start`
+    is the op points' own fit."""
+    points = [p for run in runs for p in run.kernel_points.values()]
+    f, b, t = (np.asarray(c, dtype=float) for c in zip(*points))
+    steps_ = [_kernels(run.program) for run in runs]
+    measured = np.array([run.computation for run in runs])
+    weight = math.sqrt(len(points))
+
+    def model(x):
+        rate, mem, overhead = math.exp(x[0]), math.exp(x[1]), x[2] * 1e-6
+        ops = overhead + np.maximum(f / rate, b / mem)
+        whole = np.array([np.sum(overhead + np.maximum(sf / rate, sb / mem)) for sf, sb in steps_])
+        return ops, whole
+
+    def error(x):
+        ops, whole = model(x)
+        return np.concatenate([np.log(ops / t), weight * np.log(whole / measured)])
+
+    x0 = [math.log(start[0]), math.log(start[1]), start[2] * 1e6]
+    fit = least_squares(error, x0, bounds=([-np.inf, -np.inf, 0.0], np.inf), x_scale="jac")
+    ops, whole = model(fit.x)
+    return (math.exp(fit.x[0]), math.exp(fit.x[1]), fit.x[2] * 1e-6,
+            [residuals("kernels: forward op kinds", ops, t),
+             residuals("kernels: whole-step computation", whole, measured)])
+
+
+def _kernels(program: Program) -> tuple[np.ndarray, np.ndarray]:
+    """FLOPs and bytes of every compute-stream kernel of the Program (as Profile.compute_time
+    times them; aliases take no time and are left out)."""
+    tasks = [t for t in program.tasks if isinstance(t, Compute)
+             or (isinstance(t, Convert) and t.kind == "slice")]
+    return (np.array([getattr(t, "flops", 0.0) for t in tasks], dtype=float),
+            np.array([t.bytes for t in tasks], dtype=float))
+
+
+def predicted_computation(program: Program, profile: Profile) -> float:
+    """The Program's kernel seconds per step (one rank, all compute streams)."""
+    return sum(profile.compute_time(t) for t in program.tasks
+               if isinstance(t, Compute) or (isinstance(t, Convert) and not t.collective))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m calibration.from_trace", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("traces", nargs="+", metavar="TRACE=STRATEGY",
+                    help="a PyTorch-profiler trace (.json or .json.gz) and the strategy it ran: "
+                         "ddp, expert, megatron, a plan file, or 'traced' (read from the trace)")
+    ap.add_argument("--model", required=True, help="the zoo model the traces ran, NAME:SIZE")
+    ap.add_argument("--gpus", type=int, required=True, help="ranks of the traced job")
+    ap.add_argument("--gpus-per-node", type=int, default=None,
+                    help="ranks per machine (default: --gpus, one machine)")
+    ap.add_argument("--batch", type=int, default=None, help="global batch (default: the model's)")
+    ap.add_argument("--base", default=None, metavar="NAME|PATH",
+                    help="a profile whose figures are kept where the traces give none")
+    ap.add_argument("--links-only", action="store_true",
+                    help="fit only the collectives; keep --base's device figures (FLOP/s, memory "
+                         "bandwidth, overhead)")
+    ap.add_argument("--name", default=None, help="the profile's name (default: --out's stem)")
+    ap.add_argument("--out", type=Path, required=True, help="where to write the profile JSON")
+    args = ap.parse_args(argv)
+    try:
+        return _run(args)
+    except (TraceError, ProfileError, PlanError, FitError, ValueError) as exc:
+        print(f"python -m calibration.from_trace: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    per_node = args.gpus_per_node or args.gpus
+    if args.gpus < 1 or per_node < 1 or args.gpus % per_node:
+        raise ValueError(f"--gpus {args.gpus} and --gpus-per-node {per_node}: both must be "
+                         f"positive and --gpus a multiple of --gpus-per-node")
+    if not args.out.parent.is_dir():
+        raise ValueError(f"--out {args.out}: folder {args.out.parent} does not exist; create it")
+    pairs = []
+    for item in args.traces:
+        path, sep, strategy = item.rpartition("=")
+        if not sep or not path:
+            raise ValueError(f"{item!r}: give TRACE=STRATEGY, e.g. ddp.json.gz=ddp")
+        pairs.append((Path(path), strategy))
+    base = load_profile(args.base) if args.base else None
+    if args.links_only and not base:
+        raise ValueError("--links-only keeps the device figures of a --base profile; give --base")
+    spec = get_model(args.model, gpus=args.gpus)
+    batch = args.batch or spec.batch
+    graph = capture_model(spec, batch)
+    runs = []
+    for i, (path, strategy) in enumerate(pairs, 1):
+        print(f"[{i}/{len(pairs)}] {path} = {strategy}", file=sys.stderr, flush=True)
+        runs.append(read_run(path, strategy, graph, spec.name, args.gpus))
+    name = args.name or args.out.name.removesuffix(".json")
+    profile, report = fit_profile(runs, name, per_node, base, args.gpus, args.links_only)
+    traces = ", ".join(f"{r.path.name} ({r.strategy})" for r in runs)
+    source = (f"Fitted by calibration.from_trace from PyTorch-profiler traces {traces} of "
+              f"{spec.name} (batch {batch}) on {args.gpus} GPUs, {per_node} per machine: kernel "
+              f"times per forward op kind against the Program's FLOPs and bytes, collective "
+              f"kernel times against the Program's collectives' bytes"
+              + (f"; other figures from {base.name}" if base else "")
+              + (" (device figures too: --links-only)" if args.links_only else "") + ".")
+    provenance = {"traces": [str(r.path) for r in runs], "strategies": [r.strategy for r in runs],
+                  "model": spec.name, "batch": batch, "gpus": args.gpus,
+                  "gpus_per_node": per_node, "base": base.name if base else None,
+                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                      timespec="seconds"),
+                  "host": platform.node(), "command": "python -m calibration.from_trace "
+                  + " ".join(sys.argv[1:])}
+    profile = replace(profile, source=source, provenance=provenance)
+    for run in runs:
+        print(f"{run.path}: " + "; ".join(run.notes))
+    print(f"fitted: {profile}")
+    if profile.inter_node:
+        print("inter-node: " + ", ".join(f"{k} {c}" for k, c in profile.inter_node.items()))
+    for res in report:
+        print(f"  residuals {res}")
+    checks = [residuals(f"computation {r.path.name}", [predicted_computation(r.program, profile)],
+                        [r.computation]) for r in runs]
+    for run, check in zip(runs, checks):
+        print(f"  check: {run.path.name}: predicted kernel time "
+              f"{predicted_computation(run.program, profile) * 1e3:.1f} ms, traced "
+              f"{run.computation * 1e3:.1f} ms ({check.max:+.1%} off)".replace("+-", "-"))
+    tmp = args.out.with_suffix(args.out.suffix + ".tmp")
+    tmp.write_text(profile.to_json())
+    load_profile(tmp)  # what was written reads back
+    os.replace(tmp, args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
