@@ -110,20 +110,15 @@ def test_a_collective_outside_the_world_is_refused():
 
 
 # -- profiles ---------------------------------------------------------------------------------
-def test_shipped_profile_has_the_recorded_figures():
+def test_shipped_profile_is_the_fit_from_the_traces():
+    """v100-1x4-nvlink is fitted from the V100 traces (tests/test_calibration_from_trace.py
+    re-fits it and checks its predictions); here: plausible V100 figures, one machine."""
     p = load_profile("v100-1x4-nvlink")
-    assert (p.flops, p.mem_bandwidth, p.op_overhead, p.gpus_per_node) == (3.31e12, 9.0e11, 5e-6, 4)
-    # the recorded 4-GPU figures (bytes of the whole tensor per second) are reproduced by the ring
-    # formulas at n=4, apart from the per-step latency
-    recorded = {"all_gather": 7.59e9, "all_reduce": 4.68e9, "reduce_scatter": 7.90e9,
-                "all_to_all": 2.19e10}
-    for kind, algbw in recorded.items():
-        steps = 6 if kind == "all_reduce" else 3
-        assert p.collective_time(kind, algbw, (0, 1, 2, 3)) == pytest.approx(1.0 + steps * 5e-6,
-                                                                              rel=1e-12)
-    assert "shared/traces/README.md" in p.source and "not yet fitted" in p.source.lower()
+    assert 5e12 < p.flops < 15.7e12 and 1e11 < p.mem_bandwidth < 9e11 and p.gpus_per_node == 4
+    for cost in p.collectives.values():
+        assert 1e10 < cost.beta < 3e11  # NVLink bus bandwidths, tens of GB/s
+    assert "calibration.from_trace" in p.source and p.provenance["strategies"] == ["ddp", "traced"]
     assert p.inter_node is None and p.interference_compute == p.interference_comm == 1.0
-    assert str(p).startswith("profile v100-1x4-nvlink: 3.31 TFLOP/s")
 
 
 def test_profile_round_trips_through_a_file(tmp_path):
@@ -163,5 +158,5 @@ def test_missing_profile_file_and_unknown_name(tmp_path):
     with pytest.raises(ProfileError, match=r"nothere\.json: cannot read it .*check the path"):
         load_profile(tmp_path / "nothere.json")
     with pytest.raises(ProfileError, match=r"unknown cluster profile 'tpu'; choose one of "
-                                           r"\['v100-1x4-nvlink', 'v100-8x8-10gbps'\]"):
+                                           r"\[.*'v100-1x4-nvlink', 'v100-2x4', 'v100-8x8-10gbps'"):
         load_profile("tpu")
