@@ -1,0 +1,182 @@
+"""calibration.fit recovers known figures from synthetic timings (exactly without noise, within
+10% with 3% noise); calibration.profile measures two gloo ranks under torchrun and writes a
+profile that loads; without torchrun it says how to start it."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from calibration.fit import FitError, Residuals, fit_links, fit_roofline, residuals
+from calibration.profile import byte_sizes, check_out, group_sizes, parse_args, parse_size
+from hidup.profile import LinkCost, Profile, load_profile
+from hidup.program import COLLECTIVES
+from conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+TRUE_LINKS = {"all_gather": LinkCost(2e-5, 3e9), "all_reduce": LinkCost(5e-6, 1e10),
+              "reduce_scatter": LinkCost(1e-4, 1e8), "all_to_all": LinkCost(3e-6, 5e10)}
+NBYTES = [1024 * 4 ** e for e in range(10)]  # 1 KB .. 256 MB, as the CLI measures
+
+
+def _noisy(t: float, noise: float, rng) -> float:
+    return t * math.exp(rng.normal(0, noise)) if noise else t
+
+
+def _link_points(sizes=(2, 4, 8), noise=0.0, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(kind, n, nbytes, _noisy(cost.time(kind, nbytes, n), noise, rng))
+            for kind, cost in TRUE_LINKS.items() for n in sizes for nbytes in NBYTES]
+
+
+@pytest.mark.parametrize("noise, tolerance", [(0.0, 0.01), (0.03, 0.10)])
+def test_fit_links_recovers_alpha_and_beta(noise, tolerance):
+    links, report = fit_links(_link_points(noise=noise))
+    for kind, cost in TRUE_LINKS.items():
+        assert links[kind].alpha == pytest.approx(cost.alpha, rel=tolerance), kind
+        assert links[kind].beta == pytest.approx(cost.beta, rel=tolerance), kind
+        assert report[kind].points == 30
+        assert report[kind].rms <= (1e-6 if not noise else 0.05)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_all_reduce_is_the_cheaper_of_ring_and_tree(n):
+    """At n=2 the ring always wins; at 4 and 8 the tree wins for small tensors and the ring for
+    large ones, so a fit of both regimes recovers the figures only if it takes the minimum."""
+    cost = TRUE_LINKS["all_reduce"]
+    ring = [2 * (n - 1) * cost.alpha + 2 * (n - 1) / n * b / cost.beta for b in NBYTES]
+    tree = [2 * math.ceil(math.log2(n)) * cost.alpha + 2 * b / cost.beta for b in NBYTES]
+    used = {"tree" if t < r else "ring" for r, t in zip(ring, tree)}
+    assert used == ({"ring"} if n == 2 else {"ring", "tree"})
+    points = [("all_reduce", n, b, min(r, t)) for b, r, t in zip(NBYTES, ring, tree)]
+    links, report = fit_links(points, kinds=("all_reduce",))
+    assert links["all_reduce"].alpha == pytest.approx(cost.alpha, rel=0.01)
+    assert links["all_reduce"].beta == pytest.approx(cost.beta, rel=0.01)
+    assert report["all_reduce"].max < 1e-6
+
+
+def test_fit_links_errors_name_the_kind_and_the_point():
+    points = [p for p in _link_points() if p[0] != "all_to_all"]
+    with pytest.raises(FitError, match="no measured points for collective 'all_to_all'"):
+        fit_links(points)
+    with pytest.raises(FitError, match="unknown collective kind 'broadcast'"):
+        fit_links(points + [("broadcast", 2, 1024, 1e-4)])
+    with pytest.raises(FitError, match=r"needs a group of n >= 2 ranks"):
+        fit_links([("all_gather", 1, 1024, 1e-4)], kinds=("all_gather",))
+
+
+def _kernel_points(noise=0.0, seed=1, flops=5e10, mem=2e10, overhead=3e-6):
+    """Matmuls (compute-bound), element-wise ops (memory-bound), one-element ops (overhead)."""
+    rng = np.random.default_rng(seed)
+    shapes = [(2.0 * n ** 3, 12.0 * n * n) for n in (32, 64, 128, 256, 512, 1024, 2048)]
+    shapes += [(10.0 ** e, per * 10.0 ** e) for e in range(3, 9) for per in (12, 8)]
+    shapes += [(1.0, 12.0), (1.0, 8.0), (2.0, 12.0)]
+    return [(f, b, _noisy(overhead + max(f / flops, b / mem), noise, rng)) for f, b in shapes]
+
+
+@pytest.mark.parametrize("noise, tolerance", [(0.0, 0.01), (0.03, 0.10)])
+def test_fit_roofline_recovers_the_figures(noise, tolerance):
+    flops, mem, overhead, report = fit_roofline(_kernel_points(noise))
+    assert flops == pytest.approx(5e10, rel=tolerance)
+    assert mem == pytest.approx(2e10, rel=tolerance)
+    assert overhead == pytest.approx(3e-6, rel=tolerance)
+    assert report.points == 22 and report.rms <= (1e-6 if not noise else 0.05)
+    # the fitted figures give back the times through Profile.kernel_time itself
+    profile = Profile("fit", "test", flops, mem, overhead, dict(TRUE_LINKS))
+    for f, b, t in _kernel_points(noise):
+        assert profile.kernel_time(f, b) == pytest.approx(t, rel=0.12 if noise else 1e-6)
+
+
+def test_fit_roofline_needs_both_kinds_of_kernels():
+    with pytest.raises(FitError, match="no kernel points"):
+        fit_roofline([])
+    with pytest.raises(FitError, match="some with FLOPs and some with memory traffic"):
+        fit_roofline([(0.0, 1e6, 1e-3), (0.0, 1e7, 1e-2)])
+    with pytest.raises(FitError, match=r"kernel point \(1.0, 1.0, -1.0\)"):
+        fit_roofline([(1.0, 1.0, -1.0)])
+
+
+def test_residuals_are_relative_and_readable():
+    r = residuals("all_gather", [1.1, 0.9, 1.0], [1.0, 1.0, 1.0])
+    assert r == Residuals("all_gather", 3, pytest.approx(math.sqrt(0.02 / 3)), pytest.approx(0.1))
+    assert str(r) == "all_gather: 3 points, rms error 8.2%, max 10.0%"
+
+
+def test_sizes_groups_and_flags():
+    assert parse_size("256MB") == 2 ** 28 and parse_size("4MiB") == 2 ** 22
+    assert parse_size("2048") == 2048
+    for bad, rule in (("-5MB", "at least 1KB"), ("12XB", "not a size"), ("100", "at least 1KB")):
+        with pytest.raises(Exception, match=rule):
+            parse_size(bad)
+    assert byte_sizes(2 ** 22) == [1024 * 4 ** e for e in range(7)]
+    assert byte_sizes(3 * 2 ** 20)[-2:] == [2 ** 20, 3 * 2 ** 20]
+    assert group_sizes(2, 2) == [2]
+    assert group_sizes(8, 4) == [2, 4, 8] and group_sizes(6, 3) == [2, 3, 4, 6]
+    args = parse_args(["--out", "x/cluster.json", "--quick"])
+    assert (args.name, args.repeats, args.max_bytes) == ("cluster", 3, 4 * 2 ** 20)
+
+
+def test_bad_output_paths_are_named_with_the_fix(tmp_path):
+    assert check_out(tmp_path / "p.json") is None
+    assert "does not exist; create it" in check_out(tmp_path / "nope" / "p.json")
+    assert "must end in .json" in check_out(tmp_path / "p.txt")
+    (tmp_path / "d.json").mkdir()
+    assert "is a folder" in check_out(tmp_path / "d.json")
+
+
+def _env_without_torchrun() -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                        "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def test_without_torchrun_one_line_says_how_to_start_it(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "calibration.profile", "--out",
+                           str(tmp_path / "p.json")], capture_output=True, text=True,
+                          env=_env_without_torchrun(), cwd=tmp_path, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("calibration.profile: error: not started by torchrun (RANK, ")
+    assert "run: torchrun --nproc-per-node 2 -m calibration.profile --out PROFILE" in done.stderr
+    assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_under_torchrun_write_a_profile(tmp_path):
+    out = tmp_path / "x.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), "-m", "calibration.profile", "--quick", "--json",
+         "--out", str(out)],
+        capture_output=True, text=True, env=_env_without_torchrun(), cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    p = load_profile(out)
+    assert p.name == "x" and p.gpus_per_node == 2 and p.inter_node is None
+    assert 1e8 < p.flops < 1e13 and 1e8 < p.mem_bandwidth < 1e12 and 0 < p.op_overhead < 1e-3
+    for kind in COLLECTIVES:
+        cost = p.collectives[kind]
+        assert 0 <= cost.alpha < 0.01 and 1e6 < cost.beta < 1e12, (kind, cost)
+    assert p.interference_compute >= 1.0 and p.interference_comm >= 1.0
+    prov = p.provenance
+    assert (prov["world"], prov["nnodes"], prov["ranks_per_node"], prov["backend"]) == \
+        (2, 1, 2, "gloo")
+    assert set(prov["versions"]) == {"python", "torch", "numpy", "scipy", "simpy", "hidup"}
+    assert prov["devices"][0].startswith("2 x CPU ")
+    assert "calibration.profile" in p.source and "--quick" in prov["command"]
+    # the report: residual lines on stderr (--json), the summary on stdout
+    summary = json.loads(done.stdout)
+    assert summary["flops"] == pytest.approx(p.flops)
+    assert set(summary["collectives"]["intra"]) == set(COLLECTIVES)
+    assert "roofline of 21 kernels:" in done.stderr and "rms error" in done.stderr
+    for kind in COLLECTIVES:
+        assert f"  {kind} " in done.stderr
+    assert "55/55" in done.stderr  # the progress line reached its last item
+    assert not list(tmp_path.glob(".x.*"))  # no temporary file left behind
