@@ -564,6 +564,7 @@ def main(argv=None) -> int:
 
 
 def run(args, argv, ranks: Ranks) -> int:
+    """Check the output path, measure on every rank, then fit, write and report on rank 0."""
     problem = [check_out(args.out) if ranks.rank == 0 else None]
     dist.broadcast_object_list(problem, src=0)  # every rank stops if rank 0 cannot write
     if problem[0]:
