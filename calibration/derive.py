@@ -29,13 +29,18 @@ def parse_rate(text: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2)] / 8
 
 
+def link_rate(profile: Profile) -> float:
+    """The inter-node link's rate as a profile sees it: its fastest collective's bus bandwidth."""
+    return max(c.beta for c in profile.inter_node.values())
+
+
 def with_inter_link(base: Profile, link_bytes_per_s: float, gpus_per_node: int | None = None,
                     name: str | None = None) -> Profile:
     """`base` with its inter-node bus bandwidths scaled to a link of `link_bytes_per_s`."""
     if not base.inter_node:
         raise ProfileError(f"profile {base.name} has no inter-node tier to scale; derive from a "
                            f"profile measured across machines (e.g. v100-2x4)")
-    scale = link_bytes_per_s / max(c.beta for c in base.inter_node.values())
+    scale = link_bytes_per_s / link_rate(base)
     inter = {k: LinkCost(c.alpha, c.beta * scale) for k, c in base.inter_node.items()}
     return replace(base, name=name or base.name, inter_node=inter,
                    gpus_per_node=gpus_per_node or base.gpus_per_node)
@@ -63,8 +68,8 @@ def main(argv=None) -> int:
         derived = replace(derived, source=(
             f"Derived by calibration.derive from {base.name} ({base.source}) with "
             f"{derived.gpus_per_node} GPUs per machine and the inter-node bus bandwidths scaled "
-            f"to a {args.inter_bandwidth} link (x{rate / max(c.beta for c in base.inter_node.values()):.4g}"
-            f" of the base's fastest inter-node bus bandwidth)."),
+            f"to a {args.inter_bandwidth} link (x{rate / link_rate(base):.4g} of the base's "
+            f"fastest inter-node bus bandwidth)."),
             provenance={"base": base.name, "command": "python -m calibration.derive "
                         + " ".join(sys.argv[1:] if argv is None else argv)})
     except (ValueError, ProfileError) as exc:

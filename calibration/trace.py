@@ -63,15 +63,22 @@ def steps(events: list[dict]) -> list[dict]:
     return sorted(found, key=lambda e: e["ts"])
 
 
+def step_gpu_events(events: list[dict]) -> list[list[dict]]:
+    """Per profiled step, its GPU events in time order: those starting between the step's mark
+    and the next one (the last step: its own end)."""
+    marks = steps(events)
+    gpu = sorted(gpu_events(events), key=lambda e: e["ts"])
+    out = []
+    for i, step in enumerate(marks):
+        end = marks[i + 1]["ts"] if i + 1 < len(marks) else step["ts"] + step["dur"]
+        out.append([e for e in gpu if step["ts"] <= e["ts"] < end])
+    return out
+
+
 def breakdown(events: list[dict]) -> StepBreakdown:
     """Mean over the profiled steps of wall time, computation, communication and overlap."""
-    marks = steps(events)
-    gpu = gpu_events(events)
     rows = []
-    for i, step in enumerate(marks):
-        start = step["ts"]
-        end = marks[i + 1]["ts"] if i + 1 < len(marks) else step["ts"] + step["dur"]
-        inside = [e for e in gpu if start <= e["ts"] < end]
+    for step, inside in zip(steps(events), step_gpu_events(events)):
         comm = [(e["ts"], e["ts"] + e["dur"]) for e in inside if is_communication(e)]
         comp = union([(e["ts"], e["ts"] + e["dur"]) for e in inside if not is_communication(e)])
         computation = sum(b - a for a, b in comp)  # busy time: two streams count once

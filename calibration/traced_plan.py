@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, replace
 
-from calibration.trace import TraceError, gpu_events, steps
+from calibration.trace import TraceError, step_gpu_events
 from hidup.capture import Graph
 from hidup.placement import Shard
 from hidup.strategy import Strategy, check, expert_parallel
@@ -35,16 +35,18 @@ class Gather:
     nbytes: int
 
 
-def collective_kernels(events: list[dict], step: int = 1) -> list[dict]:
-    """The NCCL kernels and device-to-device copies of profiled step `step`, in time order."""
-    marks = steps(events)
-    if not 0 <= step < len(marks):
-        raise TraceError(f"the trace has {len(marks)} profiled steps; step {step} is not one")
-    start = marks[step]["ts"]
-    end = marks[step + 1]["ts"] if step + 1 < len(marks) else start + marks[step]["dur"]
-    return [e for e in sorted(gpu_events(events), key=lambda e: e["ts"])
-            if start <= e["ts"] < end and (e["name"].startswith("nccl") or
-                                            (e.get("cat") == "Memcpy" and "DtoD" in e["name"]))]
+def collective_kernels(step_events: list[dict]) -> list[dict]:
+    """The NCCL kernels and device-to-device copies among one step's GPU events (in order)."""
+    return [e for e in step_events if e["name"].startswith("nccl")
+            or (e.get("cat") == "Memcpy" and "DtoD" in e["name"])]
+
+
+def one_step(events: list[dict], step: int) -> list[dict]:
+    """Profiled step `step`'s GPU events (calibration.trace.step_gpu_events)."""
+    per_step = step_gpu_events(events)
+    if not 0 <= step < len(per_step):
+        raise TraceError(f"the trace has {len(per_step)} profiled steps; step {step} is not one")
+    return per_step[step]
 
 
 def nccl_kind(name: str) -> str | None:
@@ -56,12 +58,12 @@ def nccl_kind(name: str) -> str | None:
             "ReduceScatter": "reduce_scatter", "SendRecv": "all_to_all"}.get(word)
 
 
-def sized(events: list[dict], world: int, kind: str, step: int = 1) -> list[Gather]:
-    """The step's all-gathers (or reduce-scatters) with their whole size: the per-rank chunk
+def sized(step_events: list[dict], world: int, kind: str) -> list[Gather]:
+    """One step's all-gathers (or reduce-scatters) with their whole size: the per-rank chunk
     copies on the kernel's stream right after it (or, for a reduce-scatter, right before it:
     the chunks packed into its input), `world` equal ones, times `world`."""
     out = []
-    kernels = collective_kernels(events, step)
+    kernels = collective_kernels(step_events)
     for i, e in enumerate(kernels):
         if nccl_kind(e["name"]) != kind:
             continue
@@ -79,7 +81,7 @@ def sized(events: list[dict], world: int, kind: str, step: int = 1) -> list[Gath
 
 def gathers(events: list[dict], world: int, step: int = 1) -> list[Gather]:
     """The step's all-gathers with their whole size (see `sized`)."""
-    return sized(events, world, "all_gather", step)
+    return sized(one_step(events, step), world, "all_gather")
 
 
 def derive_plan(events: list[dict], graph: Graph, world: int, step: int = 1
@@ -110,6 +112,5 @@ def derive_plan(events: list[dict], graph: Graph, world: int, step: int = 1
 
 def kind_counts(events: list[dict], step: int = 1) -> dict[str, int]:
     """How many NCCL kernels of each kind the step ran."""
-    return dict(collections.Counter(k for e in collective_kernels(events, step)
+    return dict(collections.Counter(k for e in collective_kernels(one_step(events, step))
                                     if (k := nccl_kind(e["name"]))))
-
