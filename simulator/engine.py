@@ -79,7 +79,8 @@ class _Plan:
     duration: dict[int, float]  # compute-stream tasks
     links: dict[tuple[int, int], tuple[float, float, tuple[int, ...]]]  # (collective, group
     #   index) -> (latency, transfer, machines whose inter-node link it crosses)
-    part: dict[tuple[int, int], int]  # (collective, rank) -> index of the rank's group
+    part: dict[tuple[int, int], int]  # (collective, rank) -> index of the rank's group, for
+    #   collectives split into sub-groups (others: 0)
     comm_stream: int
 
     @property
@@ -143,7 +144,8 @@ def _plan(program: Program, profile: Profile) -> _Plan:
             for i, group in enumerate(task.parts):
                 links[task.id, i] = (*profile.collective_split(task.kind, task.bytes, group),
                                      profile.machines(group))
-                part.update({(task.id, rank): i for rank in group})
+                if len(task.parts) > 1:  # a world-spanning collective: every rank in group 0
+                    part.update({(task.id, rank): i for rank in group})
             continue
         if isinstance(task, Wait) and task.collective not in ids:
             raise SimulationError(f"task {task}: #{task.collective} is not a collective of "
@@ -221,7 +223,7 @@ class _Sim:
             inputs = [self.done[rank, i] for i in self.plan.producers[task.id]]
             if inputs:
                 yield self.env.all_of(inputs)
-            key = (task.id, self.plan.part[task.id, rank])
+            key = (task.id, self.plan.part.get((task.id, rank), 0))
             yield self.arrive(key, len(task.parts[key[1]]))
             latency, transfer, machines = self.plan.links[key]
             start = self.env.now
