@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from calibration.fit import FitError, fit_links, fit_roofline
+from hidup.cluster import default_threads
 from hidup.profile import Profile, ProfileError, load_profile
 from hidup.program import COLLECTIVES
 
@@ -553,6 +554,7 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning,
                             message=r"`torch\.distributed\.\w+` is deprecated")
     device = torch.device("cpu")
+    torch.set_num_threads(default_threads())  # as hidup.train runs
     if backend == "nccl":
         device = torch.device("cuda", int(env["LOCAL_RANK"]))
         torch.cuda.set_device(device)

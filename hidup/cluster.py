@@ -36,6 +36,18 @@ MAX_HOSTS = 32
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 
 
+def ranks_on_this_machine() -> int:
+    """Ranks sharing this machine's cores: all of an emulated cluster's (its hosts are one
+    machine), else torchrun's local ones."""
+    return int(os.environ.get("HIDUP_RANKS_PER_MACHINE") or os.environ.get("LOCAL_WORLD_SIZE")
+               or 1)
+
+
+def default_threads() -> int:
+    """Intra-op CPU threads per rank so that the ranks on this machine fill its cores once."""
+    return max(1, (os.cpu_count() or 1) // ranks_on_this_machine())
+
+
 class ClusterError(Exception):
     """Something the user can fix: bad flags, no root or iproute2, no such cluster."""
 
@@ -202,7 +214,7 @@ class Cluster:
             raise ClusterError(f"emulated cluster {self.name!r} is missing {missing}; "
                                f"`{PROG} down --name {self.name}` and `up` again")
         env = dict(os.environ, GLOO_SOCKET_IFNAME=IFACE, TP_SOCKET_IFNAME=IFACE,
-                   HIDUP_CLUSTER=self.name)
+                   HIDUP_CLUSTER=self.name, HIDUP_RANKS_PER_MACHINE=str(self.world))
         files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) if capture
                  else (None, None) for _ in range(self.hosts)]
         procs = [subprocess.Popen(self.torchrun(i, args, port), env=env, stdout=out, stderr=err,

@@ -22,20 +22,34 @@ def estimate(program: Program, profile: Profile) -> Estimate:
     writers: dict[str, list[int]] = {}
     device = comm = computation = communication = 0.0
     ready: dict[int, float] = {}  # compute stream -> when its next kernel may start
+    unpacked: set[int] = set()  # collectives past their first Wait
+
+    def kernel(task, seconds: float, after=()) -> float:  # on the device, in stream order
+        nonlocal device, computation
+        start = max([device, ready.get(task.stream, 0.0)] + [done[a] for a in after])
+        device = ready[task.stream] = start + seconds
+        computation += seconds
+        return device
+
     for task in program.tasks:
         if isinstance(task, Wait):
             ready[task.stream] = max(ready.get(task.stream, 0.0), done[task.collective])
+            coll = program.tasks[task.collective]
+            unpack = profile.host_times(coll)[1]
+            if unpack > 0 and task.collective not in unpacked:
+                unpacked.add(task.collective)
+                kernel(task, unpack)
             continue
         if isinstance(task, Convert) and task.collective:
-            start = max([comm] + [done[w] for key in task.inputs for w in writers.get(key, ())])
+            pack = profile.host_times(task)[0]
+            issued = kernel(task, pack, task.after) if pack > 0 else 0.0
+            start = max([comm, issued] +
+                        [done[w] for key in task.inputs for w in writers.get(key, ())])
             comm = done[task.id] = start + profile.collective_time(task.kind, task.bytes,
                                                                   task.group)
             communication += comm - start
         else:
-            start = max([device, ready.get(task.stream, 0.0)] + [done[a] for a in task.after])
-            took = profile.compute_time(task)
-            device = ready[task.stream] = done[task.id] = start + took
-            computation += took
+            done[task.id] = kernel(task, profile.compute_time(task), task.after)
         for key in task.outputs:
             if key:
                 writers.setdefault(key, []).append(task.id)

@@ -43,7 +43,7 @@ class Executor:
     def __init__(self, graph: Graph, strategy: Strategy, program: Program,
                  params: dict[str, torch.Tensor], lr: float = 0.01,
                  device: torch.device | str = "cpu", group=None,
-                 buffers: dict[str, torch.Tensor] | None = None):
+                 buffers: dict[str, torch.Tensor] | None = None, rank: int | None = None):
         split = next((t for t in program.collectives if t.groups), None)
         if split is not None:
             raise ValueError(f"task {split} runs in sub-groups {split.groups}: the executor runs "
@@ -51,7 +51,7 @@ class Executor:
         self.g, self.s, self.p = graph, strategy, program
         self.world, self.k, self.device = program.world, program.k, torch.device(device)
         self.group = group
-        self.rank = dist.get_rank(group) if self.world > 1 else 0
+        self.rank = rank if rank is not None else dist.get_rank(group) if self.world > 1 else 0
         self.mbs = microbatch_split(graph, program.k)
         self.params = {}  # param node name -> local shard (a leaf the optimizer updates)
         for node in graph.params:

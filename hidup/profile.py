@@ -25,7 +25,9 @@ PROFILE_FORMAT, PROFILE_VERSION = "hidup-profile", 2
 _SCALARS = ("flops", "mem_bandwidth", "op_overhead", "gpus_per_node")
 _KEYS = {"format", "version", "name", "source", "collectives", "inter_node", "interference",
          *_SCALARS}
-_OPTIONAL = {"provenance"}  # where a measured profile was taken: host, devices, date, versions
+# provenance: where a measured profile was taken (host, devices, date, versions);
+# kernels: measured seconds of kernels by kernel_key (calibration.ops), used before the roofline
+_OPTIONAL = {"provenance", "kernels"}
 
 
 class ProfileError(ValueError):
@@ -73,9 +75,15 @@ class Profile:
     interference_compute: float = 1.0  # kernels run this much longer while a collective runs
     interference_comm: float = 1.0  # collectives run this much longer while a kernel runs
     provenance: dict | None = field(default=None, hash=False, compare=False)
+    kernels: dict[str, float] | None = field(default=None, hash=False, compare=False)
 
     def compute_time(self, task: Compute | Convert) -> float:
-        """Seconds of a kernel on a compute stream: a Compute, or a local slice / alias."""
+        """Seconds of a kernel on a compute stream: a Compute, or a local slice / alias. A kernel
+        measured on this cluster (`kernels`, by kernel_key) takes its measured time."""
+        if self.kernels:
+            measured = self.kernels.get(kernel_key(task))
+            if measured is not None:
+                return measured
         if isinstance(task, Compute):
             return self.kernel_time(task.flops, task.bytes)
         if task.kind == "alias":
@@ -83,6 +91,15 @@ class Profile:
         if task.kind == "slice":
             return self.op_overhead + task.bytes / self.mem_bandwidth
         raise ProfileError(f"task {task} is a collective, not a compute-stream kernel")
+
+    def host_times(self, task: Convert) -> tuple[float, float]:
+        """Seconds a collective keeps its issuing stream busy before it is handed over (packing
+        its input) and at its first Wait (unpacking the result): measured ones (`kernels`, on a
+        CPU cluster, where the host is the device), else none (a GPU's launch is asynchronous)."""
+        if not self.kernels:
+            return 0.0, 0.0
+        key = kernel_key(task)
+        return self.kernels.get(f"issue {key}", 0.0), self.kernels.get(f"finish {key}", 0.0)
 
     def kernel_time(self, flops: float, nbytes: float) -> float:
         """Seconds of one kernel: launch overhead, then bound by FLOPs or by memory traffic."""
@@ -119,8 +136,9 @@ class Profile:
             if doc[tier] is not None:
                 doc[tier] = {k: {"alpha": c["alpha"], "bus_bandwidth": c["beta"]}
                              for k, c in doc[tier].items()}
-        if doc["provenance"] is None:
-            del doc["provenance"]
+        for key in _OPTIONAL:
+            if doc[key] is None:
+                del doc[key]
         return doc
 
     def to_json(self) -> str:
@@ -131,6 +149,31 @@ class Profile:
         return (f"profile {self.name}: {self.flops / 1e12:g} TFLOP/s, "
                 f"{self.mem_bandwidth / 1e9:g} GB/s memory, {self.op_overhead * 1e6:g} us/kernel, "
                 f"{self.gpus_per_node} GPUs/node; {links}")
+
+
+def kernel_key(task: Compute | Convert) -> str:
+    """What identifies a kernel's cost: phase, op, local shapes (and which input gradients a
+    backward computes; the parameters' size for the optimizer step; a slice's dimension)."""
+    if isinstance(task, Convert) and task.collective:
+        return f"{task.kind} {list(task.shape)} {task.bytes}"
+    if isinstance(task, Convert):
+        return f"{task.kind} {list(task.shape)} {getattr(task.dst, 'dim', '')}".rstrip()
+    if task.phase == "update":
+        return f"update {task.op} {task.flops:.0f}"
+    shapes = ",".join(str(list(s)) for s in task.in_shapes)
+    key = f"{task.phase} {task.op} {shapes}->{list(task.out_shape)}"
+    if task.phase == "bwd":
+        key += " grads " + "".join("1" if out else "0" for out in task.outputs)
+    return key
+
+
+def kernel_coverage(profile: Profile, tasks) -> float:
+    """Share of the compute-stream kernels among `tasks` that have a measured time."""
+    kernels = [t for t in tasks if isinstance(t, Compute)
+               or (isinstance(t, Convert) and t.kind == "slice")]
+    if not kernels:
+        return 1.0
+    return sum(kernel_key(t) in (profile.kernels or {}) for t in kernels) / len(kernels)
 
 
 def shipped_names() -> list[str]:
@@ -183,6 +226,13 @@ def from_dict(doc, where: str = "profile") -> Profile:
     if provenance is not None and not isinstance(provenance, dict):
         raise ProfileError(f"{where}: \"provenance\" must be an object (host, devices, date, "
                            f"versions), got {type(provenance).__name__}")
+    kernels = doc.get("kernels")
+    if kernels is not None:
+        if not isinstance(kernels, dict):
+            raise ProfileError(f"{where}: \"kernels\" must map kernel keys to seconds, got "
+                               f"{type(kernels).__name__}")
+        kernels = {str(k): _number(v, f"kernels[{k!r}]", where, zero_ok=True)
+                   for k, v in kernels.items()}
     values = {k: _number(doc[k], k, where, zero_ok=k == "op_overhead") for k in _SCALARS}
     if values["gpus_per_node"] != int(values["gpus_per_node"]):
         raise ProfileError(f"{where}: gpus_per_node must be a whole number")
@@ -197,7 +247,7 @@ def from_dict(doc, where: str = "profile") -> Profile:
     return Profile(str(doc["name"]), str(doc["source"]), values["flops"],
                    values["mem_bandwidth"], values["op_overhead"],
                    _collectives(doc["collectives"], where), int(values["gpus_per_node"]), inter,
-                   slow["compute"], slow["communication"], provenance)
+                   slow["compute"], slow["communication"], provenance, kernels)
 
 
 def _collectives(doc, where: str, tier: str = "collectives") -> dict[str, LinkCost]:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hidup.capture import capture
+from hidup.cluster import default_threads
 from hidup.data import (DataError, build_vocabulary, eval_batches, load_tokens, perplexity,
                         random_batch)
 from hidup.execute import Executor
@@ -44,7 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
                     help="process-group backend (auto: nccl with CUDA, else gloo)")
     ap.add_argument("--threads", type=int, default=None,
-                    help="intra-op CPU threads per rank (default: cores / local ranks)")
+                    help="intra-op CPU threads per rank (default: cores / ranks on this machine, "
+                         "all of an emulated cluster's)")
     ap.add_argument("--trace", type=Path, default=None,
                     help="write a torch.profiler Chrome trace of the last step (rank r > 0 adds .rankR)")
     ap.add_argument("--data", type=Path, default=None,
@@ -76,8 +78,7 @@ def setup(args) -> tuple[int, int, torch.device]:
         torch.cuda.set_device(device)
     if world > 1:
         dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
+    torch.set_num_threads(args.threads or default_threads())
     rank = dist.get_rank() if world > 1 else 0
     return rank, world, device
 

@@ -82,6 +82,8 @@ class _Plan:
     part: dict[tuple[int, int], int]  # (collective, rank) -> index of the rank's group, for
     #   collectives split into sub-groups (others: 0)
     comm_stream: int
+    host: dict[int, tuple[float, float]]  # collective id -> seconds its stream spends issuing
+    #   it and at its first Wait (Profile.host_times; only those not zero)
 
     @property
     def identical(self) -> bool:
@@ -137,10 +139,14 @@ def _plan(program: Program, profile: Profile) -> _Plan:
     ids = {c.id for c in collectives}
     streams: dict[int, list] = {0: []}
     duration: dict[int, float] = {}
-    links, part = {}, {}
+    links, part, host = {}, {}, {}
     for task in program.tasks:
         if isinstance(task, Convert) and task.collective:
             _check_groups(task, program.world)
+            if any(profile.host_times(task)):
+                host[task.id] = profile.host_times(task)
+                if host[task.id][0] > 0:  # issuing it takes its stream's time
+                    streams.setdefault(task.stream, []).append(task)
             for i, group in enumerate(task.parts):
                 links[task.id, i] = (*profile.collective_split(task.kind, task.bytes, group),
                                      profile.machines(group))
@@ -154,7 +160,7 @@ def _plan(program: Program, profile: Profile) -> _Plan:
             duration[task.id] = profile.compute_time(task)
         streams.setdefault(task.stream, []).append(task)
     return _Plan({s: tuple(q) for s, q in sorted(streams.items())}, collectives,
-                 _producers(program), duration, links, part, max(streams) + 1)
+                 _producers(program), duration, links, part, max(streams) + 1, host)
 
 
 def _check_groups(task: Convert, world: int) -> None:
@@ -188,6 +194,9 @@ class _Sim:
         self.env, self.plan, self.ranks, self.slow = env, plan, ranks, slow or {}
         tasks = [*plan.duration, *(c.id for c in plan.collectives)]
         self.done = {(r, i): env.event() for r in range(ranks) for i in tasks}
+        self.issued = {(r, i): env.event() for r in range(ranks) for i in plan.host
+                       if plan.host[i][0] > 0}
+        self.unpacked: set[tuple[int, int]] = set()  # (rank, collective) past its first Wait
         self.arrived: dict[tuple[int, int], int] = {}
         self.barrier = {key: env.event() for key in plan.links}
         self.records: list[list[Record]] = [[] for _ in range(ranks)]
@@ -208,19 +217,40 @@ class _Sim:
         for task in tasks:
             if isinstance(task, Wait):
                 yield self.done[rank, task.collective]
+                unpack = self.plan.host.get(task.collective, (0.0, 0.0))[1]
+                if unpack > 0 and (rank, task.collective) not in self.unpacked:
+                    self.unpacked.add((rank, task.collective))
+                    yield from self.kernel(rank, stream, task, unpack)
                 continue
             if task.after:  # events from the other compute stream
                 yield self.env.all_of([self.done[rank, i] for i in task.after])
-            if self.kernels is None:
-                yield from self.execute(rank, stream, task)
+            if isinstance(task, Convert) and task.collective:  # packing its input
+                yield from self.kernel(rank, stream, task, self.plan.host[task.id][0])
+                self.issued[rank, task.id].succeed()
             else:
-                with self.kernels[rank].request() as turn:
-                    yield turn
-                    yield from self.execute(rank, stream, task)
+                yield from self.kernel(rank, stream, task, self.plan.duration[task.id])
+                self.done[rank, task.id].succeed()
+
+    def kernel(self, rank: int, stream: int, task, seconds: float):
+        """`seconds` of work on a compute stream (slower on a slow rank), taking turns with the
+        other compute stream's kernels; recorded."""
+        if self.kernels is None:
+            yield from self.timed(rank, stream, task, seconds)
+        else:
+            with self.kernels[rank].request() as turn:
+                yield turn
+                yield from self.timed(rank, stream, task, seconds)
+
+    def timed(self, rank: int, stream: int, task, seconds: float):
+        start = self.env.now
+        yield from self.run(rank, stream, seconds * self.slow.get(rank, 1.0))
+        self.records[rank].append(Record(task, stream, start, self.env.now))
 
     def comm_stream(self, rank: int):
         for task in self.plan.collectives:
             inputs = [self.done[rank, i] for i in self.plan.producers[task.id]]
+            if (rank, task.id) in self.issued:
+                inputs.append(self.issued[rank, task.id])
             if inputs:
                 yield self.env.all_of(inputs)
             key = (task.id, self.plan.part.get((task.id, rank), 0))
@@ -241,11 +271,6 @@ class _Sim:
         if self.arrived[key] == min(size, self.ranks):
             self.barrier[key].succeed()
         return self.barrier[key]
-
-    def execute(self, rank: int, stream: int, task: Compute | Convert):
-        start = self.env.now
-        yield from self.run(rank, stream, self.plan.duration[task.id] * self.slow.get(rank, 1.0))
-        self.finish(rank, stream, task, start)
 
     def finish(self, rank: int, stream: int, task: Compute | Convert, start: float) -> None:
         self.records[rank].append(Record(task, stream, start, self.env.now))

@@ -31,6 +31,8 @@ class ModelSpec:
 
 BERT = {"tiny": dict(vocab=64, dim=32, heads=4, hidden=64, layers=2, seq=16, per_gpu=2,
                      dropout=0.0),
+        "small": dict(vocab=2048, dim=128, heads=4, hidden=512, layers=2, seq=32, per_gpu=8,
+                      dropout=0.0),
         "paper": dict(vocab=30522, dim=768, heads=12, hidden=3072, layers=8, seq=128, per_gpu=32,
                       dropout=0.1)}
 VIT = {"tiny": dict(image=8, patch=2, dim=32, heads=4, hidden=64, layers=2, per_gpu=2, dropout=0.0),

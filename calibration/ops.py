@@ -1,0 +1,207 @@
+"""Measure a model's kernels on this cluster and add them to a profile. Every rank, started by
+torchrun, runs the Programs of the given strategies and micro-batch counts with hidup.execute,
+collectives done locally (same shapes, no communication), and times each compute-stream task:
+a node's forward or backward, a local slice, the optimizer step, and the packing and unpacking
+of a collective's tensors (on a CPU the host does it: it is not hidden as on a GPU). Rank 0
+writes the base profile with the median time of each kernel (by hidup.profile.kernel_key); the
+simulator then uses these instead of the roofline wherever a Program has the same kernel:
+
+    torchrun --nproc-per-node 2 -m calibration.ops --model gpt:tiny --strategy ddp megatron \\
+        --micro-batches 1 2 --base PROFILE.json --out PROFILE-gpt.json
+
+All ranks measure at once, so ranks that share a machine's cores slow each other as in a real
+run; compute and communication running together are the base profile's interference figures."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hidup.capture import capture
+from hidup.cluster import default_threads
+from hidup import execute
+from hidup.execute import Executor
+from hidup.models import get_model, names
+from hidup.profile import ProfileError, kernel_key, load_profile
+from hidup.program import Compute, Convert, Wait, lower
+from hidup.strategy import resolve_strategy
+
+log = logging.getLogger(__name__)
+PROG = "calibration.ops"
+
+
+class _Done:
+    """A finished collective's handle."""
+
+    def wait(self) -> None:
+        pass
+
+
+class LocalCollectives:
+    """torch.distributed's collectives as hidup.execute calls them, done within this rank: the
+    result has the right shape and is built from this rank's own piece (all-gather repeats it,
+    reduce-scatter cuts it, all-to-all keeps it), so the values stay valid (token ids in range).
+    `seconds` adds up the time spent in them, which a real run spends on the network."""
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world, self.seconds = rank, world, 0.0
+
+    def _local(self, fill):
+        start = time.perf_counter()
+        fill()
+        self.seconds += time.perf_counter() - start
+        return _Done()
+
+    def all_reduce(self, tensor, group=None, async_op=False):
+        return self._local(lambda: None)
+
+    def all_gather_into_tensor(self, out, part, group=None, async_op=False):
+        return self._local(lambda: out.copy_(part.repeat((self.world,) + (1,) * (part.dim() - 1))))
+
+    def reduce_scatter_tensor(self, out, whole, group=None, async_op=False):
+        return self._local(lambda: out.copy_(whole.chunk(self.world)[self.rank]))
+
+    def all_to_all_single(self, recv, send, group=None, async_op=False):
+        return self._local(lambda: recv.copy_(send))
+
+
+class StandInExecutor(Executor):
+    """The executor with torch.distributed's collectives done locally (LocalCollectives), so a
+    rank runs its Program alone; it records how long each compute-stream task took: kernels,
+    a collective's packing (its issue, less the stand-in's own time) and unpacking (its first
+    Wait)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.timings: dict[str, list[float]] = {}
+        self.local = LocalCollectives(self.rank, self.world)
+
+    def step(self, inputs, update: bool = True) -> float:
+        real, execute.dist = execute.dist, self.local
+        try:
+            return super().step(inputs, update)
+        finally:
+            execute.dist = real
+
+    def run_task(self, task) -> None:
+        unpack = isinstance(task, Wait) and not self.pending[task.collective].done
+        before, start = self.local.seconds, time.perf_counter()
+        super().run_task(task)
+        took = time.perf_counter() - start - (self.local.seconds - before)
+        if isinstance(task, Compute) or (isinstance(task, Convert) and not task.collective):
+            self._add(kernel_key(task), took)
+        elif isinstance(task, Convert):
+            self._add(f"issue {kernel_key(task)}", took)
+        elif unpack:
+            self._add(f"finish {kernel_key(self.p.tasks[task.collective])}", took)
+
+    def _add(self, key: str, seconds: float) -> None:
+        self.timings.setdefault(key, []).append(seconds)
+
+
+def measure_kernels(model: str, strategy: str, world: int, k: int, rank: int = 0,
+                    steps: int = 5, warmup: int = 2, batch: int | None = None,
+                    streams: int = 1) -> dict[str, list[float]]:
+    """Seconds of each kernel (by kernel_key) of rank `rank`'s Program, over `steps` timed
+    steps after `warmup` (every occurrence: micro-batches, layers of the same shapes)."""
+    spec = get_model(model, gpus=world)
+    batch = batch or spec.batch
+    torch.manual_seed(0)
+    net = spec.build()
+    graph = capture(net, spec.inputs(batch, torch.Generator().manual_seed(0)))
+    plan = resolve_strategy(strategy, graph, world)
+    program = lower(graph, plan, world, k, model, streams=streams)
+    executor = StandInExecutor(graph, plan, program, dict(net.named_parameters()), 0.0,
+                               buffers=dict(net.named_buffers()), rank=rank)
+    names_in = [n.source for n in graph.user_inputs]
+    for step in range(warmup + steps):
+        if step == warmup:
+            executor.timings.clear()
+        data = spec.inputs(batch, torch.Generator().manual_seed(1 + step))
+        executor.step(dict(zip(names_in, data)))
+    return executor.timings
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help=f"model NAME:SIZE, one of {names()}")
+    ap.add_argument("--strategy", nargs="+", default=["ddp"],
+                    help="strategies whose kernels to measure: ddp, megatron, expert, a plan file")
+    ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2],
+                    help="micro-batch counts to measure (default 1 2: plain SPMD and Duplex)")
+    ap.add_argument("--streams", type=int, choices=[1, 2], default=1, help="compute streams")
+    ap.add_argument("--batch", type=int, default=None, help="global batch (default: the model's)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    ap.add_argument("--base", required=True,
+                    help="the profile to add the kernels to (shipped name or file)")
+    ap.add_argument("--out", type=Path, required=True, help="the profile file to write (.json)")
+    args = ap.parse_args(argv)
+    for flag in ("steps", "batch"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            ap.error(f"--{flag} must be at least 1, got {value}")
+    if args.warmup < 0 or min(args.micro_batches) < 1:
+        ap.error("--warmup must be >= 0 and every --micro-batches >= 1")
+    if args.out.suffix != ".json" or not args.out.parent.is_dir():
+        ap.error(f"--out {args.out}: give a .json file in an existing folder")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"{PROG}: %(message)s")
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        base = load_profile(args.base)
+    except ProfileError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(default_threads())
+    if world > 1:  # only to start together and to finish together
+        dist.init_process_group("gloo")
+    times: dict[str, list[float]] = {}
+    try:
+        for strategy in args.strategy:
+            for k in args.micro_batches:
+                start = time.perf_counter()
+                for key, values in measure_kernels(args.model, strategy, world, k, rank,
+                                                   args.steps, args.warmup, args.batch,
+                                                   args.streams).items():
+                    times.setdefault(key, []).extend(values)
+                if rank == 0:
+                    log.info("%s %s k=%d: %d kernels so far, %.1f s", args.model, strategy, k,
+                             len(times), time.perf_counter() - start)
+    except ValueError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if world > 1:
+            dist.barrier()
+            dist.destroy_process_group()
+    if rank != 0:
+        return 0
+    kernels = dict(base.kernels or {})
+    kernels.update({key: statistics.median(values) for key, values in sorted(times.items())})
+    command = "calibration.ops " + " ".join(sys.argv[1:] if argv is None else argv)
+    source = (f"{base.source} Kernels of {args.model} measured by `{command}` on {world} "
+              f"rank(s), median of {args.steps} steps.")
+    profile = replace(base, name=args.out.stem, source=source, kernels=kernels)
+    args.out.write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
+    print(f"{PROG}: {len(times)} kernels measured ({sum(map(len, times.values()))} timings); "
+          f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""The simulator against real runs on an emulated cluster: `python -m experiments.accuracy`.
+
+For each ranks-per-host setting an emulated cluster (hidup.cluster: hosts as network namespaces,
+links limited with tc) is brought up; for each link bandwidth it is calibrated as a real cluster
+would be (calibration.profile: microbenchmarks of kernels and collectives; calibration.ops: the
+models' kernels, timed with collectives stood in locally), the searched plan is made with that
+profile, and every configuration (model x strategy x Duplex on/off) is predicted by the simulator
+and then trained for real (hidup.train, median step after warm-up). Reports each error, the
+median and maximum absolute error, Kendall's tau per model and the regret of taking the
+simulator's best per model and cluster; writes a CSV, a JSON summary and a predicted-vs-measured
+plot. Needs root and iproute2 (as hidup.cluster)."""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hidup.cluster import ClusterError, Cluster, emulated, parse_rate
+from hidup.models import capture_model, get_model
+from hidup.profile import kernel_coverage, load_profile
+from hidup.program import lower
+from hidup.search import search
+from hidup.strategy import resolve_strategy, save_plan
+from simulator.engine import simulate
+
+log = logging.getLogger(__name__)
+PROG = "python -m experiments.accuracy"
+STRATEGIES = ("searched", "ddp", "megatron", "expert")
+
+
+@dataclass
+class Row:
+    model: str
+    strategy: str
+    k: int
+    bandwidth: str
+    hosts: int
+    ranks_per_host: int
+    predicted_ms: float
+    measured_ms: float
+    predicted_computation_ms: float
+    predicted_communication_ms: float
+    predicted_overlap: float
+    kernels_measured: float  # share of the Program's kernels with a measured time
+
+    @property
+    def error(self) -> float:
+        return self.predicted_ms / self.measured_ms - 1.0
+
+    @property
+    def cluster(self) -> str:
+        return f"{self.hosts}x{self.ranks_per_host} {self.bandwidth}"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__)
+    ap.add_argument("--models", nargs="+", default=["gpt:small", "bert-sgmoe:small"],
+                    help="zoo models NAME:SIZE (CPU-feasible sizes)")
+    ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES),
+                    help=f"of {STRATEGIES}; 'expert' only applies to mixture-of-experts models")
+    ap.add_argument("--bandwidths", nargs="+", default=["100mbit", "1gbit", "10gbit"],
+                    help="link rates to emulate, e.g. 100mbit 1gbit 10gbit")
+    ap.add_argument("--hosts", type=int, default=2, help="emulated machines")
+    ap.add_argument("--ranks-per-host", type=int, nargs="+", default=[1, 2],
+                    help="ranks per machine, one cluster each (default 1 2)")
+    ap.add_argument("--steps", type=int, default=10, help="training steps per real run")
+    ap.add_argument("--warmup", type=int, default=4, help="steps left out of the median")
+    ap.add_argument("--max-bytes", default="32MB",
+                    help="largest collective the calibration measures (calibration.profile)")
+    ap.add_argument("--quick", action="store_true",
+                    help="CI size: gpt:small, ddp and megatron, 1gbit, 1 rank per host")
+    ap.add_argument("--out", type=Path, default=Path("experiments/results/accuracy"),
+                    help="folder for accuracy.csv, accuracy.json, accuracy.png and the profiles")
+    ap.add_argument("--max-median-error", type=float, default=None,
+                    help="exit 1 when the median absolute error exceeds this fraction (CI: 0.10)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.models, args.strategies = ["gpt:small"], ["ddp", "megatron"]
+        args.bandwidths, args.ranks_per_host = ["1gbit"], [1]
+        args.steps, args.warmup = 8, 3
+    bad = sorted(set(args.strategies) - set(STRATEGIES))
+    if bad:
+        ap.error(f"--strategies {bad}: choose from {list(STRATEGIES)}")
+    for rate in args.bandwidths:
+        try:
+            parse_rate(rate)
+        except ValueError as exc:
+            ap.error(str(exc))
+    if args.warmup >= args.steps:
+        ap.error(f"--warmup ({args.warmup}) must be below --steps ({args.steps})")
+    return args
+
+
+def is_moe(model: str) -> bool:
+    return "moe" in model or "switch" in model
+
+
+def calibrate(cluster: Cluster, args, folder: Path) -> Path:
+    """calibration.profile on the cluster as it is now: the profile file."""
+    out = folder / f"profile-{cluster.hosts}x{cluster.ranks_per_host}-{cluster.bandwidth}.json"
+    _cluster_run(cluster, ["-m", "calibration.profile", "--out", str(out), "--repeats", "3",
+                           "--max-bytes", args.max_bytes], "calibration.profile")
+    return out
+
+
+def plan_for(model: str, profile_path: Path, world: int, folder: Path) -> Path:
+    """The searched plan for this cluster (hidup.search with its profile): the plan file."""
+    spec = get_model(model, gpus=world)
+    graph = capture_model(spec, spec.batch)
+    result = search(graph, world, load_profile(profile_path), k=2)
+    path = folder / f"plan-{model.replace(':', '-')}-{profile_path.stem}.json"
+    save_plan(path, graph, result.strategy, world, model)
+    return path
+
+
+def measure_kernels(cluster: Cluster, model: str, strategies: list[str], base: Path,
+                    folder: Path) -> Path:
+    """calibration.ops on the cluster: `base` plus the model's kernels, as a new profile."""
+    out = folder / f"{base.stem}-{model.replace(':', '-')}.json"
+    _cluster_run(cluster, ["-m", "calibration.ops", "--model", model, "--strategy", *strategies,
+                           "--micro-batches", "1", "2", "--base", str(base), "--out", str(out)],
+                 "calibration.ops")
+    return out
+
+
+def predict(model: str, strategy: str, k: int, profile_path: Path, world: int):
+    spec = get_model(model, gpus=world)
+    graph = capture_model(spec, spec.batch)
+    program = lower(graph, resolve_strategy(strategy, graph, world), world, k, spec.name)
+    profile = load_profile(profile_path)
+    return simulate(program, profile), kernel_coverage(profile, program.tasks)
+
+
+def measure(cluster: Cluster, model: str, strategy: str, k: int, args) -> float:
+    """Median step time (ms) of a real run after warm-up."""
+    out = _cluster_run(cluster, ["-m", "hidup.train", "--model", model, "--strategy", strategy,
+                                 "--micro-batches", str(k), "--steps", str(args.steps),
+                                 "--warmup", str(args.warmup), "--json"], "hidup.train")
+    return json.loads(out.strip().splitlines()[-1])["median_step_ms"]
+
+
+def _cluster_run(cluster: Cluster, command: list[str], what: str) -> str:
+    result = cluster.run(command, capture=True, timeout=1800)
+    if not result.ok:
+        raise RuntimeError(f"{what} on the emulated cluster failed: {result.failure()}")
+    return result.stdout[0] or ""
+
+
+def kendall(rows: list[Row]) -> float:
+    from scipy.stats import kendalltau
+
+    if len(rows) < 2:
+        return float("nan")
+    return float(kendalltau([r.predicted_ms for r in rows], [r.measured_ms for r in rows])[0])
+
+
+def regret(rows: list[Row]) -> float:
+    """Measured time of the simulator's pick / measured best."""
+    pick = min(rows, key=lambda r: r.predicted_ms)
+    return pick.measured_ms / min(r.measured_ms for r in rows)
+
+
+def summarize(rows: list[Row]) -> dict:
+    errors = [abs(r.error) for r in rows]
+    models = sorted({r.model for r in rows})
+    groups: dict[tuple[str, str], list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r.model, r.cluster), []).append(r)
+    return {"configurations": len(rows),
+            "median_abs_error": statistics.median(errors),
+            "max_abs_error": max(errors),
+            "kendall_tau": {m: kendall([r for r in rows if r.model == m]) for m in models},
+            "regret": {f"{m} on {c}": regret(g) for (m, c), g in sorted(groups.items())}}
+
+
+def write_outputs(rows: list[Row], summary: dict, folder: Path, command: str) -> None:
+    with open(folder / "accuracy.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        fields = list(asdict(rows[0]))
+        writer.writerow(fields + ["error"])
+        for r in rows:
+            writer.writerow([getattr(r, k) for k in fields] + [f"{r.error:+.4f}"])
+    (folder / "accuracy.json").write_text(json.dumps(dict(summary, command=command), indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 5.5))
+    markers = {"searched": "*", "ddp": "o", "megatron": "s", "expert": "^"}
+    for model in sorted({r.model for r in rows}):
+        for strategy, marker in markers.items():
+            mine = [r for r in rows if r.model == model and r.strategy == strategy]
+            if mine:
+                ax.scatter([r.measured_ms for r in mine], [r.predicted_ms for r in mine],
+                           marker=marker, label=f"{model} {strategy}", alpha=0.8)
+    lo = min(min(r.measured_ms, r.predicted_ms) for r in rows) * 0.8
+    hi = max(max(r.measured_ms, r.predicted_ms) for r in rows) * 1.25
+    ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
+    for f, style in ((1.1, "k:"), (0.9, "k:")):
+        ax.plot([lo, hi], [lo * f, hi * f], style, lw=0.6)
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="measured step (ms)",
+           ylabel="predicted step (ms)",
+           title=f"simulator vs real runs: median |error| {summary['median_abs_error']:.1%}, "
+                 f"max {summary['max_abs_error']:.1%}")
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(folder / "accuracy.png", dpi=120)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[Row] = []
+    started = time.perf_counter()
+    try:
+        for rph in args.ranks_per_host:
+            world = args.hosts * rph
+            with emulated(args.hosts, rph, args.bandwidths[0]) as cluster:
+                for bandwidth in args.bandwidths:
+                    cluster.set_link(bandwidth)
+                    base = calibrate(cluster, args, args.out)
+                    log.info("[%.0f s] %d hosts x %d ranks, %s: calibrated (%s)",
+                             time.perf_counter() - started, args.hosts, rph, bandwidth, base)
+                    for model in args.models:
+                        strategies = [s for s in args.strategies
+                                      if s != "expert" or is_moe(model)]
+                        fixed = [s for s in strategies if s != "searched"]
+                        profile = measure_kernels(cluster, model, fixed or ["ddp"], base, args.out)
+                        if "searched" in strategies:
+                            plan = plan_for(model, profile, world, args.out)
+                            profile = measure_kernels(cluster, model, [str(plan)], profile,
+                                                      args.out)
+                        for strategy in strategies:
+                            arg = str(plan) if strategy == "searched" else strategy
+                            for k in (1, 2):
+                                result, coverage = predict(model, arg, k, profile, world)
+                                measured = measure(cluster, model, arg, k, args)
+                                rows.append(Row(model, strategy, k, bandwidth, args.hosts, rph,
+                                                result.step_time * 1e3, measured,
+                                                result.computation * 1e3,
+                                                result.communication * 1e3, result.overlap_ratio,
+                                                coverage))
+                                r = rows[-1]
+                                log.info("[%.0f s] %s %s k=%d on %s: predicted %.1f ms, measured "
+                                         "%.1f ms, error %+.1f%%", time.perf_counter() - started,
+                                         model, strategy, k, r.cluster, r.predicted_ms,
+                                         r.measured_ms, 100 * r.error)
+    except (ClusterError, RuntimeError, ValueError) as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    summary = summarize(rows)
+    command = "python -m experiments.accuracy " + " ".join(sys.argv[1:] if argv is None else argv)
+    write_outputs(rows, summary, args.out, command)
+    print("| model | strategy | Duplex | cluster | predicted (ms) | measured (ms) | error |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r.model} | {r.strategy} | {'on' if r.k > 1 else 'off'} | {r.cluster} | "
+              f"{r.predicted_ms:.1f} | {r.measured_ms:.1f} | {100 * r.error:+.1f}% |")
+    print(f"\n{summary['configurations']} configurations: median |error| "
+          f"{summary['median_abs_error']:.1%}, max {summary['max_abs_error']:.1%}")
+    print("Kendall tau: " + ", ".join(f"{m} {t:.2f}" for m, t in summary["kendall_tau"].items()))
+    print("regret (measured time of the simulator's pick / measured best): " +
+          ", ".join(f"{g} {v:.3f}" for g, v in summary["regret"].items()))
+    print(f"wrote {args.out / 'accuracy.csv'}, accuracy.json, accuracy.png in "
+          f"{time.perf_counter() - started:.0f} s")
+    if args.max_median_error is not None and summary["median_abs_error"] > args.max_median_error:
+        print(f"{PROG}: median |error| {summary['median_abs_error']:.1%} exceeds "
+              f"{args.max_median_error:.0%}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""experiments.accuracy end to end on an emulated cluster (CI's small version: gpt:small, ddp and
+megatron, Duplex on and off, 2 hosts at 1 Gbit/s): calibration, prediction and real runs, and
+the CSV, JSON summary and plot it writes."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+
+import pytest
+
+from experiments import accuracy
+
+
+@pytest.mark.skipif(not (os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")),
+                    reason="needs root and iproute2 (network namespaces)")
+def test_quick_accuracy_run_writes_its_table_and_plot(tmp_path, capsys):
+    assert accuracy.main(["--quick", "--out", str(tmp_path)]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "accuracy.csv")))
+    assert {(r["strategy"], r["k"]) for r in rows} == {("ddp", "1"), ("ddp", "2"),
+                                                         ("megatron", "1"), ("megatron", "2")}
+    for r in rows:
+        assert float(r["measured_ms"]) > 0 and float(r["predicted_ms"]) > 0
+        assert float(r["kernels_measured"]) == 1.0  # every kernel priced from calibration.ops
+    summary = json.loads((tmp_path / "accuracy.json").read_text())
+    assert summary["configurations"] == 4 and summary["median_abs_error"] >= 0
+    assert (tmp_path / "accuracy.png").stat().st_size > 10_000
+    assert "median |error|" in capsys.readouterr().out
+
+
+def test_summary_figures_on_a_hand_made_table():
+    row = lambda s, k, p, m: accuracy.Row("m", s, k, "1gbit", 2, 1, p, m, 0, 0, 0, 1.0)  # noqa: E731
+    rows = [row("ddp", 1, 110, 100), row("ddp", 2, 90, 100), row("megatron", 1, 200, 210),
+            row("megatron", 2, 80, 95)]
+    summary = accuracy.summarize(rows)
+    assert summary["median_abs_error"] == pytest.approx(0.1)  # of 4.8%, 10%, 10%, 15.8%
+    assert summary["max_abs_error"] == pytest.approx(15 / 95)
+    # predicted order 80 < 90 < 110 < 200, measured 95 < 100 = 100 < 210
+    assert summary["kendall_tau"]["m"] > 0.8
+    # the simulator picks megatron k=2 (80 predicted), which is also measured best (95)
+    assert summary["regret"]["m on 2x1 1gbit"] == 1.0

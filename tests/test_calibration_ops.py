@@ -1,0 +1,87 @@
+"""calibration.ops: every kernel of a Program is measured with collectives stood in locally, the
+profile carries them, and the simulator and the planner's estimate price kernels, packing and
+unpacking of collectives with them alike."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from calibration.ops import main as ops_main
+from calibration.ops import measure_kernels
+from hidup.estimate import estimate
+from hidup.models import capture_model, get_model
+from hidup.profile import from_dict, kernel_coverage, kernel_key, load_profile
+from hidup.program import Compute, Convert, lower
+from hidup.strategy import resolve_strategy
+from simulator import simulate
+
+
+def program(model: str, strategy: str, world: int, k: int):
+    spec = get_model(model, gpus=world)
+    graph = capture_model(spec, spec.batch)
+    return lower(graph, resolve_strategy(strategy, graph, world), world, k, spec.name)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "megatron"])
+def test_every_kernel_and_collective_of_the_program_is_measured(strategy):
+    times = measure_kernels("gpt:tiny", strategy, 2, 2, rank=0, steps=2, warmup=1)
+    prog = program("gpt:tiny", strategy, 2, 2)
+    kernels = {key: min(v) for key, v in times.items()}
+    profile = replace(load_profile("cpu-gloo-loopback"), kernels=kernels)
+    assert kernel_coverage(profile, prog.tasks) == 1.0
+    for task in prog.tasks:
+        if isinstance(task, Compute):
+            assert profile.compute_time(task) == kernels[kernel_key(task)]
+        if isinstance(task, Convert) and task.collective:
+            pack, unpack = profile.host_times(task)
+            assert pack > 0 and unpack > 0, task
+
+
+def test_measured_kernels_change_the_prediction_and_estimate_still_equals_the_simulator():
+    prog = program("gpt:tiny", "megatron", 2, 2)
+    base = replace(load_profile("cpu-gloo-loopback"), interference_compute=1.0,
+                   interference_comm=1.0)
+    # a kernel table that makes every kernel 1 ms and every packing / unpacking 0.5 ms
+    kernels = {}
+    for task in prog.tasks:
+        if isinstance(task, Compute) or (isinstance(task, Convert) and not task.collective):
+            kernels[kernel_key(task)] = 1e-3
+        elif isinstance(task, Convert):
+            kernels[f"issue {kernel_key(task)}"] = kernels[f"finish {kernel_key(task)}"] = 5e-4
+    measured = replace(base, kernels=kernels)
+    plain, timed = simulate(prog, base), simulate(prog, measured)
+    assert timed.step_time != pytest.approx(plain.step_time)
+    n_kernels = sum(1 for t in prog.tasks if isinstance(t, Compute)
+                    or (isinstance(t, Convert) and not t.collective))
+    n_coll = len(prog.collectives)
+    # the compute stream is busy for every kernel, packing and unpacking: exactly that much
+    assert timed.computation == pytest.approx(n_kernels * 1e-3 + n_coll * 2 * 5e-4)
+    assert estimate(prog, measured).step_time == pytest.approx(timed.step_time, rel=1e-12)
+    assert estimate(prog, measured).computation == pytest.approx(timed.computation)
+
+
+def test_profile_round_trips_its_kernels_and_refuses_bad_ones():
+    doc = load_profile("cpu-gloo-loopback").to_dict()
+    doc["kernels"] = {"fwd aten.mm.default [2, 2],[2, 2]->[2, 2]": 1e-5}
+    assert from_dict(json.loads(json.dumps(doc))).kernels == doc["kernels"]
+    doc["kernels"] = {"fwd x": -1}
+    with pytest.raises(ValueError, match="kernels"):
+        from_dict(doc)
+    doc["kernels"] = [1, 2]
+    with pytest.raises(ValueError, match="must map kernel keys to seconds"):
+        from_dict(doc)
+
+
+def test_command_line_writes_a_profile_with_the_kernels(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert ops_main(["--model", "mlp:tiny", "--strategy", "ddp", "--micro-batches", "1",
+                     "--steps", "1", "--warmup", "0", "--base", "cpu-gloo-loopback",
+                     "--out", str(out)]) == 0
+    profile = load_profile(out)
+    assert kernel_coverage(profile, program("mlp:tiny", "ddp", 1, 1).tasks) == 1.0
+    assert "Kernels of mlp:tiny measured" in profile.source
+    assert ops_main(["--model", "mlp:tiny", "--base", "no-such-profile", "--out",
+                     str(out)]) == 2
+    assert "unknown cluster profile" in capsys.readouterr().err
