@@ -220,14 +220,15 @@ class Cluster:
         procs = [subprocess.Popen(self.torchrun(i, args, port), env=env, stdout=out, stderr=err,
                                   text=True, start_new_session=True)
                  for i, (out, err) in enumerate(files)]
-        start, deadline = time.monotonic(), None
+        start, deadline, first = time.monotonic(), None, None
         try:
             while any(p.poll() is None for p in procs):
                 now = time.monotonic()
                 if timeout is not None and now - start > timeout:
                     raise TimeoutError(f"emulated cluster run exceeded {timeout:.0f} s")
-                if deadline is None and any(p.poll() not in (None, 0) for p in procs):
-                    deadline = now + grace
+                failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+                if deadline is None and failed:
+                    deadline, first = now + grace, failed[0]
                 if deadline is not None and now > deadline:
                     break
                 time.sleep(0.05)
@@ -237,7 +238,7 @@ class Cluster:
                     _kill_group(p)
         codes = [p.wait() for p in procs]
         texts = [tuple(_read(f) for f in pair) for pair in files]
-        return Run(codes, [t[0] for t in texts], [t[1] for t in texts])
+        return Run(codes, [t[0] for t in texts], [t[1] for t in texts], first)
 
 
 @dataclass
@@ -247,6 +248,7 @@ class Run:
     codes: list[int]
     stdout: list[str | None]
     stderr: list[str | None]
+    first_failed: int | None = None  # the host that failed first (the others were stopped)
 
     @property
     def ok(self) -> bool:
@@ -254,7 +256,10 @@ class Run:
 
     def failure(self) -> str:
         """The first failed host's last lines of stderr."""
-        for i, code in enumerate(self.codes):
+        order = ([self.first_failed] if self.first_failed is not None else []) + \
+            list(range(len(self.codes)))
+        for i in order:
+            code = self.codes[i]
             if code != 0:
                 tail = "\n".join((self.stderr[i] or "").strip().splitlines()[-15:])
                 return f"host {i} exited with code {code}" + (f":\n{tail}" if tail else "")
