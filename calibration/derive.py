@@ -9,25 +9,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from dataclasses import replace
 from pathlib import Path
 
+from hidup.cluster import parse_rate
 from hidup.profile import LinkCost, Profile, ProfileError, load_profile
-
-_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-
-
-def parse_rate(text: str) -> float:
-    """'9.71gbit' / '100mbit' / '1.2e9' (bits per second) -> bytes per second."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?)(?:bit)?(?:/s)?\s*",
-                     text.lower())
-    if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"bandwidth {text!r}: give a positive rate in bits per second, e.g. "
-                         f"100mbit, 9.71gbit, 1e9")
-    return float(m.group(1)) * _UNITS[m.group(2)] / 8
-
 
 def link_rate(profile: Profile) -> float:
     """The inter-node link's rate as a profile sees it: its fastest collective's bus bandwidth."""

@@ -48,7 +48,7 @@ from calibration.traced_plan import collective_kernels, derive_plan, nccl_kind, 
 from hidup.capture import Graph
 from hidup.models import capture_model, get_model
 from hidup.profile import LinkCost, Profile, ProfileError, load_profile
-from hidup.program import COLLECTIVES, Compute, Convert, Program, lower
+from hidup.program import COLLECTIVES, Compute, Program, kernel_tasks, lower
 from hidup.strategy import PlanError, resolve_strategy
 
 # the trace's forward op (PyTorch 1.10 names) -> the captured graph's op of the same kind
@@ -270,23 +270,16 @@ def fit_kernels(runs: list[TracedRun], start: tuple[float, float, float]
              residuals("kernels: whole-step computation", whole, measured)])
 
 
-def _kernel_tasks(program: Program) -> list[Compute | Convert]:
-    """The Program's compute-stream kernels: its Computes and local slices (aliases take no
-    time, as Profile.compute_time times them)."""
-    return [t for t in program.tasks if isinstance(t, Compute)
-            or (isinstance(t, Convert) and t.kind == "slice")]
-
-
 def _kernels(program: Program) -> tuple[np.ndarray, np.ndarray]:
     """FLOPs and bytes of every compute-stream kernel of the Program."""
-    tasks = _kernel_tasks(program)
+    tasks = kernel_tasks(program.tasks)
     return (np.array([getattr(t, "flops", 0.0) for t in tasks], dtype=float),
             np.array([t.bytes for t in tasks], dtype=float))
 
 
 def predicted_computation(program: Program, profile: Profile) -> float:
     """The Program's kernel seconds per step (one rank, all compute streams)."""
-    return sum(profile.compute_time(t) for t in _kernel_tasks(program))
+    return sum(profile.compute_time(t) for t in kernel_tasks(program.tasks))
 
 
 def main(argv=None) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import logging
 import statistics
@@ -109,10 +110,16 @@ def calibrate(cluster: Cluster, args, folder: Path) -> Path:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def captured(model: str, world: int):
+    """The model's graph at its batch for `world` ranks (captured once per experiment)."""
+    spec = get_model(model, gpus=world)
+    return spec, capture_model(spec, spec.batch)
+
+
 def plan_for(model: str, profile_path: Path, world: int, folder: Path) -> Path:
     """The searched plan for this cluster (hidup.search with its profile): the plan file."""
-    spec = get_model(model, gpus=world)
-    graph = capture_model(spec, spec.batch)
+    graph = captured(model, world)[1]
     result = search(graph, world, load_profile(profile_path), k=2)
     path = folder / f"plan-{model.replace(':', '-')}-{profile_path.stem}.json"
     save_plan(path, graph, result.strategy, world, model)
@@ -130,8 +137,7 @@ def measure_kernels(cluster: Cluster, model: str, strategies: list[str], base: P
 
 
 def predict(model: str, strategy: str, k: int, profile_path: Path, world: int):
-    spec = get_model(model, gpus=world)
-    graph = capture_model(spec, spec.batch)
+    spec, graph = captured(model, world)
     program = lower(graph, resolve_strategy(strategy, graph, world), world, k, spec.name)
     profile = load_profile(profile_path)
     return simulate(program, profile), kernel_coverage(profile, program.tasks)

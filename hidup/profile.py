@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from hidup.program import COLLECTIVES, Compute, Convert
+from hidup.program import COLLECTIVES, Compute, Convert, kernel_tasks
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +169,7 @@ def kernel_key(task: Compute | Convert) -> str:
 
 def kernel_coverage(profile: Profile, tasks) -> float:
     """Share of the compute-stream kernels among `tasks` that have a measured time."""
-    kernels = [t for t in tasks if isinstance(t, Compute)
-               or (isinstance(t, Convert) and t.kind == "slice")]
+    kernels = kernel_tasks(tasks)
     if not kernels:
         return 1.0
     return sum(kernel_key(t) in (profile.kernels or {}) for t in kernels) / len(kernels)

@@ -116,6 +116,13 @@ class Program:
         return "\n".join([head] + [f"  {t}" for t in self.tasks])
 
 
+def kernel_tasks(tasks) -> list[Compute | Convert]:
+    """The compute-stream kernels among `tasks`: Computes and local slices (aliases take no
+    time)."""
+    return [t for t in tasks if isinstance(t, Compute)
+            or (isinstance(t, Convert) and t.kind == "slice")]
+
+
 def vkey(t: str, p: Placement, mb: int | None) -> str:
     return f"{t}@{p}/{'*' if mb is None else mb}"
 

@@ -143,9 +143,10 @@ def _plan(program: Program, profile: Profile) -> _Plan:
     for task in program.tasks:
         if isinstance(task, Convert) and task.collective:
             _check_groups(task, program.world)
-            if any(profile.host_times(task)):
-                host[task.id] = profile.host_times(task)
-                if host[task.id][0] > 0:  # issuing it takes its stream's time
+            pack_unpack = profile.host_times(task)
+            if any(pack_unpack):
+                host[task.id] = pack_unpack
+                if pack_unpack[0] > 0:  # issuing it takes its stream's time
                     streams.setdefault(task.stream, []).append(task)
             for i, group in enumerate(task.parts):
                 links[task.id, i] = (*profile.collective_split(task.kind, task.bytes, group),
