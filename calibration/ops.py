@@ -3,8 +3,11 @@ torchrun, runs the Programs of the given strategies and micro-batch counts with 
 collectives done locally (same shapes, no communication), and times each compute-stream task:
 a node's forward or backward, a local slice, the optimizer step, and the packing and unpacking
 of a collective's tensors (on a CPU the host does it: it is not hidden as on a GPU). Rank 0
-writes the base profile with the median time of each kernel (by hidup.profile.kernel_key); the
-simulator then uses these instead of the roofline wherever a Program has the same kernel:
+writes the base profile with the mean time of each kernel (by hidup.profile.kernel_key: a step
+is a sum of kernels, and a sum's expectation is the sum of means; occasional slow runs count as
+in a real step) on the slowest rank (ranks meet at every collective, so the slowest one sets
+the pace); the simulator then uses these instead of the roofline wherever a Program has the
+same kernel:
 
     torchrun --nproc-per-node 2 -m calibration.ops --model gpt:tiny --strategy ddp megatron \\
         --micro-batches 1 2 --base PROFILE.json --out PROFILE-gpt.json
@@ -87,22 +90,33 @@ class StandInExecutor(Executor):
 
     def step(self, inputs, update: bool = True) -> float:
         real, execute.dist = execute.dist, self.local
+        self._last_end, self._carry = None, 0.0
         try:
             return super().step(inputs, update)
         finally:
             execute.dist = real
 
     def run_task(self, task) -> None:
+        """Time the task, and the executor's own work since the previous one (freeing values,
+        the profiler label): a real step spends that host time too."""
         unpack = isinstance(task, Wait) and not self.pending[task.collective].done
         before, start = self.local.seconds, time.perf_counter()
+        if self._last_end is not None:
+            self._carry += start - self._last_end
         super().run_task(task)
-        took = time.perf_counter() - start - (self.local.seconds - before)
+        end = time.perf_counter()
+        self._last_end = end
+        took = end - start - (self.local.seconds - before) + self._carry
         if isinstance(task, Compute) or (isinstance(task, Convert) and not task.collective):
-            self._add(kernel_key(task), took)
+            key = kernel_key(task)
         elif isinstance(task, Convert):
-            self._add(f"issue {kernel_key(task)}", took)
+            key = f"issue {kernel_key(task)}"
         elif unpack:
-            self._add(f"finish {kernel_key(self.p.tasks[task.collective])}", took)
+            key = f"finish {kernel_key(self.p.tasks[task.collective])}"
+        else:  # a Wait with nothing to unpack: its gap goes to the next task
+            return
+        self._add(key, took)
+        self._carry = 0.0
 
     def _add(self, key: str, seconds: float) -> None:
         self.timings.setdefault(key, []).append(seconds)
@@ -182,6 +196,10 @@ def main(argv=None) -> int:
                 if rank == 0:
                     log.info("%s %s k=%d: %d kernels so far, %.1f s", args.model, strategy, k,
                              len(times), time.perf_counter() - start)
+        means = [{key: statistics.fmean(values) for key, values in times.items()}]
+        if world > 1:  # every rank's means: a step waits for its slowest rank
+            means = [None] * world
+            dist.all_gather_object(means, {key: statistics.fmean(v) for key, v in times.items()})
     except ValueError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
@@ -192,10 +210,11 @@ def main(argv=None) -> int:
     if rank != 0:
         return 0
     kernels = dict(base.kernels or {})
-    kernels.update({key: statistics.median(values) for key, values in sorted(times.items())})
+    kernels.update({key: max(m[key] for m in means if key in m)
+                    for key in sorted({key for m in means for key in m})})
     command = "calibration.ops " + " ".join(sys.argv[1:] if argv is None else argv)
     source = (f"{base.source} Kernels of {args.model} measured by `{command}` on {world} "
-              f"rank(s), median of {args.steps} steps.")
+              f"rank(s), mean of {args.steps} steps on the slowest rank.")
     profile = replace(base, name=args.out.stem, source=source, kernels=kernels)
     args.out.write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
     print(f"{PROG}: {len(times)} kernels measured ({sum(map(len, times.values()))} timings); "

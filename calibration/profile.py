@@ -489,7 +489,8 @@ def fit_profile(args, ranks: Ranks, kernel_points, link_points, factors, prov):
     intra = links["intra"] if "intra" in links else links["inter"]
     inter = links["inter"] if ranks.nnodes > 1 else None
     profile = Profile(args.name, source, flops, mem, overhead, intra, ranks.local, inter,
-                      factors[0], factors[1], prov)
+                      factors[0], factors[1], prov,
+                      collective_points=[[t, kind, n, b, sec] for t, kind, n, b, sec in link_points])
     lines = [f"roofline of {roof.points} kernels: {flops / 1e9:.4g} GFLOP/s, {mem / 1e9:.4g} GB/s "
              f"memory, {overhead * 1e6:.3g} us per kernel; rms error {roof.rms:.1%}, "
              f"max {roof.max:.1%}"]

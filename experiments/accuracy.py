@@ -2,13 +2,14 @@
 
 For each ranks-per-host setting an emulated cluster (hidup.cluster: hosts as network namespaces,
 links limited with tc) is brought up; for each link bandwidth it is calibrated as a real cluster
-would be (calibration.profile: microbenchmarks of kernels and collectives; calibration.ops: the
-models' kernels, timed with collectives stood in locally), the searched plan is made with that
-profile, and every configuration (model x strategy x Duplex on/off) is predicted by the simulator
-and then trained for real (hidup.train, median step after warm-up). Reports each error, the
-median and maximum absolute error, Kendall's tau per model and the regret of taking the
-simulator's best per model and cluster; writes a CSV, a JSON summary and a predicted-vs-measured
-plot. Needs root and iproute2 (as hidup.cluster)."""
+would be (calibration.profile: microbenchmarks of kernels and collectives), the searched plan is
+made with that profile and the models' kernels (calibration.ops, collectives stood in locally),
+and every configuration (model x strategy x Duplex on/off) is, in each of --rounds rounds:
+calibrated (calibration.ops times its kernels), predicted by the simulator and trained for real
+(hidup.train, median step after warm-up), one right after the other, so that calibration and run
+see the machine at the same speed. The medians over rounds count. Reports each error, the median
+and maximum absolute error, Kendall's tau per model and the regret of taking the simulator's best
+per model and cluster; writes a CSV, a JSON summary and a predicted-vs-measured plot. Needs root and iproute2 (as hidup.cluster)."""
 from __future__ import annotations
 
 import argparse
@@ -72,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="ranks per machine, one cluster each (default 1 2)")
     ap.add_argument("--steps", type=int, default=10, help="training steps per real run")
     ap.add_argument("--warmup", type=int, default=4, help="steps left out of the median")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="rounds over all configurations, each calibrating a configuration's "
+                         "kernels right before its run; the medians over rounds count (default 2)")
     ap.add_argument("--max-bytes", default="32MB",
                     help="largest collective the calibration measures (calibration.profile)")
     ap.add_argument("--quick", action="store_true",
@@ -93,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             parse_rate(rate)
         except ValueError as exc:
             ap.error(str(exc))
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.warmup >= args.steps:
         ap.error(f"--warmup ({args.warmup}) must be below --steps ({args.steps})")
     return args
@@ -127,12 +133,12 @@ def plan_for(model: str, profile_path: Path, world: int, folder: Path) -> Path:
 
 
 def measure_kernels(cluster: Cluster, model: str, strategies: list[str], base: Path,
-                    folder: Path) -> Path:
+                    folder: Path, micro_batches=(1, 2), tag: str = "") -> Path:
     """calibration.ops on the cluster: `base` plus the model's kernels, as a new profile."""
-    out = folder / f"{base.stem}-{model.replace(':', '-')}.json"
+    out = folder / f"{base.stem}-{model.replace(':', '-')}{tag}.json"
     _cluster_run(cluster, ["-m", "calibration.ops", "--model", model, "--strategy", *strategies,
-                           "--micro-batches", "1", "2", "--base", str(base), "--out", str(out)],
-                 "calibration.ops")
+                           "--micro-batches", *map(str, micro_batches), "--base", str(base),
+                           "--out", str(out)], "calibration.ops")
     return out
 
 
@@ -149,6 +155,26 @@ def measure(cluster: Cluster, model: str, strategy: str, k: int, args) -> float:
                                  "--micro-batches", str(k), "--steps", str(args.steps),
                                  "--warmup", str(args.warmup), "--json"], "hidup.train")
     return json.loads(out.strip().splitlines()[-1])["median_step_ms"]
+
+
+def run_config(cluster: Cluster, model: str, arg: str, k: int, base: Path, world: int, args):
+    """One round of one configuration: its kernels timed (calibration.ops on `base`) right
+    before it is predicted and then run for real, so both see the machine at the same speed
+    (this VM's speed drifts by up to a quarter within a minute); (prediction, ms, coverage)."""
+    profile = measure_kernels(cluster, model, [arg], base, args.out, [k], tag="-run")
+    result, coverage = predict(model, arg, k, profile, world)
+    return result, measure(cluster, model, arg, k, args), coverage
+
+
+def _medians(runs) -> tuple:
+    """A configuration's Row figures from its rounds: medians of each."""
+    def med(values):
+        return statistics.median(values)
+
+    return (med(r.step_time * 1e3 for r, _, _ in runs), med(m for _, m, _ in runs),
+            med(r.computation * 1e3 for r, _, _ in runs),
+            med(r.communication * 1e3 for r, _, _ in runs),
+            med(r.overlap_ratio for r, _, _ in runs), min(c for _, _, c in runs))
 
 
 def _cluster_run(cluster: Cluster, command: list[str], what: str) -> str:
@@ -239,27 +265,30 @@ def main(argv=None) -> int:
                     for model in args.models:
                         strategies = [s for s in args.strategies
                                       if s != "expert" or is_moe(model)]
-                        fixed = [s for s in strategies if s != "searched"]
-                        profile = measure_kernels(cluster, model, fixed or ["ddp"], base, args.out)
-                        if "searched" in strategies:
-                            plan = plan_for(model, profile, world, args.out)
-                            profile = measure_kernels(cluster, model, [str(plan)], profile,
-                                                      args.out)
-                        for strategy in strategies:
-                            arg = str(plan) if strategy == "searched" else strategy
-                            for k in (1, 2):
-                                result, coverage = predict(model, arg, k, profile, world)
-                                measured = measure(cluster, model, arg, k, args)
-                                rows.append(Row(model, strategy, k, bandwidth, args.hosts, rph,
-                                                result.step_time * 1e3, measured,
-                                                result.computation * 1e3,
-                                                result.communication * 1e3, result.overlap_ratio,
-                                                coverage))
-                                r = rows[-1]
-                                log.info("[%.0f s] %s %s k=%d on %s: predicted %.1f ms, measured "
-                                         "%.1f ms, error %+.1f%%", time.perf_counter() - started,
-                                         model, strategy, k, r.cluster, r.predicted_ms,
-                                         r.measured_ms, 100 * r.error)
+                        plan = None
+                        if "searched" in strategies:  # the search needs the model's kernels
+                            fixed = [s for s in strategies if s != "searched"] or ["ddp"]
+                            plan = plan_for(model, measure_kernels(cluster, model, fixed, base,
+                                                                   args.out), world, args.out)
+                        configs = [(s, k) for s in strategies for k in (1, 2)]
+                        args_of = {s: str(plan) if s == "searched" else s for s in strategies}
+                        seen: dict = {c: [] for c in configs}
+                        for round_ in range(args.rounds):
+                            for strategy, k in configs:
+                                seen[(strategy, k)].append(run_config(
+                                    cluster, model, args_of[strategy], k, base, world, args))
+                                pred, measured, _ = seen[(strategy, k)][-1]
+                                log.info("[%.0f s] round %d/%d: %s %s k=%d on %s: predicted "
+                                         "%.1f ms, measured %.1f ms", time.perf_counter() - started,
+                                         round_ + 1, args.rounds, model, strategy, k, bandwidth,
+                                         pred.step_time * 1e3, measured)
+                        for (strategy, k), runs in seen.items():
+                            rows.append(Row(model, strategy, k, bandwidth, args.hosts, rph,
+                                            *_medians(runs)))
+                            r = rows[-1]
+                            log.info("%s %s k=%d on %s: predicted %.1f ms, measured %.1f ms, "
+                                     "error %+.1f%%", model, strategy, k, r.cluster,
+                                     r.predicted_ms, r.measured_ms, 100 * r.error)
     except (ClusterError, RuntimeError, ValueError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2

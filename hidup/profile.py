@@ -7,13 +7,21 @@ all-to-all take (n-1) steps and move (n-1)/n of the tensor per rank; all-reduce 
 of a ring (2(n-1) steps, 2(n-1)/n of the tensor) and a tree (2 ceil(log2 n) steps, twice the
 tensor). A group inside one machine uses the intra-node tier; a group that spans machines is
 bound by the inter-node tier, whose bus bandwidth is each machine's link to the others: groups
-crossing it at the same time share it (the simulator divides the transfer part among them)."""
+crossing it at the same time share it (the simulator divides the transfer part among them).
+
+A measured profile also keeps the collective times it was fitted to (`collective_points`): a
+collective of a measured kind and group size takes the time interpolated between the measured
+sizes (beyond the largest, the last two points' slope), split into latency and transfer as the
+fit splits it. The fit alone smooths over what a real stack does at some sizes (gloo on a
+rate-limited link ran 13-26% slower at 16-32 MB than the fit said)."""
 from __future__ import annotations
 
 import json
 import logging
 import math
+from bisect import bisect_left
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from importlib import resources
 from pathlib import Path
 
@@ -26,8 +34,11 @@ _SCALARS = ("flops", "mem_bandwidth", "op_overhead", "gpus_per_node")
 _KEYS = {"format", "version", "name", "source", "collectives", "inter_node", "interference",
          *_SCALARS}
 # provenance: where a measured profile was taken (host, devices, date, versions);
-# kernels: measured seconds of kernels by kernel_key (calibration.ops), used before the roofline
-_OPTIONAL = {"provenance", "kernels"}
+# kernels: measured seconds of kernels by kernel_key (calibration.ops), used before the roofline;
+# collective_points: [tier ("intra"/"inter"), kind, group size, bytes, seconds] as measured by
+# calibration.profile, interpolated before the fitted formulas
+_OPTIONAL = {"provenance", "kernels", "collective_points"}
+TIERS = ("intra", "inter")
 
 
 class ProfileError(ValueError):
@@ -76,6 +87,7 @@ class Profile:
     interference_comm: float = 1.0  # collectives run this much longer while a kernel runs
     provenance: dict | None = field(default=None, hash=False, compare=False)
     kernels: dict[str, float] | None = field(default=None, hash=False, compare=False)
+    collective_points: list[list] | None = field(default=None, hash=False, compare=False)
 
     def compute_time(self, task: Compute | Convert) -> float:
         """Seconds of a kernel on a compute stream: a Compute, or a local slice / alias. A kernel
@@ -116,7 +128,21 @@ class Profile:
         if kind not in tier:
             raise ProfileError(f"profile {self.name} has no figures for collective {kind!r}; "
                                f"add it under \"collectives\"")
-        return tier[kind].split(kind, nbytes, len(group))
+        latency, transfer = tier[kind].split(kind, nbytes, len(group))
+        curve = self._curves.get(("inter" if self.machines(group) else "intra", kind, len(group)))
+        if curve is None or latency + transfer <= 0:
+            return latency, transfer
+        scale = _interpolate(curve, nbytes) / (latency + transfer)
+        return latency * scale, transfer * scale
+
+    @cached_property
+    def _curves(self) -> dict[tuple[str, str, int], tuple[list[float], list[float]]]:
+        """(tier, kind, n) -> measured (sizes, seconds), sorted by size; two sizes at least."""
+        by: dict[tuple[str, str, int], dict[float, float]] = {}
+        for tier, kind, n, nbytes, seconds in self.collective_points or ():
+            by.setdefault((tier, kind, int(n)), {})[float(nbytes)] = float(seconds)
+        return {key: (sorted(pts), [pts[b] for b in sorted(pts)])
+                for key, pts in by.items() if len(pts) >= 2}
 
     def machines(self, group: tuple[int, ...]) -> tuple[int, ...]:
         """The machines whose inter-node link a group crosses (none if it stays in one)."""
@@ -149,6 +175,17 @@ class Profile:
         return (f"profile {self.name}: {self.flops / 1e12:g} TFLOP/s, "
                 f"{self.mem_bandwidth / 1e9:g} GB/s memory, {self.op_overhead * 1e6:g} us/kernel, "
                 f"{self.gpus_per_node} GPUs/node; {links}")
+
+
+def _interpolate(curve: tuple[list[float], list[float]], nbytes: float) -> float:
+    """Seconds at nbytes on a measured curve: linear between the neighbouring sizes, the
+    smallest size's time below it, the last segment's slope (never negative) beyond it."""
+    sizes, times = curve
+    if nbytes <= sizes[0]:
+        return times[0]
+    i = min(bisect_left(sizes, nbytes), len(sizes) - 1)
+    slope = max(0.0, (times[i] - times[i - 1]) / (sizes[i] - sizes[i - 1]))
+    return times[i - 1] + (nbytes - sizes[i - 1]) * slope
 
 
 def kernel_key(task: Compute | Convert) -> str:
@@ -232,6 +269,9 @@ def from_dict(doc, where: str = "profile") -> Profile:
                                f"{type(kernels).__name__}")
         kernels = {str(k): _number(v, f"kernels[{k!r}]", where, zero_ok=True)
                    for k, v in kernels.items()}
+    points = doc.get("collective_points")
+    if points is not None:
+        points = [_point(p, where) for p in (points if isinstance(points, list) else [points])]
     values = {k: _number(doc[k], k, where, zero_ok=k == "op_overhead") for k in _SCALARS}
     if values["gpus_per_node"] != int(values["gpus_per_node"]):
         raise ProfileError(f"{where}: gpus_per_node must be a whole number")
@@ -246,7 +286,18 @@ def from_dict(doc, where: str = "profile") -> Profile:
     return Profile(str(doc["name"]), str(doc["source"]), values["flops"],
                    values["mem_bandwidth"], values["op_overhead"],
                    _collectives(doc["collectives"], where), int(values["gpus_per_node"]), inter,
-                   slow["compute"], slow["communication"], provenance, kernels)
+                   slow["compute"], slow["communication"], provenance, kernels, points)
+
+
+def _point(p, where: str) -> list:
+    ok = (isinstance(p, list) and len(p) == 5 and p[0] in TIERS and p[1] in COLLECTIVES
+          and isinstance(p[2], int) and p[2] >= 2)
+    if not ok:
+        raise ProfileError(f"{where}: collective_points holds {p!r}; each must be [tier "
+                           f"({'/'.join(TIERS)}), kind ({'/'.join(COLLECTIVES)}), group size >= 2, "
+                           f"bytes, seconds]")
+    return [p[0], p[1], p[2], _number(p[3], "collective_points bytes", where, zero_ok=True),
+            _number(p[4], "collective_points seconds", where)]
 
 
 def _collectives(doc, where: str, tier: str = "collectives") -> dict[str, LinkCost]:

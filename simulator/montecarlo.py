@@ -33,9 +33,12 @@ def perturb(profile: Profile, rng: random.Random, sigma: float) -> Profile:
     def tier(costs):
         return None if costs is None else {k: LinkCost(f(c.alpha), f(c.beta)) for k, c in costs.items()}
 
+    curve = {}  # measured collective times: one factor per tier and kind
+    points = [[t, kind, n, b, sec * curve.setdefault((t, kind), f(1.0))]
+              for t, kind, n, b, sec in profile.collective_points or ()]
     return replace(profile, flops=f(profile.flops), mem_bandwidth=f(profile.mem_bandwidth),
                    op_overhead=f(profile.op_overhead), collectives=tier(profile.collectives),
-                   inter_node=tier(profile.inter_node))
+                   inter_node=tier(profile.inter_node), collective_points=points or None)
 
 
 def step_time_interval(program: Program, profile: Profile, samples: int = 100,

@@ -165,6 +165,9 @@ def test_two_gloo_ranks_under_torchrun_write_a_profile(tmp_path):
         cost = p.collectives[kind]
         assert 0 <= cost.alpha < 0.01 and 1e6 < cost.beta < 1e12, (kind, cost)
     assert p.interference_compute >= 1.0 and p.interference_comm >= 1.0
+    # the measured times are kept: the simulator interpolates them before the fit
+    assert {(t, kind, n) for t, kind, n, _, _ in p.collective_points} == \
+        {("intra", kind, 2) for kind in COLLECTIVES}
     prov = p.provenance
     assert (prov["world"], prov["nnodes"], prov["ranks_per_node"], prov["backend"]) == \
         (2, 1, 2, "gloo")

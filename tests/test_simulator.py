@@ -6,6 +6,7 @@ import pytest
 from hidup.placement import P, R, Shard
 from hidup.program import COLLECTIVES, Compute, Convert, Program, Wait
 from simulator import LinkCost, Profile, ProfileError, SimulationError, load_profile, simulate
+from hidup.profile import from_dict
 
 OVERHEAD, ALPHA = 1e-6, 1e-5
 T_A = 1.0 + OVERHEAD  # 1e12 FLOPs at 1e12 FLOP/s
@@ -160,3 +161,50 @@ def test_missing_profile_file_and_unknown_name(tmp_path):
     with pytest.raises(ProfileError, match=r"unknown cluster profile 'tpu'; choose one of "
                                            r"\[.*'v100-1x4-nvlink', 'v100-2x4', 'v100-8x8-10gbps'"):
         load_profile("tpu")
+
+
+def _measured(points) -> Profile:
+    """Two machines of one rank; the fit says 1 ms + bytes at 1 GB/s for every kind."""
+    link = {k: LinkCost(1e-3, 1e9) for k in COLLECTIVES}
+    return Profile("m", "test", 1e12, 1e11, 0.0, link, 1, link, collective_points=points)
+
+
+def test_measured_collective_times_come_before_the_fit():
+    pts = [["inter", "all_reduce", 2, 1e6, 0.004], ["inter", "all_reduce", 2, 4e6, 0.010]]
+    p, fit = _measured(pts), _measured(None)
+    t = lambda prof, b, kind="all_reduce", g=(0, 1): prof.collective_time(kind, b, g)  # noqa: E731
+    assert t(p, 1e6) == pytest.approx(0.004) and t(p, 4e6) == pytest.approx(0.010)
+    assert t(p, 2.5e6) == pytest.approx(0.007)  # linear between measured sizes
+    assert t(p, 8e6) == pytest.approx(0.018)  # the last segment's slope beyond them
+    assert t(p, 10) == pytest.approx(0.004)  # the smallest size's time below them
+    # split as the fit splits, scaled to the measured total
+    lat, xfer = p.collective_split("all_reduce", 4e6, (0, 1))
+    flat, fxfer = fit.collective_split("all_reduce", 4e6, (0, 1))
+    assert lat / xfer == pytest.approx(flat / fxfer) and lat + xfer == pytest.approx(0.010)
+    # kinds, tiers and group sizes that were not measured keep the fit
+    assert t(p, 1e6, "all_gather") == t(fit, 1e6, "all_gather")
+    assert t(p, 1e6, g=(0, 1, 2)) == t(fit, 1e6, g=(0, 1, 2))
+    # saved with the profile, refused when malformed
+    assert from_dict(p.to_dict()).collective_points == pts
+    bad = dict(p.to_dict(), collective_points=[["inter", "all_reduce", 1, 10, 0.1]])
+    with pytest.raises(ProfileError, match=r"collective_points holds .* group size >= 2"):
+        from_dict(bad)
+
+
+def test_a_what_if_link_or_a_perturbed_profile_moves_the_measured_times_too():
+    import random
+
+    from calibration.derive import with_inter_link
+    from simulator.montecarlo import perturb
+
+    pts = [["inter", "all_reduce", 2, 1e6, 0.004], ["inter", "all_reduce", 2, 4e6, 0.010],
+           ["intra", "all_reduce", 2, 1e6, 0.001], ["intra", "all_reduce", 2, 4e6, 0.002]]
+    p = _measured(pts)
+    faster = with_inter_link(p, 1e10)  # another link: its measured times no longer apply
+    assert faster.collective_points == pts[2:]
+    assert faster.collective_time("all_reduce", 4e6, (0, 1)) == pytest.approx(2e-3 + 4e6 / 1e10)
+    moved = perturb(p, random.Random(1), 0.3)
+    ratios = {pt[0]: q[4] / pt[4] for pt, q in zip(pts, moved.collective_points)}
+    assert all(abs(r - 1) > 1e-6 for r in ratios.values())
+    assert [q[4] / pt[4] for pt, q in zip(pts, moved.collective_points)] == pytest.approx(
+        [ratios["inter"]] * 2 + [ratios["intra"]] * 2)  # one factor per tier and kind
