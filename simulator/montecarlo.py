@@ -6,6 +6,7 @@ import math
 import random
 import statistics
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from hidup.program import Program
 from simulator.engine import simulate
@@ -25,20 +26,31 @@ class Interval:
                 f"{self.high * 1e3:.4g} ms, {self.samples} samples)")
 
 
-def perturb(profile: Profile, rng: random.Random, sigma: float) -> Profile:
-    """Every speed and latency figure times its own log-normal factor exp(N(0, sigma))."""
-    def f(x: float) -> float:
-        return x * math.exp(rng.gauss(0.0, sigma))
-
+def scale_times(profile: Profile, factor: Callable[[str], float]) -> Profile:
+    """The profile with every time figure multiplied by a factor of its own: `factor(what)` is
+    called once per figure, `what` being 'compute' (the device's FLOP/s and memory bandwidth,
+    which divide, the per-kernel overhead, each measured kernel) or 'communication' (each
+    collective's latency, its bus bandwidth, which divides, and its measured times: one factor
+    per tier and kind)."""
     def tier(costs):
-        return None if costs is None else {k: LinkCost(f(c.alpha), f(c.beta)) for k, c in costs.items()}
+        return None if costs is None else {
+            k: LinkCost(c.alpha * factor("communication"), c.beta / factor("communication"))
+            for k, c in costs.items()}
 
-    curve = {}  # measured collective times: one factor per tier and kind
-    points = [[t, kind, n, b, sec * curve.setdefault((t, kind), f(1.0))]
+    curve: dict = {}
+    points = [[t, kind, n, b, sec * curve.setdefault((t, kind), factor("communication"))]
               for t, kind, n, b, sec in profile.collective_points or ()]
-    return replace(profile, flops=f(profile.flops), mem_bandwidth=f(profile.mem_bandwidth),
-                   op_overhead=f(profile.op_overhead), collectives=tier(profile.collectives),
-                   inter_node=tier(profile.inter_node), collective_points=points or None)
+    kernels = {key: sec * factor("compute") for key, sec in (profile.kernels or {}).items()}
+    return replace(profile, flops=profile.flops / factor("compute"),
+                   mem_bandwidth=profile.mem_bandwidth / factor("compute"),
+                   op_overhead=profile.op_overhead * factor("compute"),
+                   collectives=tier(profile.collectives), inter_node=tier(profile.inter_node),
+                   collective_points=points or None, kernels=kernels or None)
+
+
+def perturb(profile: Profile, rng: random.Random, sigma: float) -> Profile:
+    """Every time figure times its own log-normal factor exp(N(0, sigma))."""
+    return scale_times(profile, lambda _: math.exp(rng.gauss(0.0, sigma)))
 
 
 def step_time_interval(program: Program, profile: Profile, samples: int = 100,

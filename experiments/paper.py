@@ -1,0 +1,502 @@
+"""The paper's evaluation (SoCC'22, Sec. VI) on the simulator, one command per figure or table;
+each prints its table and writes FIGURE.csv and FIGURE.png to --out:
+
+    python -m experiments.paper scaling        # Fig. 7: HiDup vs expert parallelism, 8-64 GPUs
+    python -m experiments.paper one-machine    # Fig. 8: the same and ddp on 1-8 GPUs of a machine
+    python -m experiments.paper bandwidth      # Fig. 9: 2 machines x 4 GPUs, link 1-100 Gbit/s
+    python -m experiments.paper batch          # Fig. 10: 2 machines, per-GPU batch swept
+    python -m experiments.paper breakdown      # Table III: wall, total, computation, communication
+    python -m experiments.paper robustness     # Table IV: plans found with a wrong profile
+    python -m experiments.paper search-time    # Fig. 12: search time vs layers and vs GPUs
+    python -m experiments.paper convergence    # Sec. VI.H: real training, searched Duplex vs ddp
+    python -m experiments.paper all            # every one of them
+
+`--quick` runs each at a reduced size (tiny models, fewer points: what CI runs). HiDup is the
+searched plan with Duplex (hidup.search, two micro-batches where they pay); `expert` stands for
+DeepSpeed-MoE and FastMoE (experts sharded, the rest data parallel), `ddp` for PyTorch DDP, both
+as those systems run: one micro-batch. Times are simulated on the shipped V100 profiles
+(hidup/profiles: fitted from the V100 traces; `v100-8x8-10gbps` has the paper's 8 machines of
+8 GPUs and 9.71 Gbit/s links; `v100-2x4` its 2 machines of 4 GPUs), except convergence, which
+trains for real with torchrun on this machine."""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from calibration.derive import with_inter_link
+from hidup.cluster import parse_rate
+from hidup.data import build_vocabulary
+from hidup.models import capture_model, get_model
+from hidup.profile import ProfileError, load_profile
+from hidup.program import LoweringError, lower
+from hidup.search import search
+from hidup.strategy import fixed_strategies, save_plan
+from simulator.engine import simulate
+from simulator.montecarlo import scale_times
+
+log = logging.getLogger(__name__)
+PROG = "python -m experiments.paper"
+MODELS = ("bert-sgmoe:paper", "bert-switch:paper", "vit-sgmoe:paper", "vit-switch:paper")
+QUICK_MODELS = ("bert-sgmoe:tiny", "vit-switch:tiny")
+MEMORY = 32 * 2 ** 30  # a V100's memory: the search keeps plans that fit
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "valid.txt"
+
+
+@dataclass
+class Figure:
+    """A figure's table (columns, rows of values) and how to draw it."""
+
+    name: str
+    title: str
+    columns: list[str]
+    rows: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, **row) -> None:
+        self.rows.append(row)
+        log.info("%s: %s", self.name, ", ".join(f"{k} {_cell(v)}" for k, v in row.items()))
+
+
+def _cell(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+# -- the systems ---------------------------------------------------------------------------------
+
+def graph_of(model: str, gpus: int, **overrides):
+    spec = get_model(model, gpus=gpus, **overrides)
+    return capture_model(spec, spec.batch)
+
+
+def run(graph, strategy, gpus: int, k: int, profile):
+    """The simulated step of a strategy with k micro-batches; None if it cannot be lowered."""
+    try:
+        return simulate(lower(graph, strategy, gpus, k), profile)
+    except (LoweringError, ValueError) as exc:
+        log.info("%s k=%d on %d GPUs: %s", strategy.name, k, gpus, exc)
+        return None
+
+
+def hidup(graph, gpus: int, profile, k: int = 2):
+    """HiDup: the searched plan (the dynamic programme's best and the expert strategies, ranked
+    with Duplex and without), Duplex where it pays; (simulated Result, search result). With
+    k > 1 the plain search (k=1) runs too and the faster of the two plans counts: the
+    dynamic programme priced for Duplex sometimes misses a plan the plain one finds (seen on
+    tiny models at 10 Gbit/s: 1.78 ms against 1.43 ms)."""
+    best = None
+    for micro in sorted({k, 1}, reverse=True):
+        found = search(graph, gpus, profile, k=micro, memory=MEMORY,
+                       baselines=fixed_strategies(graph, gpus))
+        result = run(graph, found.strategy, gpus, found.k, profile)
+        if best is None or ms(result) < ms(best[0]):
+            best = result, found
+    return best
+
+
+def systems(graph, gpus: int, profile, names=("expert", "ddp")) -> tuple[dict, str]:
+    """({system: simulated Result or None}, HiDup's plan): HiDup and the named baselines (one
+    micro-batch each)."""
+    result, found = hidup(graph, gpus, profile)
+    out = {"hidup": result}
+    fixed = fixed_strategies(graph, gpus)
+    for name in names:
+        out[name] = run(graph, fixed[name], gpus, 1, profile) if name in fixed else None
+    return out, found.candidates[0][0]
+
+
+def ms(result) -> float:
+    return result.step_time * 1e3 if result is not None else math.nan
+
+
+def best_baseline(got: dict) -> float:
+    """The fastest baseline's step time (ms) of a systems() result."""
+    return min((ms(r) for name, r in got.items() if name != "hidup" and r is not None),
+               default=math.nan)
+
+
+def two_machines(rate_gbit: float | None = None):
+    """2 machines x 4 GPUs (v100-2x4), the link at `rate_gbit` Gbit/s (None: as measured)."""
+    base = load_profile("v100-2x4")
+    if rate_gbit is None:
+        return base
+    return with_inter_link(base, parse_rate(f"{rate_gbit}gbit"), name=f"v100-2x4-{rate_gbit:g}gbit")
+
+
+# -- the figures ---------------------------------------------------------------------------------
+
+def scaling(args) -> Figure:
+    fig = Figure("scaling", "Per-step time, 8 machines x 8 V100, 9.71 Gbit/s (paper Fig. 7)",
+                 ["model", "gpus", "hidup_ms", "expert_ms", "speedup", "plan"])
+    profile = load_profile("v100-8x8-10gbps")
+    for model in args.models:
+        for gpus in args.gpus or ([8, 16] if args.quick else [8, 16, 32, 64]):
+            got, plan = systems(graph_of(model, gpus), gpus, profile, ("expert",))
+            fig.add(model=model, gpus=gpus, hidup_ms=ms(got["hidup"]), expert_ms=ms(got["expert"]),
+                    speedup=ms(got["expert"]) / ms(got["hidup"]), plan=plan)
+    return fig
+
+
+def one_machine(args) -> Figure:
+    fig = Figure("one-machine", "Per-step time on one machine of 8 V100 (paper Fig. 8)",
+                 ["model", "gpus", "hidup_ms", "expert_ms", "ddp_ms", "plan"])
+    profile = load_profile("v100-8x8-10gbps")
+    for model in args.models:
+        for gpus in args.gpus or ([1, 4] if args.quick else [1, 2, 4, 8]):
+            got, plan = systems(graph_of(model, gpus), gpus, profile)
+            fig.add(model=model, gpus=gpus, hidup_ms=ms(got["hidup"]), expert_ms=ms(got["expert"]),
+                    ddp_ms=ms(got["ddp"]), plan=plan)
+    return fig
+
+
+def bandwidth(args) -> Figure:
+    fig = Figure("bandwidth", "Per-step time, 2 machines x 4 V100, link rate swept (paper Fig. 9)",
+                 ["model", "gbit", "hidup_ms", "expert_ms", "ddp_ms", "speedup", "plan"])
+    rates = [1, 10, 100] if args.quick else [1, 2, 5, 10, 20, 50, 100]
+    for model in args.models:
+        graph = graph_of(model, 8)
+        for rate in rates:
+            got, plan = systems(graph, 8, two_machines(rate))
+            best = best_baseline(got)
+            fig.add(model=model, gbit=rate, hidup_ms=ms(got["hidup"]), expert_ms=ms(got["expert"]),
+                    ddp_ms=ms(got["ddp"]), speedup=best / ms(got["hidup"]), plan=plan)
+    return fig
+
+
+def batch(args) -> Figure:
+    fig = Figure("batch", "Per-step time, 2 machines x 4 V100, per-GPU batch swept (paper Fig. 10)",
+                 ["model", "per_gpu_batch", "hidup_ms", "expert_ms", "ddp_ms", "speedup", "plan"])
+    profile = two_machines()
+    for model in args.models:
+        for per_gpu in [2, 8] if args.quick else [8, 16, 32, 64]:
+            got, plan = systems(graph_of(model, 8, per_gpu=per_gpu), 8, profile)
+            best = best_baseline(got)
+            fig.add(model=model, per_gpu_batch=per_gpu, hidup_ms=ms(got["hidup"]),
+                    expert_ms=ms(got["expert"]), ddp_ms=ms(got["ddp"]),
+                    speedup=best / ms(got["hidup"]), plan=plan)
+    return fig
+
+
+def breakdown(args) -> Figure:
+    fig = Figure("breakdown", "Per-step time breakdown, rank 0 (paper Table III)",
+                 ["model", "cluster", "system", "wall_s", "total_s", "computation_s",
+                  "communication_s", "overlap_ratio"])
+    clusters = [("one machine", load_profile("v100-8x8-10gbps")),
+                ("two machines 100 Gbit/s", two_machines(100)),
+                ("two machines 30 Gbit/s", two_machines(30))]
+    for model in args.models[:1]:
+        graph = graph_of(model, 8)
+        for where, profile in clusters:
+            for system, r in systems(graph, 8, profile)[0].items():
+                if r is None:
+                    continue
+                fig.add(model=model, cluster=where, system=system, wall_s=r.step_time,
+                        total_s=r.computation + r.communication, computation_s=r.computation,
+                        communication_s=r.communication, overlap_ratio=r.overlap_ratio)
+    return fig
+
+
+def robustness(args) -> Figure:
+    fig = Figure("robustness", "Plans searched with a wrong profile, simulated with the right one, "
+                 "2 machines x 4 V100 (paper Table IV)",
+                 ["model", "error", "draws", "mean_relative_time", "max_relative_time"])
+    draws = 3 if args.quick else 10
+    profile = two_machines()
+    for model in args.models[:1]:
+        graph = graph_of(model, 8)
+        right = ms(hidup(graph, 8, profile)[0])
+
+        def relative(wrong) -> float:
+            found = hidup(graph, 8, wrong)[1]  # planned with the wrong figures
+            return ms(run(graph, found.strategy, 8, found.k, profile)) / right
+
+        rng = random.Random(0)
+        for level in [0.2, 0.8] if args.quick else [0.1, 0.2, 0.5, 0.8]:
+            rel = [relative(scale_times(profile, lambda _: rng.uniform(1 - level, 1 + level)))
+                   for _ in range(draws)]
+            fig.add(model=model, error=f"{level:.0%} random noise", draws=draws,
+                    mean_relative_time=sum(rel) / len(rel), max_relative_time=max(rel))
+        for comm in [-0.5, 1.0] if args.quick else [-0.5, -0.2, 0.2, 1.0]:
+            rel = relative(scale_times(profile, lambda what: 1 + comm
+                                       if what == "communication" else 1.0))
+            fig.add(model=model, error=f"{comm:+.0%} communication", draws=1,
+                    mean_relative_time=rel, max_relative_time=rel)
+    return fig
+
+
+def search_time(args) -> Figure:
+    fig = Figure("search-time", "Search time of bert-sgmoe (paper Fig. 12), the whole hidup.search "
+                 "call on v100-8x8-10gbps", ["model", "layers", "gpus", "ops", "seconds"])
+    profile = load_profile("v100-8x8-10gbps")
+    model = "bert-sgmoe:tiny" if args.quick else "bert-sgmoe:paper"
+    for layers in [2, 4] if args.quick else [2, 8, 16, 32, 48]:
+        for gpus in [4, 16] if args.quick else [4, 16, 64, 256, 1024]:
+            graph = graph_of(model, gpus, layers=layers)
+            found = search(graph, gpus, profile, k=2)
+            fig.add(model=model, layers=layers, gpus=gpus, ops=len(graph.ops),
+                    seconds=found.seconds)
+    for layers, gpus, limit in ((8, 64, 1.0), (48, None, 10.0)):  # the planner's own targets
+        hits = [r for r in fig.rows if r["layers"] == layers and gpus in (None, r["gpus"])]
+        if hits:
+            worst = max(r["seconds"] for r in hits)
+            fig.notes.append(f"target <= {limit:g} s for {layers} layers"
+                             f"{f' at {gpus} GPUs' if gpus else ''}: {worst:.2f} s, "
+                             f"{'met' if worst <= limit else 'MISSED'}")
+    return fig
+
+
+def convergence(args) -> Figure:
+    fig = Figure("convergence", "bert-sgmoe:tiny trained for real on WikiText-2, 2 ranks (gloo): "
+                 "searched plan with Duplex vs ddp, same seed and data order (paper Sec. VI.H)",
+                 ["step", "hidup_loss", "ddp_loss", "difference"])
+    model, ranks = "bert-sgmoe:tiny", 2
+    if not args.data.is_file():
+        raise ValueError(f"--data {args.data}: no such file; give a WikiText-format text file "
+                         f"(e.g. shared/data/wikitext-2/valid.txt)")
+    steps = args.steps or (20 if args.quick else 300)
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = get_model(model, gpus=ranks, vocab=len(build_vocabulary(args.data)))
+        graph = capture_model(spec, spec.batch)  # as hidup.train builds it for this data
+        found = search(graph, ranks, load_profile("cpu-gloo-loopback"), k=2)
+        plan = Path(tmp) / "plan.json"
+        save_plan(plan, graph, found.strategy, ranks, model)
+        losses = {name: _train(model, strategy, k, ranks, steps, args.data)
+                  for name, strategy, k in (("hidup", str(plan), 2), ("ddp", "ddp", 1))}
+    for i, (a, b) in enumerate(zip(losses["hidup"], losses["ddp"])):
+        fig.add(step=i + 1, hidup_loss=a, ddp_loss=b, difference=a - b)
+    worst = max(abs(r["difference"]) for r in fig.rows)
+    fig.notes.append(f"searched plan ({found.strategy.name}) run with 2 micro-batches; {steps} steps; "
+                     f"largest |loss difference| {worst:.2e}; final loss {losses['hidup'][-1]:.4f} "
+                     f"(HiDup) vs {losses['ddp'][-1]:.4f} (ddp), first {losses['ddp'][0]:.4f}")
+    return fig
+
+
+def _train(model: str, strategy: str, k: int, ranks: int, steps: int, data: Path) -> list[float]:
+    """Losses of `hidup.train` under torchrun on this machine."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(ranks), "-m", "hidup.train", "--model", model,
+           "--strategy", strategy, "--micro-batches", str(k), "--steps", str(steps),
+           "--warmup", "0", "--data", str(data), "--json"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    log.info("convergence: %s", " ".join(cmd[2:]))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        said = [line for line in done.stderr.splitlines() if line.startswith("hidup.train")]
+        raise RuntimeError(f"hidup.train --strategy {strategy} failed: "
+                           f"{said[-1] if said else done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])["losses"]
+
+
+FIGURES: dict[str, Callable[[argparse.Namespace], Figure]] = {
+    "scaling": scaling, "one-machine": one_machine, "bandwidth": bandwidth, "batch": batch,
+    "breakdown": breakdown, "robustness": robustness, "search-time": search_time,
+    "convergence": convergence}
+
+
+# -- output --------------------------------------------------------------------------------------
+
+def write(fig: Figure, out: Path) -> None:
+    """FIGURE.csv, FIGURE.png, and the table on stdout (Markdown)."""
+    with open(out / f"{fig.name}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fig.columns)
+        writer.writeheader()
+        for row in fig.rows:
+            writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
+    PLOTS[fig.name](fig, out / f"{fig.name}.png")
+    print(f"\n## {fig.title}\n")
+    shown = fig.rows if fig.name != "convergence" else fig.rows[:: max(1, len(fig.rows) // 10)]
+    print("| " + " | ".join(fig.columns) + " |")
+    print("|" + " --- |" * len(fig.columns))
+    for row in shown:
+        print("| " + " | ".join(_cell(row[c]) for c in fig.columns) + " |")
+    for note in fig.notes:
+        print(f"\n{note}")
+    print(f"\nwrote {out / fig.name}.csv and {out / fig.name}.png")
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _per_model(fig: Figure, path: Path, x: str, systems_: list[str], xlabel: str,
+               logx: bool = False) -> None:
+    """One panel per model: each system's step time against `x`."""
+    plt = _pyplot()
+    models = list(dict.fromkeys(r["model"] for r in fig.rows))
+    panels, axes = plt.subplots(1, len(models), figsize=(3.6 * len(models), 3.2), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in fig.rows if r["model"] == model]
+        for system in systems_:
+            ax.plot([r[x] for r in mine], [r[f"{system}_ms"] for r in mine], marker="o",
+                    label="HiDup (searched, Duplex)" if system == "hidup" else system)
+        ax.set(title=model, xlabel=xlabel, ylabel="step time (ms)")
+        if logx:
+            ax.set_xscale("log")
+        ax.title.set_fontsize(9)
+    axes[0][0].legend(fontsize=7)
+    panels.suptitle(fig.title, fontsize=9)
+    panels.tight_layout()
+    panels.savefig(path, dpi=110)
+    plt.close(panels)
+
+
+def _plot_breakdown(fig: Figure, path: Path) -> None:
+    plt = _pyplot()
+    panels, ax = plt.subplots(figsize=(8, 3.6))
+    labels = [f"{r['cluster']}\n{r['system']}" for r in fig.rows]
+    x = range(len(fig.rows))
+    comp = [r["computation_s"] for r in fig.rows]
+    comm = [r["communication_s"] for r in fig.rows]
+    ax.bar(x, comp, label="computation")
+    ax.bar(x, comm, bottom=comp, label="communication")
+    ax.scatter(x, [r["wall_s"] for r in fig.rows], color="k", marker="_", s=400, zorder=3,
+               label="wall (step) time")
+    ax.set_xticks(list(x), labels, fontsize=6)
+    ax.set(ylabel="seconds", title=fig.title)
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=7)
+    panels.tight_layout()
+    panels.savefig(path, dpi=110)
+    plt.close(panels)
+
+
+def _plot_robustness(fig: Figure, path: Path) -> None:
+    plt = _pyplot()
+    panels, ax = plt.subplots(figsize=(6, 3.2))
+    x = range(len(fig.rows))
+    ax.bar(x, [r["mean_relative_time"] - 1 for r in fig.rows], bottom=1, label="mean")
+    ax.scatter(x, [r["max_relative_time"] for r in fig.rows], color="k", marker="_", s=300,
+               label="worst draw", zorder=3)
+    ax.axhline(1.0, color="k", lw=0.6)
+    ax.set_xticks(list(x), [r["error"] for r in fig.rows], fontsize=7, rotation=20)
+    ax.set(ylabel="step time / right profile's plan", title=fig.title)
+    ax.title.set_fontsize(8)
+    ax.legend(fontsize=7)
+    panels.tight_layout()
+    panels.savefig(path, dpi=110)
+    plt.close(panels)
+
+
+def _plot_search_time(fig: Figure, path: Path) -> None:
+    plt = _pyplot()
+    panels, (a, b) = plt.subplots(1, 2, figsize=(8, 3.2))
+    for gpus in sorted({r["gpus"] for r in fig.rows}):
+        mine = [r for r in fig.rows if r["gpus"] == gpus]
+        a.plot([r["layers"] for r in mine], [r["seconds"] for r in mine], marker="o",
+               label=f"{gpus} GPUs")
+    for layers in sorted({r["layers"] for r in fig.rows}):
+        mine = [r for r in fig.rows if r["layers"] == layers]
+        b.plot([r["gpus"] for r in mine], [r["seconds"] for r in mine], marker="o",
+               label=f"{layers} layers")
+    a.set(xlabel="layers", ylabel="search time (s)")
+    b.set(xlabel="GPUs", xscale="log", ylabel="search time (s)")
+    a.legend(fontsize=7)
+    b.legend(fontsize=7)
+    panels.suptitle(fig.title, fontsize=9)
+    panels.tight_layout()
+    panels.savefig(path, dpi=110)
+    plt.close(panels)
+
+
+def _plot_convergence(fig: Figure, path: Path) -> None:
+    plt = _pyplot()
+    panels, ax = plt.subplots(figsize=(6, 3.4))
+    steps = [r["step"] for r in fig.rows]
+    ax.plot(steps, [r["ddp_loss"] for r in fig.rows], lw=2.5, alpha=0.5, label="ddp")
+    ax.plot(steps, [r["hidup_loss"] for r in fig.rows], lw=1, label="HiDup (searched, Duplex)")
+    ax.set(xlabel="step", ylabel="training loss", title=fig.title)
+    ax.title.set_fontsize(7)
+    ax.legend(fontsize=7)
+    panels.tight_layout()
+    panels.savefig(path, dpi=110)
+    plt.close(panels)
+
+
+PLOTS = {
+    "scaling": lambda f, p: _per_model(f, p, "gpus", ["hidup", "expert"], "GPUs", logx=True),
+    "one-machine": lambda f, p: _per_model(f, p, "gpus", ["hidup", "expert", "ddp"], "GPUs"),
+    "bandwidth": lambda f, p: _per_model(f, p, "gbit", ["hidup", "expert", "ddp"],
+                                         "inter-machine link (Gbit/s)", logx=True),
+    "batch": lambda f, p: _per_model(f, p, "per_gpu_batch", ["hidup", "expert", "ddp"],
+                                     "batch per GPU", logx=True),
+    "breakdown": _plot_breakdown, "robustness": _plot_robustness,
+    "search-time": _plot_search_time, "convergence": _plot_convergence}
+
+
+# -- command line --------------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("figure", choices=[*FIGURES, "all"], help="the figure or table to make")
+    ap.add_argument("--quick", action="store_true",
+                    help="reduced size: tiny models, fewer points (what CI runs)")
+    ap.add_argument("--models", nargs="+", default=None,
+                    help=f"models NAME:SIZE (default the paper's four: {', '.join(MODELS)}; "
+                         f"--quick: {', '.join(QUICK_MODELS)}); breakdown and robustness take "
+                         f"the first")
+    ap.add_argument("--gpus", type=int, nargs="+", default=None,
+                    help="GPU counts for scaling (default 8 16 32 64) and one-machine (1 2 4 8)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="convergence: training steps per run (default 300, --quick 20)")
+    ap.add_argument("--data", type=Path, default=DATA,
+                    help="convergence: WikiText-format training text (default "
+                         "../shared/data/wikitext-2/valid.txt)")
+    ap.add_argument("--out", type=Path, default=Path("experiments/results/paper"),
+                    help="folder for FIGURE.csv and FIGURE.png (default experiments/results/paper)")
+    args = ap.parse_args(argv)
+    args.models = args.models or list(QUICK_MODELS if args.quick else MODELS)
+    for model in args.models:
+        try:
+            get_model(model)
+        except ValueError as exc:
+            ap.error(f"--models {model}: {exc}")
+    if args.gpus is not None:
+        bad = [g for g in args.gpus if g < 1 or g & (g - 1)]
+        if bad:
+            ap.error(f"--gpus {bad}: GPU counts must be powers of two (1, 2, 4, ...)")
+        if args.figure in ("one-machine", "all") and max(args.gpus) > 8:
+            ap.error(f"--gpus {max(args.gpus)}: one machine has 8 GPUs (for one-machine and all)")
+    if args.steps is not None and args.steps < 1:
+        ap.error(f"--steps must be at least 1, got {args.steps}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"{PROG}: %(message)s")
+    args.out.mkdir(parents=True, exist_ok=True)
+    names = list(FIGURES) if args.figure == "all" else [args.figure]
+    started = time.perf_counter()
+    for i, name in enumerate(names, 1):
+        log.info("[%d/%d] %s (%.0f s so far)", i, len(names), name, time.perf_counter() - started)
+        try:
+            fig = FIGURES[name](args)
+        except (ValueError, ProfileError, RuntimeError) as exc:
+            print(f"{PROG} {name}: {exc}", file=sys.stderr)
+            return 2
+        write(fig, args.out)
+    log.info("done in %.0f s", time.perf_counter() - started)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""What if the machines' link were faster or slower? For a model on N GPUs over H machines, sweep
+the inter-machine link rate, search the best plan at each point with Duplex and without, and
+predict both step times (simulator); mark where Duplex stops paying off:
+
+    python -m experiments.whatif --model bert-sgmoe:paper --gpus 8 --bandwidth 1gbit:100gbit
+
+The cluster is --base (a measured profile; default v100-2x4, two machines of 4 V100) with its
+machines regrouped to N/H GPUs each and its inter-machine bus bandwidths scaled to each rate
+(calibration.derive); the GPUs inside a machine keep the base's figures. Prints the table and
+writes whatif.csv and whatif.png to --out."""
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+from calibration.derive import with_inter_link
+from experiments.paper import hidup, ms
+from hidup.cluster import parse_rate
+from hidup.models import capture_model, get_model
+from hidup.profile import ProfileError, load_profile
+
+log = logging.getLogger(__name__)
+PROG = "python -m experiments.whatif"
+COLUMNS = ["gbit", "duplex_ms", "plain_ms", "duplex_gain", "duplex_plan", "plain_plan"]
+
+
+def parse_range(text: str) -> tuple[float, float]:
+    """'1gbit:100gbit' (or one rate) -> (low, high) in bytes/s."""
+    parts = text.split(":")
+    if len(parts) > 2:
+        raise ValueError(f"--bandwidth {text!r}: give LOW:HIGH (e.g. 1gbit:100gbit) or one rate")
+    low, high = (parse_rate(p) for p in (parts * 2)[:2])
+    if low > high:
+        raise ValueError(f"--bandwidth {text!r}: the low rate is above the high one; give "
+                         f"LOW:HIGH, e.g. 1gbit:100gbit")
+    return low, high
+
+
+def rates(low: float, high: float, points: int) -> list[float]:
+    """`points` rates spaced evenly on a log scale from low to high (bytes/s)."""
+    if points == 1 or low == high:
+        return [low]
+    step = (math.log(high) - math.log(low)) / (points - 1)
+    return [math.exp(math.log(low) + i * step) for i in range(points)]
+
+
+def sweep(model: str, gpus: int, hosts: int, base, link_rates: list[float]) -> list[dict]:
+    spec = get_model(model, gpus=gpus)
+    graph = capture_model(spec, spec.batch)
+    rows = []
+    for i, rate in enumerate(link_rates, 1):
+        profile = with_inter_link(base, rate, gpus // hosts, f"{base.name}-{rate * 8 / 1e9:g}gbit")
+        best = {}
+        for k in (2, 1):  # with Duplex (it may still pick one micro-batch), and without
+            result, found = hidup(graph, gpus, profile, k)
+            best[k] = (ms(result), found.candidates[0][0])
+        rows.append({"gbit": rate * 8 / 1e9, "duplex_ms": best[2][0], "plain_ms": best[1][0],
+                     "duplex_gain": best[1][0] / best[2][0], "duplex_plan": best[2][1],
+                     "plain_plan": best[1][1]})
+        log.info("[%d/%d] %.3g Gbit/s: %.1f ms with Duplex (%s), %.1f ms without (%s)", i,
+                 len(link_rates), rows[-1]["gbit"], best[2][0], best[2][1], best[1][0], best[1][1])
+    return rows
+
+
+def pays_off_up_to(rows: list[dict], threshold: float) -> float | None:
+    """The highest rate (Gbit/s) below which Duplex gains at least `threshold` at every point
+    swept; None if it does not pay at the slowest."""
+    last = None
+    for row in rows:
+        if row["duplex_gain"] < threshold:
+            break
+        last = row["gbit"]
+    return last
+
+
+def plot(rows: list[dict], limit: float | None, title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
+    x = [r["gbit"] for r in rows]
+    a.plot(x, [r["plain_ms"] for r in rows], marker="o", label="best plan, no Duplex")
+    a.plot(x, [r["duplex_ms"] for r in rows], marker="o", label="best plan with Duplex")
+    b.plot(x, [r["duplex_gain"] for r in rows], marker="o", color="C2")
+    b.axhline(1.0, color="k", lw=0.6)
+    for ax in (a, b):
+        ax.set_xscale("log")
+        ax.set_xlabel("inter-machine link (Gbit/s)")
+        if limit is not None and limit < x[-1]:
+            ax.axvline(limit, color="red", ls="--", lw=0.8)
+    a.set(ylabel="predicted step (ms)")
+    b.set(ylabel="Duplex gain (no Duplex / Duplex)")
+    b.set_title("red: beyond it Duplex stops paying off" if limit is not None and limit < x[-1]
+                else "", fontsize=8)
+    for i, r in enumerate(rows):  # the plans where they change
+        if i == 0 or r["duplex_plan"] != rows[i - 1]["duplex_plan"]:
+            a.annotate(r["duplex_plan"], (r["gbit"], r["duplex_ms"]), fontsize=6,
+                       textcoords="offset points", xytext=(2, 6))
+    a.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="bert-sgmoe:paper", help="model NAME:SIZE")
+    ap.add_argument("--gpus", type=int, default=8, help="GPUs in all (default 8)")
+    ap.add_argument("--hosts", type=int, default=2,
+                    help="machines the GPUs are spread over, GPUs/hosts each (default 2)")
+    ap.add_argument("--bandwidth", default="1gbit:100gbit",
+                    help="inter-machine link rates LOW:HIGH, e.g. 1gbit:100gbit (or one rate)")
+    ap.add_argument("--points", type=int, default=7, help="rates swept, log-spaced (default 7)")
+    ap.add_argument("--base", default="v100-2x4",
+                    help="measured profile whose machines and collectives are scaled (name or "
+                         "path; default v100-2x4)")
+    ap.add_argument("--threshold", type=float, default=1.05,
+                    help="Duplex pays off while it makes the step at least this much faster "
+                         "(default 1.05)")
+    ap.add_argument("--out", type=Path, default=Path("experiments/results/whatif"),
+                    help="folder for whatif.csv and whatif.png")
+    args = ap.parse_args(argv)
+    if args.gpus < 2:
+        ap.error(f"--gpus {args.gpus}: needs 2 or more (a link between machines)")
+    if args.hosts < 2 or args.gpus % args.hosts:
+        ap.error(f"--hosts {args.hosts}: needs 2 or more machines that divide --gpus {args.gpus}")
+    if args.points < 1:
+        ap.error(f"--points must be at least 1, got {args.points}")
+    if args.threshold < 1.0:
+        ap.error(f"--threshold {args.threshold}: a gain below 1.0 is a loss; give >= 1.0")
+    try:
+        args.range = parse_range(args.bandwidth)
+        get_model(args.model, gpus=args.gpus)
+    except ValueError as exc:
+        ap.error(str(exc))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"{PROG}: %(message)s")
+    started = time.perf_counter()
+    try:
+        base = load_profile(args.base)
+        rows = sweep(args.model, args.gpus, args.hosts, base, rates(*args.range, args.points))
+    except (ValueError, ProfileError) as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    limit = pays_off_up_to(rows, args.threshold)
+    title = (f"{args.model} on {args.gpus} GPUs over {args.hosts} machines ({base.name} "
+             f"scaled)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "whatif.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows({k: f"{v:.6g}" if isinstance(v, float) else v for k, v in r.items()}
+                         for r in rows)
+    plot(rows, limit, title, args.out / "whatif.png")
+    print(f"{title}: predicted step (ms)\n")
+    print("| link (Gbit/s) | with Duplex | without | gain | plan with Duplex | plan without |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['gbit']:.3g} | {r['duplex_ms']:.1f} | {r['plain_ms']:.1f} | "
+              f"{r['duplex_gain']:.2f}x | {r['duplex_plan']} | {r['plain_plan']} |")
+    if limit is None:
+        print(f"\nDuplex gains less than {args.threshold:g}x even at {rows[0]['gbit']:.3g} Gbit/s")
+    elif limit >= rows[-1]["gbit"]:
+        print(f"\nDuplex pays off (>= {args.threshold:g}x) across the whole sweep")
+    else:
+        print(f"\nDuplex pays off (>= {args.threshold:g}x) up to {limit:.3g} Gbit/s; faster links "
+              f"leave too little communication to hide")
+    print(f"wrote {args.out / 'whatif.csv'} and {args.out / 'whatif.png'} in "
+          f"{time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

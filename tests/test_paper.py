@@ -1,0 +1,130 @@
+"""experiments.paper and experiments.whatif at CI's reduced size: every figure's CSV, PNG and
+table, the figures' own invariants, and one-line errors for bad flags."""
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+
+import pytest
+
+from experiments import paper, whatif
+
+
+def _rows(path):
+    return list(csv.DictReader(open(path)))
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """`python -m experiments.paper all --quick` once for the module: (folder, stdout)."""
+    out = tmp_path_factory.mktemp("paper")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = paper.main(["all", "--quick", "--out", str(out)])
+    assert code == 0, buf.getvalue()[-3000:]
+    return out, buf.getvalue()
+
+
+@pytest.mark.parametrize("name", list(paper.FIGURES))
+def test_every_figure_writes_its_csv_png_and_table(quick, name):
+    out, printed = quick
+    rows = _rows(out / f"{name}.csv")
+    assert rows and (out / f"{name}.png").stat().st_size > 5_000
+    assert f"wrote {out / name}.csv" in printed
+
+
+def test_hidup_is_never_slower_than_the_strategies_it_ranks(quick):
+    out, _ = quick
+    for name in ("scaling", "one-machine", "bandwidth", "batch"):
+        for r in _rows(out / f"{name}.csv"):
+            for base in ("expert_ms", "ddp_ms"):
+                if r.get(base) not in (None, "nan"):
+                    assert float(r["hidup_ms"]) <= float(r[base]) * 1.001, (name, r)
+
+
+def test_breakdown_adds_up_and_overlap_is_a_share(quick):
+    out, _ = quick
+    rows = _rows(out / "breakdown.csv")
+    assert {r["cluster"] for r in rows} == {"one machine", "two machines 100 Gbit/s",
+                                            "two machines 30 Gbit/s"}
+    for r in rows:
+        total, comp, comm = (float(r[k]) for k in ("total_s", "computation_s", "communication_s"))
+        assert total == pytest.approx(comp + comm, rel=1e-4)
+        assert 0.0 <= float(r["overlap_ratio"]) <= 1.0
+        assert float(r["wall_s"]) >= comp * (1 - 1e-6)  # the step holds its computation
+
+
+def test_robustness_and_search_time_rows(quick):
+    out, _ = quick
+    rows = _rows(out / "robustness.csv")
+    assert [r["error"] for r in rows] == ["20% random noise", "80% random noise",
+                                          "-50% communication", "+100% communication"]
+    for r in rows:  # relative to the right profile's plan: about 1 or worse, never far better
+        assert 0.95 < float(r["mean_relative_time"]) <= float(r["max_relative_time"]) + 1e-9
+    times = _rows(out / "search-time.csv")
+    assert {(r["layers"], r["gpus"]) for r in times} == {("2", "4"), ("2", "16"), ("4", "4"),
+                                                         ("4", "16")}
+    assert all(float(r["seconds"]) > 0 for r in times)
+
+
+def test_convergence_curves_agree(quick):
+    out, printed = quick
+    rows = _rows(out / "convergence.csv")
+    assert len(rows) == 20
+    for r in rows:  # same seed and data order: equal up to float rounding
+        assert abs(float(r["difference"])) < 1e-4, r
+    assert "largest |loss difference|" in printed
+
+
+def test_bad_flags_stop_with_one_line(capsys):
+    for argv, message in ((["scaling", "--gpus", "3"], "powers of two"),
+                          (["one-machine", "--gpus", "16"], "one machine has 8 GPUs"),
+                          (["scaling", "--models", "nope:tiny"], "unknown model 'nope'"),
+                          (["convergence", "--steps", "0"], "--steps must be at least 1"),
+                          (["figure-13"], "invalid choice")):
+        with pytest.raises(SystemExit) as stop:
+            paper.main(argv)
+        assert stop.value.code == 2
+        assert message in capsys.readouterr().err
+    assert paper.main(["convergence", "--quick", "--data", "/no/such.txt"]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_whatif_sweeps_marks_and_writes(tmp_path, capsys):
+    code = whatif.main(["--model", "bert-sgmoe:tiny", "--gpus", "8", "--bandwidth",
+                        "1gbit:100gbit", "--points", "3", "--out", str(tmp_path)])
+    assert code == 0
+    rows = _rows(tmp_path / "whatif.csv")
+    assert [round(float(r["gbit"]), 3) for r in rows] == [1.0, 10.0, 100.0]
+    for r in rows:  # Duplex allowed can only match or beat Duplex refused
+        assert float(r["duplex_ms"]) <= float(r["plain_ms"]) * 1.001
+        assert float(r["duplex_gain"]) == pytest.approx(float(r["plain_ms"]) /
+                                                       float(r["duplex_ms"]), rel=1e-4)
+    assert (tmp_path / "whatif.png").stat().st_size > 5_000
+    out = capsys.readouterr().out
+    assert "| link (Gbit/s) |" in out and "Duplex" in out.split("\n\n")[-1]
+
+
+def test_where_duplex_stops_paying_off():
+    rows = [{"gbit": g, "duplex_gain": gain} for g, gain in ((1, 1.6), (10, 1.2), (100, 1.01))]
+    assert whatif.pays_off_up_to(rows, 1.05) == 10
+    assert whatif.pays_off_up_to(rows, 1.0) == 100
+    assert whatif.pays_off_up_to(rows, 2.0) is None
+    assert whatif.rates(1.0, 100.0, 3) == pytest.approx([1.0, 10.0, 100.0])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bandwidth", "100gbit:1gbit"], "the low rate is above the high one"),
+    (["--bandwidth=-1gbit"], "give a positive rate"),
+    (["--bandwidth", "1gbit:2gbit:3gbit"], "give LOW:HIGH"),
+    (["--hosts", "3"], "--hosts 3: needs 2 or more machines that divide --gpus 8"),
+    (["--gpus", "0"], "--gpus 0: needs 2 or more"),
+    (["--model", "gpt:huge"], "has no size 'huge'"),
+    (["--threshold", "0.5"], "give >= 1.0"),
+])
+def test_whatif_bad_flags(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        whatif.main(argv)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
