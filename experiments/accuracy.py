@@ -177,11 +177,16 @@ def _medians(runs) -> tuple:
             med(r.overlap_ratio for r, _, _ in runs), min(c for _, _, c in runs))
 
 
-def _cluster_run(cluster: Cluster, command: list[str], what: str) -> str:
-    result = cluster.run(command, capture=True, timeout=1800)
-    if not result.ok:
-        raise RuntimeError(f"{what} on the emulated cluster failed: {result.failure()}")
-    return result.stdout[0] or ""
+def _cluster_run(cluster: Cluster, command: list[str], what: str, tries: int = 2) -> str:
+    """Host 0's stdout of a torchrun command on the cluster; a failed run is tried again once
+    (a rank of this VM was seen to abort once in ~80 runs), and the failure is logged."""
+    for attempt in range(1, tries + 1):
+        result = cluster.run(command, capture=True, timeout=1800)
+        if result.ok:
+            return result.stdout[0] or ""
+        log.warning("%s on the emulated cluster failed (try %d of %d): %s", what, attempt,
+                    tries, result.failure())
+    raise RuntimeError(f"{what} on the emulated cluster failed {tries} times: {result.failure()}")
 
 
 def kendall(rows: list[Row]) -> float:

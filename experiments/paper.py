@@ -51,6 +51,7 @@ PROG = "python -m experiments.paper"
 MODELS = ("bert-sgmoe:paper", "bert-switch:paper", "vit-sgmoe:paper", "vit-switch:paper")
 QUICK_MODELS = ("bert-sgmoe:tiny", "vit-switch:tiny")
 MEMORY = 32 * 2 ** 30  # a V100's memory: the search keeps plans that fit
+CONVERGENCE_BATCH = 32  # sequences per step, both ranks together
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "valid.txt"
 
 
@@ -260,7 +261,8 @@ def search_time(args) -> Figure:
 
 def convergence(args) -> Figure:
     fig = Figure("convergence", "bert-sgmoe:tiny trained for real on WikiText-2, 2 ranks (gloo): "
-                 "searched plan with Duplex vs ddp, same seed and data order (paper Sec. VI.H)",
+                 f"searched plan with Duplex vs ddp, batch {CONVERGENCE_BATCH}, lr {args.lr:g}, "
+                 "same seed and data order (paper Sec. VI.H)",
                  ["step", "hidup_loss", "ddp_loss", "difference"])
     model, ranks = "bert-sgmoe:tiny", 2
     if not args.data.is_file():
@@ -269,11 +271,11 @@ def convergence(args) -> Figure:
     steps = args.steps or (20 if args.quick else 300)
     with tempfile.TemporaryDirectory() as tmp:
         spec = get_model(model, gpus=ranks, vocab=len(build_vocabulary(args.data)))
-        graph = capture_model(spec, spec.batch)  # as hidup.train builds it for this data
+        graph = capture_model(spec, CONVERGENCE_BATCH)  # as hidup.train builds it for this data
         found = search(graph, ranks, load_profile("cpu-gloo-loopback"), k=2)
         plan = Path(tmp) / "plan.json"
         save_plan(plan, graph, found.strategy, ranks, model)
-        losses = {name: _train(model, strategy, k, ranks, steps, args.data)
+        losses = {name: _train(model, strategy, k, ranks, steps, args)
                   for name, strategy, k in (("hidup", str(plan), 2), ("ddp", "ddp", 1))}
     for i, (a, b) in enumerate(zip(losses["hidup"], losses["ddp"])):
         fig.add(step=i + 1, hidup_loss=a, ddp_loss=b, difference=a - b)
@@ -284,12 +286,13 @@ def convergence(args) -> Figure:
     return fig
 
 
-def _train(model: str, strategy: str, k: int, ranks: int, steps: int, data: Path) -> list[float]:
-    """Losses of `hidup.train` under torchrun on this machine."""
+def _train(model: str, strategy: str, k: int, ranks: int, steps: int, args) -> list[float]:
+    """Losses of `hidup.train` under torchrun on this machine (global batch CONVERGENCE_BATCH)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(ranks), "-m", "hidup.train", "--model", model,
            "--strategy", strategy, "--micro-batches", str(k), "--steps", str(steps),
-           "--warmup", "0", "--data", str(data), "--json"]
+           "--warmup", "0", "--data", str(args.data), "--lr", str(args.lr), "--batch",
+           str(CONVERGENCE_BATCH), "--json"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     log.info("convergence: %s", " ".join(cmd[2:]))
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -460,6 +463,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--data", type=Path, default=DATA,
                     help="convergence: WikiText-format training text (default "
                          "../shared/data/wikitext-2/valid.txt)")
+    ap.add_argument("--lr", type=float, default=0.3,
+                    help="convergence: SGD learning rate (default 0.3: the loss falls visibly "
+                         "within 300 steps)")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/paper"),
                     help="folder for FIGURE.csv and FIGURE.png (default experiments/results/paper)")
     args = ap.parse_args(argv)
@@ -477,6 +483,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"--gpus {max(args.gpus)}: one machine has 8 GPUs (for one-machine and all)")
     if args.steps is not None and args.steps < 1:
         ap.error(f"--steps must be at least 1, got {args.steps}")
+    if not args.lr > 0:
+        ap.error(f"--lr must be positive, got {args.lr}")
     return args
 
 

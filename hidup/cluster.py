@@ -147,6 +147,13 @@ class Cluster:
             self._qdisc(self.switch, f"h{i}", "0", "replace")
         self.save()
 
+    def set_host_link(self, host: int, up: bool) -> None:
+        """Cut one host off the switch (its link down) or reconnect it: a lost machine."""
+        if not 0 <= host < self.hosts:
+            raise ClusterError(f"host {host}: the cluster {self.name!r} has hosts 0 to "
+                               f"{self.hosts - 1}")
+        _ip(["-n", self.switch, "link", "set", f"h{host}", "up" if up else "down"])
+
     # -- lifecycle --------------------------------------------------------------------------
     def create(self) -> None:
         """Make the namespaces, the switch and the links; on any failure (or Ctrl-C) delete
@@ -394,6 +401,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     link = sub.add_parser("link", help="change the links' rate or latency of a running cluster")
     link.add_argument("--bandwidth", help="new link rate, e.g. 100mbit")
     link.add_argument("--latency", help="new one-way delay, e.g. 1ms")
+    link.add_argument("--down", type=int, metavar="HOST", default=None,
+                      help="cut host HOST off the switch (a lost machine)")
+    link.add_argument("--up", type=int, metavar="HOST", default=None,
+                      help="reconnect host HOST")
     sub.add_parser("down", help="stop everything in the cluster and delete it")
     sub.add_parser("status", help="print the cluster's shape and links")
     for p in (up, run, link, sub.choices["down"], sub.choices["status"]):
@@ -431,8 +442,14 @@ def main(argv=None) -> int:
                   f"links {c.bandwidth} latency {c.latency}")
         elif args.cmd == "link":
             c = Cluster.load(args.name)
-            c.set_link(args.bandwidth, args.latency)
-            print(f"emulated cluster {c.name!r}: links now {c.bandwidth} latency {c.latency}")
+            for host, up in ((args.down, False), (args.up, True)):
+                if host is not None:
+                    c.set_host_link(host, up)
+                    print(f"emulated cluster {c.name!r}: host {host} {'re' if up else 'cut off'}"
+                          f"{'connected' if up else ''}")
+            if args.bandwidth or args.latency or (args.down is None and args.up is None):
+                c.set_link(args.bandwidth, args.latency)
+                print(f"emulated cluster {c.name!r}: links now {c.bandwidth} latency {c.latency}")
         else:
             _require_tools()
             c = Cluster.load(args.name)

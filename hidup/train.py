@@ -10,11 +10,13 @@ import statistics
 import sys
 import time
 from contextlib import nullcontext
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from hidup import checkpoint
 from hidup.capture import capture
 from hidup.cluster import default_threads
 from hidup.data import (DataError, build_vocabulary, eval_batches, load_tokens, perplexity,
@@ -54,14 +56,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--eval", type=Path, default=None,
                     help="held-out WikiText-format file: print its perplexity after training")
     ap.add_argument("--eval-batches", type=int, default=20, help="batches of --eval to score")
+    ap.add_argument("--timeout", type=float, default=300.0,
+                    help="seconds a collective may wait for a lost or stuck peer before the run "
+                         "stops with an error (default 300)")
+    ap.add_argument("--checkpoint", type=Path, default=None,
+                    help="folder for checkpoints (each rank's shards; latest.json names the last "
+                         "complete one)")
+    ap.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                    help="write a checkpoint every N steps (needs --checkpoint)")
+    ap.add_argument("--resume", action="store_true",
+                    help="go on from the last checkpoint in --checkpoint (same flags as the run "
+                         "that wrote it): the losses are those of an uninterrupted run")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
     args = ap.parse_args(argv)
+    if (args.checkpoint_every is not None or args.resume) and args.checkpoint is None:
+        ap.error("--checkpoint-every and --resume need --checkpoint FOLDER")
     if args.eval is not None and args.data is None:
         ap.error("--eval needs --data (the vocabulary comes from the training file)")
-    for flag in ("steps", "batch", "micro_batches", "threads", "eval_batches"):
+    for flag in ("steps", "batch", "micro_batches", "threads", "eval_batches", "checkpoint_every"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if not args.timeout > 0:
+        ap.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.warmup >= args.steps:
         ap.error(f"--warmup ({args.warmup}) must be below --steps ({args.steps}) to time any step")
     return args
@@ -76,8 +93,9 @@ def setup(args) -> tuple[int, int, torch.device]:
     device = torch.device(f"cuda:{local}") if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
-    if world > 1:
-        dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+    if world > 1:  # a lost peer ends a collective with an error after --timeout, not a hang
+        dist.init_process_group(backend, device_id=device if backend == "nccl" else None,
+                                timeout=timedelta(seconds=args.timeout))
     torch.set_num_threads(args.threads or default_threads())
     rank = dist.get_rank() if world > 1 else 0
     return rank, world, device
@@ -100,8 +118,13 @@ def run(args) -> dict:
     executor = Executor(graph, strategy, program, dict(model.named_parameters()), args.lr, device,
                         buffers=dict(model.named_buffers()))
     names_in = [n.source for n in graph.user_inputs]
-    losses, times = [], []
-    for step in range(args.steps):
+    losses, times, first = [], [], 0
+    run_id = checkpoint.RunId(args.model, strategy.name, world, k, batch, args.seed)
+    if args.resume:
+        first, losses = checkpoint.load(args.checkpoint, rank, executor, run_id)
+        if rank == 0:
+            log.info("resumed from %s after step %d", args.checkpoint, first)
+    for step in range(first, args.steps):
         gen = torch.Generator().manual_seed(args.seed + 1 + step)
         data = random_batch(tokens, spec.task, batch, spec.seq, gen) if vocab else \
             spec.inputs(batch, gen)
@@ -119,9 +142,13 @@ def run(args) -> dict:
             rate = batch * max(spec.seq, 1) / times[-1]
             log.info("step %d/%d  loss %.5f  %.1f ms  %.0f %s/s", step + 1, args.steps, losses[-1],
                      1e3 * times[-1], rate, "tokens" if spec.seq else "samples")
+        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+            checkpoint.save(args.checkpoint, step + 1, rank, executor, losses, run_id,
+                            lambda: _sync(world, device))
     result = {"model": args.model, "strategy": strategy.name, "world": world, "micro_batches": k,
               "batch": batch, "losses": losses, "step_times_ms": [1e3 * t for t in times],
-              "median_step_ms": 1e3 * statistics.median(times[args.warmup:])}
+              "median_step_ms": 1e3 * statistics.median(times[args.warmup:] or times or [0.0]),
+              "resumed_after": first}
     if args.eval:
         held_out = load_tokens(args.eval, vocab)
         scores = [executor.step(dict(zip(names_in, b)), update=False)
@@ -132,6 +159,15 @@ def run(args) -> dict:
     if world > 1:
         dist.destroy_process_group()
     return result
+
+
+def _peer_failure(exc: RuntimeError) -> bool:
+    """A collective that failed because of another rank or the network (gloo and NCCL raise
+    plain RuntimeErrors, newer versions DistError)."""
+    text = str(exc).lower()
+    return isinstance(exc, dist.DistError) or any(
+        mark in text for mark in ("gloo", "nccl", "timed out", "connection reset",
+                                  "connection closed", "closed by peer"))
 
 
 def _sync(world, device) -> None:
@@ -158,6 +194,16 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"hidup.train: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # a peer lost, stuck past --timeout, or its link cut
+        if not _peer_failure(exc):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        kept = f"; the last complete checkpoint is in {args.checkpoint} (--resume)" \
+            if args.checkpoint else ""
+        print(f"hidup.train: rank {os.environ.get('RANK', '0')}: a collective failed, a peer is "
+              f"lost or did not answer within --timeout {args.timeout:g} s ({first}){kept}",
+              file=sys.stderr)
+        return 3
     if int(os.environ.get("RANK", "0")) == 0:
         if args.json:
             print(json.dumps(result))
