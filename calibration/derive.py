@@ -13,8 +13,10 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from hidup.cli import Parser
 from hidup.cluster import parse_rate
 from hidup.profile import LinkCost, Profile, ProfileError, load_profile
+
 
 def link_rate(profile: Profile) -> float:
     """The inter-node link's rate as a profile sees it: its fastest collective's bus bandwidth."""
@@ -36,7 +38,7 @@ def with_inter_link(base: Profile, link_bytes_per_s: float, gpus_per_node: int |
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m calibration.derive", description=__doc__,
+    ap = Parser(prog="python -m calibration.derive", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="the measured profile, a name or a path")
     ap.add_argument("--gpus-per-node", type=int, default=None,

@@ -42,10 +42,16 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from calibration.fit import FitError, Residuals, fit_link, fit_roofline, residuals
-from calibration.trace import (TraceError, is_communication, load_trace, step_gpu_events,
-                               steps)
+from calibration.trace import (
+    TraceError,
+    is_communication,
+    load_trace,
+    step_gpu_events,
+    steps,
+)
 from calibration.traced_plan import collective_kernels, derive_plan, nccl_kind, sized
 from hidup.capture import Graph
+from hidup.cli import Parser
 from hidup.models import capture_model, get_model
 from hidup.profile import LinkCost, Profile, ProfileError, load_profile
 from hidup.program import COLLECTIVES, Compute, Program, kernel_tasks, lower
@@ -283,7 +289,7 @@ def predicted_computation(program: Program, profile: Profile) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m calibration.from_trace", description=__doc__,
+    ap = Parser(prog="python -m calibration.from_trace", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("traces", nargs="+", metavar="TRACE=STRATEGY",
                     help="a PyTorch-profiler trace (.json or .json.gz) and the strategy it ran: "

@@ -29,9 +29,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hidup.capture import capture
-from hidup.cluster import default_threads
 from hidup import execute
+from hidup.capture import capture
+from hidup.cli import Parser
+from hidup.cluster import default_threads
 from hidup.execute import Executor
 from hidup.models import get_model, names
 from hidup.profile import ProfileError, kernel_key, load_profile
@@ -146,7 +147,7 @@ def measure_kernels(model: str, strategy: str, world: int, k: int, rank: int = 0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    ap = Parser(prog=PROG, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help=f"model NAME:SIZE, one of {names()}")
     ap.add_argument("--strategy", nargs="+", default=["ddp"],

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from calibration.fit import FitError, fit_links, fit_roofline
+from hidup.cli import Parser
 from hidup.cluster import default_threads
 from hidup.profile import Profile, ProfileError, load_profile
 from hidup.program import COLLECTIVES
@@ -53,13 +54,6 @@ class UsageError(Exception):
 
 
 # -- command line ------------------------------------------------------------------------------
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of usage + error, printed once (rank 0)
-        if os.environ.get("RANK", "0") == "0":
-            print(f"{PROG}: error: {message}; see --help", file=sys.stderr)
-        raise SystemExit(2)
-
 
 def parse_size(text: str) -> int:
     """Bytes from '256MB', '4MiB', '1024' (binary units: 1KB = 1024 bytes)."""
@@ -82,7 +76,7 @@ def _positive_int(text: str) -> int:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = _Parser(prog=PROG, description=__doc__,
+    ap = Parser(prog=PROG, description=__doc__,
                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True,
                     help="the profile file to write (.json); its folder must exist")

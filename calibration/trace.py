@@ -9,6 +9,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from hidup.cli import Parser
 from simulator.intervals import covered, union
 
 
@@ -92,9 +93,8 @@ def breakdown(events: list[dict]) -> StepBreakdown:
 
 def main(argv=None) -> int:
     """`python -m calibration.trace TRACE...`: the step breakdown of each trace."""
-    import argparse
     import sys
-    ap = argparse.ArgumentParser(prog="python -m calibration.trace", description=__doc__)
+    ap = Parser(prog="python -m calibration.trace", description=__doc__)
     ap.add_argument("traces", nargs="+", type=Path, help="PyTorch-profiler Chrome traces")
     args = ap.parse_args(argv)
     try:

@@ -23,7 +23,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hidup.cluster import ClusterError, Cluster, emulated, parse_rate
+from hidup.cli import Parser
+from hidup.cluster import Cluster, ClusterError, emulated, parse_rate
 from hidup.models import capture_model, get_model
 from hidup.profile import kernel_coverage, load_profile
 from hidup.program import lower
@@ -61,7 +62,7 @@ class Row:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__)
+    ap = Parser(prog=PROG, description=__doc__)
     ap.add_argument("--models", nargs="+", default=["gpt:small", "bert-sgmoe:small"],
                     help="zoo models NAME:SIZE (CPU-feasible sizes)")
     ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES),

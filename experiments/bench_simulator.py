@@ -4,7 +4,6 @@ Targets: <= 0.1 s at 64 GPUs, <= 1 s at 1024 GPUs. `wall s` times simulate() on 
 Program; `lower s` is the lowering before it, shown apart."""
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import statistics
@@ -12,18 +11,19 @@ import sys
 import time
 from pathlib import Path
 
+from hidup.cli import Parser
 from hidup.models import capture_model, get_model
+from hidup.profile import load_profile
 from hidup.program import lower
 from hidup.strategy import fixed_strategy
 from simulator.engine import simulate
-from hidup.profile import load_profile
 
 log = logging.getLogger(__name__)
 TARGETS = {64: 0.1, 1024: 1.0}
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m experiments.bench_simulator", description=__doc__)
+    ap = Parser(prog="python -m experiments.bench_simulator", description=__doc__)
     ap.add_argument("--model", default="bert-sgmoe:paper", help="model NAME:SIZE")
     ap.add_argument("--layers", type=int, default=24, help="layers of the model")
     ap.add_argument("--gpus", type=int, nargs="+", default=[8, 64, 256, 1024], help="world sizes")

@@ -3,12 +3,12 @@ For each paper model and GPU count: HiDup (searched plan, Duplex) and every base
 systems run (ddp, megatron, expert, min-comm: no Duplex), with the baselines given Duplex too."""
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
 from pathlib import Path
 
+from hidup.cli import Parser
 from hidup.models import capture_model, get_model
 from hidup.profile import load_profile
 from hidup.program import LoweringError, lower
@@ -21,7 +21,7 @@ MODELS = ("bert-sgmoe:paper", "bert-switch:paper", "vit-sgmoe:paper", "vit-switc
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m experiments.compare_baselines", description=__doc__)
+    ap = Parser(prog="python -m experiments.compare_baselines", description=__doc__)
     ap.add_argument("--models", nargs="+", default=list(MODELS), help="models NAME:SIZE")
     ap.add_argument("--gpus", type=int, nargs="+", default=[8, 16, 32, 64], help="world sizes")
     ap.add_argument("--cluster", default="v100-8x8-10gbps", help="profile name or path")

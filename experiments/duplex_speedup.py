@@ -5,7 +5,6 @@ hits both alike), optionally inside a private network namespace whose loopback i
 with `tc` (root and iproute2 needed), and prints the median step times and their ratio."""
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -16,11 +15,13 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+from hidup.cli import Parser
+
 log = logging.getLogger(__name__)
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m experiments.duplex_speedup", description=__doc__)
+    ap = Parser(prog="python -m experiments.duplex_speedup", description=__doc__)
     ap.add_argument("--model", default="gpt:small", help="model NAME:SIZE")
     ap.add_argument("--strategy", default="megatron", help="'ddp', 'megatron' or a plan file")
     ap.add_argument("--ranks", type=int, default=2, help="ranks (processes) on this machine")

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Callable
 
 from calibration.derive import with_inter_link
+from hidup.cli import Parser
 from hidup.cluster import parse_rate
 from hidup.data import build_vocabulary
 from hidup.models import capture_model, get_model
@@ -447,7 +448,7 @@ PLOTS = {
 # -- command line --------------------------------------------------------------------------------
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    ap = Parser(prog=PROG, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("figure", choices=[*FIGURES, "all"], help="the figure or table to make")
     ap.add_argument("--quick", action="store_true",

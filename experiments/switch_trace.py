@@ -13,9 +13,16 @@ import csv
 import sys
 from pathlib import Path
 
-from calibration.trace import (TraceError, breakdown, gpu_events, is_communication, load_trace,
-                               steps)
+from calibration.trace import (
+    TraceError,
+    breakdown,
+    gpu_events,
+    is_communication,
+    load_trace,
+    steps,
+)
 from calibration.traced_plan import derive_plan
+from hidup.cli import Parser
 from hidup.models import capture_model, get_model
 from hidup.strategy import PlanError, save_plan
 from simulator.predict import predict
@@ -44,7 +51,7 @@ def kernel_families(events: list[dict], top: int = 3) -> list[tuple[str, float]]
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m experiments.switch_trace", description=__doc__,
+    ap = Parser(prog="python -m experiments.switch_trace", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--traces", type=Path, default=TRACES,
                     help="folder with ddp/hidup/deepspeed/fastmoe .json.gz (default: %(default)s)")

@@ -2,13 +2,13 @@
 of it ran while another micro-batch was computing: `python -m experiments.trace_overlap TRACE`."""
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from calibration.trace import TraceError, load_trace
+from hidup.cli import Parser
 
 _ISSUE = re.compile(r"^(all_gather|all_reduce|reduce_scatter|all_to_all) (\S+)(?: mb(\d+))?$")
 _COMPUTE = re.compile(r"^(fwd|bwd) (\S+) mb(\d+)$")
@@ -55,7 +55,7 @@ def overlaps(events: list[dict]) -> list[Overlap]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m experiments.trace_overlap", description=__doc__)
+    ap = Parser(prog="python -m experiments.trace_overlap", description=__doc__)
     ap.add_argument("trace", type=Path, help="Chrome trace written by hidup.train --trace")
     args = ap.parse_args(argv)
     try:

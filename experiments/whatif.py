@@ -20,6 +20,7 @@ from pathlib import Path
 
 from calibration.derive import with_inter_link
 from experiments.paper import hidup, ms
+from hidup.cli import Parser
 from hidup.cluster import parse_rate
 from hidup.models import capture_model, get_model
 from hidup.profile import ProfileError, load_profile
@@ -111,7 +112,7 @@ def plot(rows: list[dict], limit: float | None, title: str, path: Path) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    ap = Parser(prog=PROG, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="bert-sgmoe:paper", help="model NAME:SIZE")
     ap.add_argument("--gpus", type=int, default=8, help="GPUs in all (default 8)")

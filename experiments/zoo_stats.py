@@ -1,16 +1,16 @@
 """Node counts and capture / annotate times of every zoo model: `python -m experiments.zoo_stats`."""
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 from hidup import ops
+from hidup.cli import Parser
 from hidup.models import capture_model, get_model, names
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m experiments.zoo_stats", description=__doc__)
+    ap = Parser(prog="python -m experiments.zoo_stats", description=__doc__)
     ap.add_argument("--size", default="paper", help="size preset to measure (tiny, paper, ...)")
     ap.add_argument("--gpus", type=int, default=8, help="GPUs the models are made for (experts)")
     args = ap.parse_args(argv)

@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hidup.cli import Parser
+
 PROG = "python -m hidup.cluster"
 STATE_DIR = Path(os.environ.get("HIDUP_CLUSTER_DIR", "/run/hidup-cluster"))
 SUBNET = "10.87.0"  # host i is SUBNET.(i+1), inside the cluster's own namespaces only
@@ -382,7 +384,7 @@ def _sigterm_as_interrupt():
 # -- command line ----------------------------------------------------------------------------
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    ap = Parser(prog=PROG, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="create the emulated cluster")

@@ -43,11 +43,16 @@ class Executor:
     def __init__(self, graph: Graph, strategy: Strategy, program: Program,
                  params: dict[str, torch.Tensor], lr: float = 0.01,
                  device: torch.device | str = "cpu", group=None,
-                 buffers: dict[str, torch.Tensor] | None = None, rank: int | None = None):
+                 buffers: dict[str, torch.Tensor] | None = None, rank: int | None = None,
+                 autocast: torch.dtype | None = None):
         split = next((t for t in program.collectives if t.groups), None)
         if split is not None:
             raise ValueError(f"task {split} runs in sub-groups {split.groups}: the executor runs "
                              f"world-spanning collectives only (a Program from hidup.program.lower)")
+        # mixed precision (paper Sec. VI.F): each node's forward runs under torch.autocast with
+        # this dtype (matmuls in bf16); its output is kept in float32, so collectives, saved
+        # values and gradients stay float32
+        self.autocast = autocast
         self.g, self.s, self.p = graph, strategy, program
         self.world, self.k, self.device = program.world, program.k, torch.device(device)
         self.group = group
@@ -157,7 +162,13 @@ class Executor:
                 x.record_stream(torch.cuda.current_stream(self.device))
             leaves.append(x.detach().requires_grad_(True) if x.is_floating_point() else x)
         with torch.enable_grad():
-            out = fn(leaves)
+            if self.autocast is None:
+                out = fn(leaves)
+            else:
+                with torch.autocast(self.device.type, dtype=self.autocast):
+                    out = fn(leaves)
+                if out.is_floating_point() and out.dtype != torch.float32:
+                    out = out.float()
         if tuple(out.shape) != task.out_shape:
             raise RuntimeError(f"node {task.node} ({task.op}) mb {task.mb}: local output shape "
                                f"{tuple(out.shape)}, the Program expects {task.out_shape}")

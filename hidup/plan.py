@@ -4,7 +4,6 @@ with and without Duplex beside the expert strategies (ddp, megatron, expert, min
 search time; --out writes the plan file that hidup.train and simulator.predict accept."""
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
@@ -12,6 +11,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from hidup.cli import Parser
 from hidup.estimate import estimate
 from hidup.models import capture_model, get_model, names
 from hidup.profile import load_profile
@@ -25,7 +25,7 @@ KEY_OPS = ("linear", "einsum", "embedding", "conv2d", "scaled_dot_product_attent
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog=PROG, description=" ".join(__doc__.split()))
+    ap = Parser(prog=PROG, description=" ".join(__doc__.split()))
     ap.add_argument("--model", default="bert-sgmoe:paper", help=f"model NAME:SIZE, one of {names()}")
     ap.add_argument("--cluster", default="v100-8x8-10gbps", help="profile name or path")
     ap.add_argument("--gpus", type=int, default=8, help="world size")

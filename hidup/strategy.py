@@ -246,9 +246,11 @@ def load_plan(path: Path, graph: Graph, world: int) -> Strategy:
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise PlanError(f"plan file {path}: cannot read it ({exc})") from exc
+        raise PlanError(f"plan file {path}: cannot read it ({exc}); make it again with "
+                        f"python -m hidup.plan --out") from exc
     if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
-        raise PlanError(f"plan file {path}: not a HiDup plan (no \"format\": \"{PLAN_FORMAT}\")")
+        raise PlanError(f"plan file {path}: not a HiDup plan (no \"format\": \"{PLAN_FORMAT}\"); "
+                        f"give a file written by python -m hidup.plan --out")
     if doc.get("version") != PLAN_VERSION:
         raise PlanError(f"plan file {path}: version {doc.get('version')}, this HiDup reads version "
                         f"{PLAN_VERSION}; re-create the plan")

@@ -18,9 +18,16 @@ import torch.distributed as dist
 
 from hidup import checkpoint
 from hidup.capture import capture
+from hidup.cli import Parser
 from hidup.cluster import default_threads
-from hidup.data import (DataError, build_vocabulary, eval_batches, load_tokens, perplexity,
-                        random_batch)
+from hidup.data import (
+    DataError,
+    build_vocabulary,
+    eval_batches,
+    load_tokens,
+    perplexity,
+    random_batch,
+)
 from hidup.execute import Executor
 from hidup.models import get_model, names
 from hidup.program import lower
@@ -30,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m hidup.train", description=__doc__)
+    ap = Parser(prog="python -m hidup.train", description=__doc__)
     ap.add_argument("--model", default="gpt:tiny", help=f"model NAME:SIZE, one of {names()}")
     ap.add_argument("--strategy", default="ddp",
                     help="'ddp', 'megatron', or the path of a plan file (python -m hidup.plan)")
@@ -56,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--eval", type=Path, default=None,
                     help="held-out WikiText-format file: print its perplexity after training")
     ap.add_argument("--eval-batches", type=int, default=20, help="batches of --eval to score")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                    help="bf16: mixed precision, each op under torch.autocast in bfloat16 "
+                         "(weights, gradients and communication stay float32)")
     ap.add_argument("--timeout", type=float, default=300.0,
                     help="seconds a collective may wait for a lost or stuck peer before the run "
                          "stops with an error (default 300)")
@@ -116,9 +126,10 @@ def run(args) -> dict:
     strategy = resolve_strategy(args.strategy, graph, world)
     program = lower(graph, strategy, world, k, args.model, streams=args.streams)
     executor = Executor(graph, strategy, program, dict(model.named_parameters()), args.lr, device,
-                        buffers=dict(model.named_buffers()))
+                        buffers=dict(model.named_buffers()),
+                        autocast=torch.bfloat16 if args.precision == "bf16" else None)
     names_in = [n.source for n in graph.user_inputs]
-    losses, times, first = [], [], 0
+    losses, times, rss, first = [], [], [], 0
     run_id = checkpoint.RunId(args.model, strategy.name, world, k, batch, args.seed)
     if args.resume:
         first, losses = checkpoint.load(args.checkpoint, rank, executor, run_id)
@@ -135,6 +146,7 @@ def run(args) -> dict:
             losses.append(executor.step(dict(zip(names_in, data))))
             _sync(world, device)
             times.append(time.perf_counter() - start)
+        rss.append(_resident_mb())
         if tracing:
             out = args.trace if rank == 0 else args.trace.with_name(f"{args.trace.name}.rank{rank}")
             prof.export_chrome_trace(str(out))
@@ -148,7 +160,7 @@ def run(args) -> dict:
     result = {"model": args.model, "strategy": strategy.name, "world": world, "micro_batches": k,
               "batch": batch, "losses": losses, "step_times_ms": [1e3 * t for t in times],
               "median_step_ms": 1e3 * statistics.median(times[args.warmup:] or times or [0.0]),
-              "resumed_after": first}
+              "resumed_after": first, "resident_mb": rss}
     if args.eval:
         held_out = load_tokens(args.eval, vocab)
         scores = [executor.step(dict(zip(names_in, b)), update=False)
@@ -168,6 +180,15 @@ def _peer_failure(exc: RuntimeError) -> bool:
     return isinstance(exc, dist.DistError) or any(
         mark in text for mark in ("gloo", "nccl", "timed out", "connection reset",
                                   "connection closed", "closed by peer"))
+
+
+def _resident_mb() -> float:
+    """This process's resident memory (MiB), from /proc (0 where there is none)."""
+    try:
+        pages = int(open("/proc/self/statm").read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0.0
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
 
 
 def _sync(world, device) -> None:
@@ -212,6 +233,11 @@ def main(argv=None) -> int:
                   f"micro-batches={result['micro_batches']} batch={result['batch']}: "
                   f"final loss {result['losses'][-1]:.5f}, median step "
                   f"{result['median_step_ms']:.2f} ms over {args.steps - args.warmup} steps")
+            rss = result["resident_mb"]
+            if rss:
+                early = result["resumed_after"] + min(len(rss), 10)
+                print(f"resident memory (rank 0): {rss[min(len(rss) - 1, 9)]:.1f} MiB after step "
+                      f"{early}, {rss[-1]:.1f} MiB after step {args.steps}")
             if "eval_perplexity" in result:
                 print(f"evaluation on {args.eval}: loss {result['eval_loss']:.4f}, perplexity "
                       f"{result['eval_perplexity']:.2f} ({result['eval_batches']} batches)")

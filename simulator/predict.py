@@ -10,16 +10,16 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-
 from hidup import models
 from hidup.capture import Graph
+from hidup.cli import Parser
+from hidup.memory import MemoryReport, peak_memory
 from hidup.models import capture_model
+from hidup.profile import Profile, load_profile
 from hidup.program import lower
 from hidup.strategy import Strategy, resolve_strategy, save_plan
 from simulator.engine import Result, simulate
-from hidup.memory import MemoryReport, peak_memory
 from simulator.montecarlo import Interval, step_time_interval
-from hidup.profile import Profile, load_profile
 from simulator.trace import write_trace
 
 log = logging.getLogger(__name__)
@@ -138,14 +138,17 @@ def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | Non
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive whole number")
+        raise argparse.ArgumentTypeError(f"{text} is not a positive whole number")
     return value
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=" ".join(__doc__.split()))
+    p = Parser(prog=PROG, description=" ".join(__doc__.split()))
     p.add_argument("--model", metavar="NAME:SIZE", default="gpt:small",
                    help=f"model NAME:SIZE from the zoo, one of {models.names()} "
                         f"(default: %(default)s)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import build_model, run_ranks
 
 from hidup.capture import capture
 from hidup.execute import Executor, full_tensor
@@ -12,8 +13,6 @@ from hidup.profile import load_profile
 from hidup.program import lower
 from hidup.search import search
 from hidup.strategy import fixed_strategy
-
-from conftest import build_model, run_ranks
 
 MODELS = ("mlp:tiny", "gpt:tiny")
 CASES = [(m, s, k, 1) for m in MODELS for s in ("ddp", "megatron") for k in (1, 2)]
@@ -75,3 +74,42 @@ def test_strategies_match_single_device(world):
             for pname, g in grads.items():
                 err = rel_err(g, ref_grads[pname], scale)
                 assert err <= 1e-5, (case, pname, err)
+
+
+def bf16_grads(rank, world, cases):
+    """Like distributed_grads, with the executor's bf16 autocast path; also the float32 loss."""
+    out = {}
+    for name, strategy_name, k in cases:
+        spec = get_model(name, gpus=world)
+        model = build_model(spec)
+        graph = capture(model, batch_of(spec, seed=0))
+        strategy = fixed_strategy(strategy_name, graph, world)
+        program = lower(graph, strategy, world, k, name)
+        inputs = dict(zip([n.source for n in graph.user_inputs], batch_of(spec)))
+        results = []
+        for dtype in (torch.bfloat16, None):
+            ex = Executor(graph, strategy, program, dict(model.named_parameters()),
+                          buffers=dict(model.named_buffers()), autocast=dtype)
+            loss = ex.step(inputs, update=False)
+            results.append((loss, {graph.node(p).source: full_tensor(g, strategy.home(p), world)
+                                   for p, g in ex.grads.items()}))
+        out[(name, strategy_name, k)] = results
+    return out
+
+
+def test_bf16_autocast_matches_single_device_within_bf16_tolerance():
+    """Mixed precision: loss within 1% and every gradient within 5% (norm-wise) of float32
+    single-device training; and it is really bf16 (the loss differs from the float32 run's)."""
+    cases = [("gpt:tiny", "megatron", 2), ("gpt:tiny", "ddp", 1)]
+    results = run_ranks(2, bf16_grads, cases)
+    ref_loss, ref_grads = reference("gpt:tiny", 2)
+    scale = 1e-2 * max(float(g.norm()) for g in ref_grads.values())
+    for case in cases:
+        for rank_result in results:
+            (loss, grads), (loss32, _) = rank_result[case]
+            assert abs(loss - ref_loss) <= 1e-2 * abs(ref_loss), (case, loss, ref_loss)
+            assert abs(loss - loss32) > 1e-7 * abs(loss32), "autocast did not change the loss"
+            for pname, g in grads.items():
+                assert g.dtype == torch.float32
+                err = rel_err(g, ref_grads[pname], scale)
+                assert err <= 5e-2, (case, pname, err)

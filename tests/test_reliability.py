@@ -4,6 +4,7 @@ ends the run with a clear error within --timeout, and its checkpoint resumes."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -152,3 +153,18 @@ def test_a_host_cut_off_stops_the_run_in_bounded_time_and_its_checkpoint_resumes
                       timeout=240)
         assert again.ok, again.failure()
         assert json.loads(again.stdout[0].strip().splitlines()[-1])["resumed_after"] == kept
+
+
+def test_soak_500_duplex_steps_keep_memory_flat_and_losses_finite():
+    """500 steps of gpt:tiny, megatron with Duplex, on 2 ranks: no hang (a time limit), every
+    loss finite, rank 0's resident memory flat after warm-up (within 8 MiB from step 50 on)."""
+    start = time.monotonic()
+    result = _losses(["--steps", "500"])
+    assert time.monotonic() - start < 240
+    assert len(result["losses"]) == 500
+    assert all(math.isfinite(x) for x in result["losses"])
+    rss = result["resident_mb"]
+    growth = max(rss[50:]) - rss[50]
+    print(f"soak: resident {rss[0]:.1f} MiB after step 1, {rss[50]:.1f} after 50, "
+          f"{rss[-1]:.1f} after 500 (growth after 50: {growth:.2f} MiB)")
+    assert growth < 8.0, rss[::50]
