@@ -168,3 +168,32 @@ def test_soak_500_duplex_steps_keep_memory_flat_and_losses_finite():
     print(f"soak: resident {rss[0]:.1f} MiB after step 1, {rss[50]:.1f} after 50, "
           f"{rss[-1]:.1f} after 500 (growth after 50: {growth:.2f} MiB)")
     assert growth < 8.0, rss[::50]
+
+
+@needs_root
+def test_a_rank_killed_mid_run_ends_its_peer_with_an_error_in_bounded_time(tmp_path):
+    """Host 1's rank is SIGKILLed mid-run: host 0's rank must stop with the one-line error well
+    within --timeout (the dead peer's connection closes), not hang."""
+    from hidup.cluster import emulated
+
+    ck = tmp_path / "ck"
+    with emulated(2, 1, "1gbit", name="t6") as c:
+        box = {}
+        worker = threading.Thread(target=lambda: box.update(result=c.run(
+            BASE + ["--steps", "100000", "--checkpoint", str(ck), "--checkpoint-every", "2",
+                    "--timeout", "60"], capture=True, timeout=240, grace=60)))
+        worker.start()
+        _wait_for_step(ck, 2)
+        pids = subprocess.run(["ip", "netns", "pids", c.host(1)], capture_output=True,
+                              text=True).stdout.split()
+        ranks = [int(p) for p in pids if "hidup.train" in open(f"/proc/{p}/cmdline").read()
+                 and "torch.distributed.run" not in open(f"/proc/{p}/cmdline").read()]
+        assert len(ranks) == 1, pids
+        os.kill(ranks[0], signal.SIGKILL)
+        killed = time.monotonic()
+        worker.join(240)
+        took = time.monotonic() - killed
+        result = box["result"]
+        assert result.codes[0] != 0 and took < 45, (took, result.codes)  # < --timeout 60
+        assert "a collective failed, a peer is lost" in (result.stderr[0] or ""), \
+            (result.stderr[0] or "")[-2000:]
