@@ -30,6 +30,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -353,19 +354,27 @@ def _per_model(fig: Figure, path: Path, x: str, systems_: list[str], xlabel: str
                     label="HiDup (searched, Duplex)" if system == "hidup" else system)
         ax.set(title=model, xlabel=xlabel, ylabel="step time (ms)")
         if logx:
-            ax.set_xscale("log")
+            log_ticks(ax, [r[x] for r in mine])
         ax.title.set_fontsize(9)
     axes[0][0].legend(fontsize=7)
-    panels.suptitle(fig.title, fontsize=9)
+    panels.suptitle(textwrap.fill(fig.title, 110), fontsize=9)
     panels.tight_layout()
     panels.savefig(path, dpi=110)
     plt.close(panels)
 
 
+def log_ticks(ax, values) -> None:
+    """A log x axis labelled at the swept values only."""
+    ax.set_xscale("log")
+    ax.minorticks_off()
+    ax.set_xticks(sorted(set(values)), [f"{v:g}" for v in sorted(set(values))])
+
+
 def _plot_breakdown(fig: Figure, path: Path) -> None:
     plt = _pyplot()
     panels, ax = plt.subplots(figsize=(8, 3.6))
-    labels = [f"{r['cluster']}\n{r['system']}" for r in fig.rows]
+    labels = [f"{r['cluster'].replace(' machine', chr(10) + 'machine').replace(' Gbit', chr(10) + 'Gbit')}"
+              f"\n{r['system']}" for r in fig.rows]
     x = range(len(fig.rows))
     comp = [r["computation_s"] for r in fig.rows]
     comm = [r["communication_s"] for r in fig.rows]
@@ -374,7 +383,7 @@ def _plot_breakdown(fig: Figure, path: Path) -> None:
     ax.scatter(x, [r["wall_s"] for r in fig.rows], color="k", marker="_", s=400, zorder=3,
                label="wall (step) time")
     ax.set_xticks(list(x), labels, fontsize=6)
-    ax.set(ylabel="seconds", title=fig.title)
+    ax.set(ylabel="seconds", title=textwrap.fill(fig.title, 75))
     ax.title.set_fontsize(9)
     ax.legend(fontsize=7)
     panels.tight_layout()
@@ -391,7 +400,7 @@ def _plot_robustness(fig: Figure, path: Path) -> None:
                label="worst draw", zorder=3)
     ax.axhline(1.0, color="k", lw=0.6)
     ax.set_xticks(list(x), [r["error"] for r in fig.rows], fontsize=7, rotation=20)
-    ax.set(ylabel="step time / right profile's plan", title=fig.title)
+    ax.set(ylabel="step time / right profile's plan", title=textwrap.fill(fig.title, 75))
     ax.title.set_fontsize(8)
     ax.legend(fontsize=7)
     panels.tight_layout()
@@ -411,10 +420,11 @@ def _plot_search_time(fig: Figure, path: Path) -> None:
         b.plot([r["gpus"] for r in mine], [r["seconds"] for r in mine], marker="o",
                label=f"{layers} layers")
     a.set(xlabel="layers", ylabel="search time (s)")
-    b.set(xlabel="GPUs", xscale="log", ylabel="search time (s)")
+    b.set(xlabel="GPUs", ylabel="search time (s)")
+    log_ticks(b, [r["gpus"] for r in fig.rows])
     a.legend(fontsize=7)
     b.legend(fontsize=7)
-    panels.suptitle(fig.title, fontsize=9)
+    panels.suptitle(textwrap.fill(fig.title, 110), fontsize=9)
     panels.tight_layout()
     panels.savefig(path, dpi=110)
     plt.close(panels)
@@ -426,7 +436,7 @@ def _plot_convergence(fig: Figure, path: Path) -> None:
     steps = [r["step"] for r in fig.rows]
     ax.plot(steps, [r["ddp_loss"] for r in fig.rows], lw=2.5, alpha=0.5, label="ddp")
     ax.plot(steps, [r["hidup_loss"] for r in fig.rows], lw=1, label="HiDup (searched, Duplex)")
-    ax.set(xlabel="step", ylabel="training loss", title=fig.title)
+    ax.set(xlabel="step", ylabel="training loss", title=textwrap.fill(fig.title, 75))
     ax.title.set_fontsize(7)
     ax.legend(fontsize=7)
     panels.tight_layout()

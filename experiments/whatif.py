@@ -1,6 +1,6 @@
 """What if the machines' link were faster or slower? For a model on N GPUs over H machines, sweep
 the inter-machine link rate, search the best plan at each point with Duplex and without, and
-predict both step times (simulator); mark where Duplex stops paying off:
+predict both step times (simulator); mark where Duplex pays off and where it stops:
 
     python -m experiments.whatif --model bert-sgmoe:paper --gpus 8 --bandwidth 1gbit:100gbit
 
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from calibration.derive import with_inter_link
-from experiments.paper import hidup, ms
+from experiments.paper import log_ticks, hidup, ms
 from hidup.cli import Parser
 from hidup.cluster import parse_rate
 from hidup.models import capture_model, get_model
@@ -68,18 +68,16 @@ def sweep(model: str, gpus: int, hosts: int, base, link_rates: list[float]) -> l
     return rows
 
 
-def pays_off_up_to(rows: list[dict], threshold: float) -> float | None:
-    """The highest rate (Gbit/s) below which Duplex gains at least `threshold` at every point
-    swept; None if it does not pay at the slowest."""
-    last = None
-    for row in rows:
-        if row["duplex_gain"] < threshold:
-            break
-        last = row["gbit"]
-    return last
+def pays_off(rows: list[dict], threshold: float) -> tuple[float, float] | None:
+    """The range of rates (Gbit/s) swept where Duplex makes the step at least `threshold` times
+    faster: (lowest, highest); None if nowhere. Duplex hides the shorter of computation and
+    communication, so it pays least where either one dwarfs the other: on slow links (all
+    communication) and on fast ones (little communication)."""
+    paying = [r["gbit"] for r in rows if r["duplex_gain"] >= threshold]
+    return (min(paying), max(paying)) if paying else None
 
 
-def plot(rows: list[dict], limit: float | None, title: str, path: Path) -> None:
+def plot(rows: list[dict], band: tuple[float, float] | None, title: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -92,14 +90,17 @@ def plot(rows: list[dict], limit: float | None, title: str, path: Path) -> None:
     b.plot(x, [r["duplex_gain"] for r in rows], marker="o", color="C2")
     b.axhline(1.0, color="k", lw=0.6)
     for ax in (a, b):
-        ax.set_xscale("log")
+        log_ticks(ax, [float(f"{v:.3g}") for v in x])
         ax.set_xlabel("inter-machine link (Gbit/s)")
-        if limit is not None and limit < x[-1]:
-            ax.axvline(limit, color="red", ls="--", lw=0.8)
-    a.set(ylabel="predicted step (ms)")
+        if band is not None:
+            ax.axvspan(*band, color="green", alpha=0.08)
+            for edge in band:
+                if x[0] < edge < x[-1]:
+                    ax.axvline(edge, color="red", ls="--", lw=0.8)
+    a.set(ylabel="predicted step (ms)", yscale="log")
     b.set(ylabel="Duplex gain (no Duplex / Duplex)")
-    b.set_title("red: beyond it Duplex stops paying off" if limit is not None and limit < x[-1]
-                else "", fontsize=8)
+    b.set_title("green: Duplex pays off; red: where it stops" if band else
+                "Duplex does not pay off here", fontsize=8)
     for i, r in enumerate(rows):  # the plans where they change
         if i == 0 or r["duplex_plan"] != rows[i - 1]["duplex_plan"]:
             a.annotate(r["duplex_plan"], (r["gbit"], r["duplex_ms"]), fontsize=6,
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
     except (ValueError, ProfileError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
-    limit = pays_off_up_to(rows, args.threshold)
+    band = pays_off(rows, args.threshold)
     title = (f"{args.model} on {args.gpus} GPUs over {args.hosts} machines ({base.name} "
              f"scaled)")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -165,20 +166,23 @@ def main(argv=None) -> int:
         writer.writeheader()
         writer.writerows({k: f"{v:.6g}" if isinstance(v, float) else v for k, v in r.items()}
                          for r in rows)
-    plot(rows, limit, title, args.out / "whatif.png")
+    plot(rows, band, title, args.out / "whatif.png")
     print(f"{title}: predicted step (ms)\n")
     print("| link (Gbit/s) | with Duplex | without | gain | plan with Duplex | plan without |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['gbit']:.3g} | {r['duplex_ms']:.1f} | {r['plain_ms']:.1f} | "
               f"{r['duplex_gain']:.2f}x | {r['duplex_plan']} | {r['plain_plan']} |")
-    if limit is None:
-        print(f"\nDuplex gains less than {args.threshold:g}x even at {rows[0]['gbit']:.3g} Gbit/s")
-    elif limit >= rows[-1]["gbit"]:
-        print(f"\nDuplex pays off (>= {args.threshold:g}x) across the whole sweep")
+    low, high = rows[0]["gbit"], rows[-1]["gbit"]
+    if band is None:
+        print(f"\nDuplex gains less than {args.threshold:g}x everywhere from {low:.3g} to "
+              f"{high:.3g} Gbit/s")
     else:
-        print(f"\nDuplex pays off (>= {args.threshold:g}x) up to {limit:.3g} Gbit/s; faster links "
-              f"leave too little communication to hide")
+        print(f"\nDuplex pays off (>= {args.threshold:g}x) from {band[0]:.3g} to {band[1]:.3g} "
+              f"Gbit/s" + (f"; below {band[0]:.3g} communication dwarfs computation, there is "
+                           f"little to hide it under" if band[0] > low else "")
+              + (f"; above {band[1]:.3g} too little communication is left to hide"
+                 if band[1] < high else ""))
     print(f"wrote {args.out / 'whatif.csv'} and {args.out / 'whatif.png'} in "
           f"{time.perf_counter() - started:.0f} s")
     return 0

@@ -103,14 +103,15 @@ def test_whatif_sweeps_marks_and_writes(tmp_path, capsys):
                                                        float(r["duplex_ms"]), rel=1e-4)
     assert (tmp_path / "whatif.png").stat().st_size > 5_000
     out = capsys.readouterr().out
-    assert "| link (Gbit/s) |" in out and "Duplex" in out.split("\n\n")[-1]
+    assert "| link (Gbit/s) |" in out and ("Duplex pays off" in out or "Duplex gains less" in out)
 
 
-def test_where_duplex_stops_paying_off():
-    rows = [{"gbit": g, "duplex_gain": gain} for g, gain in ((1, 1.6), (10, 1.2), (100, 1.01))]
-    assert whatif.pays_off_up_to(rows, 1.05) == 10
-    assert whatif.pays_off_up_to(rows, 1.0) == 100
-    assert whatif.pays_off_up_to(rows, 2.0) is None
+def test_where_duplex_pays_off():
+    rows = [{"gbit": g, "duplex_gain": gain}
+            for g, gain in ((1, 1.01), (3, 1.2), (10, 1.6), (30, 1.2), (100, 1.01))]
+    assert whatif.pays_off(rows, 1.05) == (3, 30)  # all communication, then too little of it
+    assert whatif.pays_off(rows, 1.0) == (1, 100)
+    assert whatif.pays_off(rows, 2.0) is None
     assert whatif.rates(1.0, 100.0, 3) == pytest.approx([1.0, 10.0, 100.0])
 
 
