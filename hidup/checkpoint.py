@@ -1,7 +1,7 @@
 """Checkpoints of a training run, for `hidup.train --checkpoint DIR --checkpoint-every N
 [--resume]`. Each rank writes its own parameter shards, optimizer state and random state as
 DIR/step{S}-rank{R}.pt (through a temporary file, renamed when complete); when every rank has
-written, rank 0 commits the step by rewriting DIR/latest.json, then removes older steps. A run
+written, each commits the step by rewriting DIR/latest.json and removes its older steps. A run
 killed at any moment leaves the last committed step whole; resuming loads it and goes on, with
 the same data per step as an uninterrupted run, so the losses are the same."""
 from __future__ import annotations
@@ -34,7 +34,7 @@ class RunId:
 
 
 def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # ranks may share the folder
     write(tmp)
     os.replace(tmp, path)
 
@@ -48,13 +48,13 @@ def save(folder: Path, step: int, rank: int, executor, losses: list[float], run:
              "params": {n: p.detach().clone() for n, p in executor.params.items()},
              "optimizer": executor.optimizer.state_dict(), "rng": torch.get_rng_state()}
     _atomic(folder / f"step{step}-rank{rank}.pt", lambda tmp: torch.save(state, tmp))
-    barrier()
-    if rank == 0:
-        _atomic(folder / "latest.json",
-                lambda tmp: tmp.write_text(json.dumps({"step": step, "run": run.__dict__})))
-        for old in folder.glob("step*-rank*.pt"):
-            if not old.name.startswith(f"step{step}-"):
-                old.unlink(missing_ok=True)
+    barrier()  # every rank's file is complete: commit (each rank, so that machines without a
+    # shared filesystem each have the marker beside their own files)
+    _atomic(folder / "latest.json",
+            lambda tmp: tmp.write_text(json.dumps({"step": step, "run": run.__dict__})))
+    for old in folder.glob(f"step*-rank{rank}.pt"):
+        if not old.name.startswith(f"step{step}-"):
+            old.unlink(missing_ok=True)
     barrier()
 
 
