@@ -197,10 +197,11 @@ def main(argv=None) -> int:
                 if rank == 0:
                     log.info("%s %s k=%d: %d kernels so far, %.1f s", args.model, strategy, k,
                              len(times), time.perf_counter() - start)
-        means = [{key: statistics.fmean(values) for key, values in times.items()}]
+        mine = {key: statistics.fmean(values) for key, values in times.items()}
+        means = [mine]
         if world > 1:  # every rank's means: a step waits for its slowest rank
             means = [None] * world
-            dist.all_gather_object(means, {key: statistics.fmean(v) for key, v in times.items()})
+            dist.all_gather_object(means, mine)
     except ValueError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2

@@ -169,13 +169,11 @@ def run_config(cluster: Cluster, model: str, arg: str, k: int, base: Path, world
 
 def _medians(runs) -> tuple:
     """A configuration's Row figures from its rounds: medians of each."""
-    def med(values):
-        return statistics.median(values)
-
-    return (med(r.step_time * 1e3 for r, _, _ in runs), med(m for _, m, _ in runs),
-            med(r.computation * 1e3 for r, _, _ in runs),
-            med(r.communication * 1e3 for r, _, _ in runs),
-            med(r.overlap_ratio for r, _, _ in runs), min(c for _, _, c in runs))
+    med = statistics.median
+    return (med([r.step_time * 1e3 for r, _, _ in runs]), med([m for _, m, _ in runs]),
+            med([r.computation * 1e3 for r, _, _ in runs]),
+            med([r.communication * 1e3 for r, _, _ in runs]),
+            med([r.overlap_ratio for r, _, _ in runs]), min(c for _, _, c in runs))
 
 
 def _cluster_run(cluster: Cluster, command: list[str], what: str, tries: int = 2) -> str:

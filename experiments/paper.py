@@ -358,9 +358,16 @@ def _per_model(fig: Figure, path: Path, x: str, systems_: list[str], xlabel: str
         ax.title.set_fontsize(9)
     axes[0][0].legend(fontsize=7)
     panels.suptitle(textwrap.fill(fig.title, 110), fontsize=9)
-    panels.tight_layout()
-    panels.savefig(path, dpi=110)
-    plt.close(panels)
+    save_png(panels, path)
+
+
+def save_png(figure, path: Path) -> None:
+    """Lay a matplotlib figure out, write it as a PNG and free it."""
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
 def log_ticks(ax, values) -> None:
@@ -386,9 +393,7 @@ def _plot_breakdown(fig: Figure, path: Path) -> None:
     ax.set(ylabel="seconds", title=textwrap.fill(fig.title, 75))
     ax.title.set_fontsize(9)
     ax.legend(fontsize=7)
-    panels.tight_layout()
-    panels.savefig(path, dpi=110)
-    plt.close(panels)
+    save_png(panels, path)
 
 
 def _plot_robustness(fig: Figure, path: Path) -> None:
@@ -403,9 +408,7 @@ def _plot_robustness(fig: Figure, path: Path) -> None:
     ax.set(ylabel="step time / right profile's plan", title=textwrap.fill(fig.title, 75))
     ax.title.set_fontsize(8)
     ax.legend(fontsize=7)
-    panels.tight_layout()
-    panels.savefig(path, dpi=110)
-    plt.close(panels)
+    save_png(panels, path)
 
 
 def _plot_search_time(fig: Figure, path: Path) -> None:
@@ -425,9 +428,7 @@ def _plot_search_time(fig: Figure, path: Path) -> None:
     a.legend(fontsize=7)
     b.legend(fontsize=7)
     panels.suptitle(textwrap.fill(fig.title, 110), fontsize=9)
-    panels.tight_layout()
-    panels.savefig(path, dpi=110)
-    plt.close(panels)
+    save_png(panels, path)
 
 
 def _plot_convergence(fig: Figure, path: Path) -> None:
@@ -439,9 +440,7 @@ def _plot_convergence(fig: Figure, path: Path) -> None:
     ax.set(xlabel="step", ylabel="training loss", title=textwrap.fill(fig.title, 75))
     ax.title.set_fontsize(7)
     ax.legend(fontsize=7)
-    panels.tight_layout()
-    panels.savefig(path, dpi=110)
-    plt.close(panels)
+    save_png(panels, path)
 
 
 PLOTS = {

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from calibration.derive import with_inter_link
-from experiments.paper import log_ticks, hidup, ms
+from experiments.paper import hidup, log_ticks, ms, save_png
 from hidup.cli import Parser
 from hidup.cluster import parse_rate
 from hidup.models import capture_model, get_model
@@ -107,9 +107,7 @@ def plot(rows: list[dict], band: tuple[float, float] | None, title: str, path: P
                        textcoords="offset points", xytext=(2, 6))
     a.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
