@@ -1,5 +1,5 @@
 """Checkpoints of a training run, for `hidup.train --checkpoint DIR --checkpoint-every N
-[--resume]`. Each rank writes its own parameter shards, optimizer state and random state as
+[--resume]`. Each rank writes its own parameter shards, learning rate and random state as
 DIR/step{S}-rank{R}.pt (through a temporary file, renamed when complete); when every rank has
 written, each commits the step by rewriting DIR/latest.json and removes its older steps. A run
 killed at any moment leaves the last committed step whole; resuming loads it and goes on, with
@@ -45,8 +45,7 @@ def save(folder: Path, step: int, rank: int, executor, losses: list[float], run:
     (`barrier()` waits for every rank)."""
     folder.mkdir(parents=True, exist_ok=True)
     state = {"run": run.__dict__, "step": step, "losses": list(losses),
-             "params": {n: p.detach().clone() for n, p in executor.params.items()},
-             "optimizer": executor.optimizer.state_dict(), "rng": torch.get_rng_state()}
+             "executor": executor.state_dict(), "rng": torch.get_rng_state()}
     _atomic(folder / f"step{step}-rank{rank}.pt", lambda tmp: torch.save(state, tmp))
     barrier()  # every rank's file is complete: commit (each rank, so that machines without a
     # shared filesystem each have the marker beside their own files)
@@ -84,9 +83,6 @@ def load(folder: Path, rank: int, executor, run: RunId) -> tuple[int, list[float
         raise CheckpointError(f"--resume: the checkpoint in {folder} is of another run "
                               f"({saved.describe()}); this run is {run.describe()}; use the "
                               f"same flags or another --checkpoint folder")
-    with torch.no_grad():
-        for name, p in executor.params.items():
-            p.copy_(state["params"][name])
-    executor.optimizer.load_state_dict(state["optimizer"])
+    executor.load_state_dict(state["executor"])
     torch.set_rng_state(state["rng"])
     return step, list(state["losses"])

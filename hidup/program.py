@@ -116,6 +116,17 @@ class Program:
         return "\n".join([head] + [f"  {t}" for t in self.tasks])
 
 
+def task_label(task: Task) -> str:
+    """How a task is named in profiler traces, real and simulated: 'fwd linear mb0',
+    'all_reduce linear_3 mb1', 'update optimizer.step', 'wait #12'."""
+    if isinstance(task, Wait):
+        return f"wait #{task.collective}"
+    mb = "" if task.mb is None else f" mb{task.mb}"
+    if isinstance(task, Convert):
+        return f"{task.kind} {task.tensor}{mb}"
+    return f"{task.phase} {task.node or task.op}{mb}"
+
+
 def kernel_tasks(tasks) -> list[Compute | Convert]:
     """The compute-stream kernels among `tasks`: Computes and local slices (aliases take no
     time)."""

@@ -44,8 +44,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--duplex", action="store_true", help="Duplex: two micro-batches per rank")
     ap.add_argument("--micro-batches", type=int, default=None,
                     help="micro-batches per rank (overrides --duplex; 1 = plain SPMD)")
-    ap.add_argument("--streams", type=int, choices=[1, 2], default=1,
-                    help="compute streams: 2 runs the micro-batches on two CUDA streams")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--compile", action="store_true",
+                      help="run the traced step through torch.compile (Inductor), collectives "
+                           "kept in the plan's order (default: the traced step as generated "
+                           "Python, one call per ATen op)")
+    mode.add_argument("--cuda-graphs", action="store_true",
+                      help="CUDA: capture the traced step once, NCCL collectives included, and "
+                           "replay it every step")
     ap.add_argument("--batch", type=int, default=None, help="global batch size (default: the model's)")
     ap.add_argument("--steps", type=int, default=10, help="training steps to run")
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the step-time median")
@@ -124,10 +130,11 @@ def run(args) -> dict:
     model = spec.build()
     graph = capture(model, spec.inputs(batch, torch.Generator().manual_seed(args.seed)))
     strategy = resolve_strategy(args.strategy, graph, world)
-    program = lower(graph, strategy, world, k, args.model, streams=args.streams)
+    program = lower(graph, strategy, world, k, args.model)
+    mode = "compile" if args.compile else "cuda-graphs" if args.cuda_graphs else "graph"
     executor = Executor(graph, strategy, program, dict(model.named_parameters()), args.lr, device,
                         buffers=dict(model.named_buffers()),
-                        autocast=torch.bfloat16 if args.precision == "bf16" else None)
+                        autocast=torch.bfloat16 if args.precision == "bf16" else None, mode=mode)
     names_in = [n.source for n in graph.user_inputs]
     losses, times, rss, first = [], [], [], 0
     run_id = checkpoint.RunId(args.model, strategy.name, world, k, batch, args.seed)
@@ -143,9 +150,10 @@ def run(args) -> dict:
         with _profiler(tracing, device) as prof:
             _sync(world, device)
             start = time.perf_counter()
-            losses.append(executor.step(dict(zip(names_in, data))))
+            loss = executor.step(dict(zip(names_in, data)), labels=tracing)
             _sync(world, device)
             times.append(time.perf_counter() - start)
+        losses.append(float(loss))
         rss.append(_resident_mb())
         if tracing:
             out = args.trace if rank == 0 else args.trace.with_name(f"{args.trace.name}.rank{rank}")
@@ -163,7 +171,7 @@ def run(args) -> dict:
               "resumed_after": first, "resident_mb": rss}
     if args.eval:
         held_out = load_tokens(args.eval, vocab)
-        scores = [executor.step(dict(zip(names_in, b)), update=False)
+        scores = [float(executor.step(dict(zip(names_in, b)), update=False))
                   for b in eval_batches(held_out, spec.task, batch, spec.seq, args.eval_batches)]
         result["eval_loss"] = statistics.fmean(scores)
         result["eval_perplexity"] = perplexity(result["eval_loss"])

@@ -6,18 +6,10 @@ import json
 import logging
 from pathlib import Path
 
-from hidup.program import Compute, Convert
+from hidup.program import Compute, Convert, task_label
 from simulator.engine import Record, Result
 
 log = logging.getLogger(__name__)
-
-
-def event_name(task: Compute | Convert) -> str:
-    """'fwd linear mb0', 'all_reduce linear_3 mb1', 'update optimizer.step'."""
-    mb = "" if task.mb is None else f" mb{task.mb}"
-    if isinstance(task, Convert):
-        return f"{task.kind} {task.tensor}{mb}"
-    return f"{task.phase} {task.node or task.op}{mb}"
 
 
 def event_args(task: Compute | Convert) -> dict:
@@ -64,6 +56,6 @@ def _metadata(rank: int, records: tuple[Record, ...], comm_stream: int, title: s
 
 
 def _complete(rank: int, record: Record) -> dict:
-    return {"ph": "X", "cat": "kernel", "name": event_name(record.task), "pid": rank,
+    return {"ph": "X", "cat": "kernel", "name": task_label(record.task), "pid": rank,
             "tid": record.stream, "ts": record.start * 1e6, "dur": record.duration * 1e6,
             "args": {"stream": record.stream, **event_args(record.task)}}

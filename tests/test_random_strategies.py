@@ -34,8 +34,8 @@ def random_runs(rank, world, name, seeds):
         model = build_model(spec)
         ex = Executor(graph, strategy, program, dict(model.named_parameters()),
                       buffers=dict(model.named_buffers()))
-        loss = ex.step(dict(zip([n.source for n in graph.user_inputs], batch_of(spec))),
-                       update=False)
+        inputs = dict(zip([n.source for n in graph.user_inputs], batch_of(spec)))
+        loss = float(ex.step(inputs, update=False))
         out[seed] = (str(strategy), loss, {graph.node(p).source: full_tensor(g, strategy.home(p),
                                                                             world)
                                            for p, g in ex.grads.items()})

@@ -6,7 +6,8 @@ import pytest
 from hidup.placement import P, R
 from hidup.program import Compute, Convert, Program, Wait
 from simulator import LinkCost, Profile, simulate
-from simulator.trace import chrome_trace, event_name, write_trace
+from hidup.program import task_label
+from simulator.trace import chrome_trace, write_trace
 
 LINK = LinkCost(0.0, 1e9)
 PROFILE = Profile("t", "test", 1e12, 1e12, 0.0, {k: LINK for k in
@@ -18,9 +19,9 @@ PROGRAM = Program("m", "0", "s", 2, 2, (FWD, AR, Wait(2, 1), STEP), (), {})
 
 
 def test_event_names_read_like_the_executors_labels():
-    assert event_name(FWD) == "fwd linear mb0"
-    assert event_name(AR) == "all_reduce linear_3 mb1"
-    assert event_name(STEP) == "update optimizer.step"
+    assert task_label(FWD) == "fwd linear mb0"
+    assert task_label(AR) == "all_reduce linear_3 mb1"
+    assert task_label(STEP) == "update optimizer.step"
 
 
 def test_trace_has_a_track_per_stream_per_rank(tmp_path):

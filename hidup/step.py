@@ -1,0 +1,334 @@
+"""The compiled step: a Program -> one FX graph per rank that does the whole training step
+(forward, backward, gradient reductions, SGD update) as generated code.
+
+`trace_step` runs the Program's tasks once under make_fx on fake tensors: a forward task records
+its node's ATen ops under autograd, a backward task calls autograd.grad on that node alone, a
+collective is a functional collective (torch.ops._c10d_functional) issued at its Convert and waited
+for (`wait_tensor`) at its Wait. What is recorded is the graph: its node order is the Program's,
+so Duplex's interleaving is the order of the code that runs, and no autograd graph, detach or
+per-task Python is left at run time. Every graph node carries its task's id
+(`node.meta['custom']['task']`), which the profiler labels and calibration.ops use."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from hidup import ops
+from hidup.capture import Graph
+from hidup.placement import Partial, Placement, Shard
+from hidup.program import Compute, Convert, Program, Wait, vkey
+from hidup.strategy import Strategy, microbatch_split
+
+_C = torch.ops._c10d_functional
+INPUT_TASK = -1  # the graph nodes that cut the global batch into this rank's shards
+
+
+def shard_of(full: torch.Tensor, placement: Placement, mb_placement: Placement, k: int,
+             mb: int | None, rank: int, world: int) -> torch.Tensor:
+    """This rank's piece of micro-batch `mb` of a whole tensor: micro-batch split first, then mesh."""
+    x = full
+    if isinstance(mb_placement, Shard) and mb is not None:
+        x = x.chunk(k, dim=mb_placement.dim)[mb]
+    if isinstance(placement, Shard):
+        x = x.chunk(world, dim=placement.dim)[rank]
+    return x.contiguous()
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """What one rank's traced step is built from (the Program, this rank, how to communicate)."""
+
+    graph: Graph
+    strategy: Strategy
+    program: Program
+    rank: int
+    group_name: str | None  # the process group of the collectives (None with world size 1)
+    autocast: torch.dtype | None = None  # each node's forward under torch.autocast (bf16)
+    device_type: str = "cpu"
+    local_collectives: bool = False  # calibration: collectives stood in by local copies
+
+
+class _TaskRunner:
+    """Runs a Program's tasks in order on this rank's values; traced once by `trace_step`."""
+
+    def __init__(self, spec: StepSpec, update: bool):
+        self.spec, self.update_params = spec, update
+        self.g, self.s, self.p = spec.graph, spec.strategy, spec.program
+        self.world, self.k, self.rank = self.p.world, self.p.k, spec.rank
+        self.mbs = microbatch_split(self.g, self.k)
+        self.backward_of = {(t.node, t.mb) for t in self.p.tasks if isinstance(t, Compute)
+                            and t.phase == "bwd" and t.op != "hidup.ones"}
+        self.fns = {}
+
+    def __call__(self, params, buffers, inputs, lr):
+        """params, buffers, inputs: lists in the graph's order (this rank's parameter shards, the
+        whole buffers and the whole global batch); lr a 0-d tensor. Returns [loss] (update) or
+        [loss, *gradients] (no update)."""
+        self.env, self.saved, self.pending = {}, {}, {}
+        with fx_traceback.annotate({"task": INPUT_TASK}):
+            self.place_inputs(params, buffers, inputs)
+        for task in self.p.tasks:
+            if isinstance(task, Compute) and task.phase == "update" and not self.update_params:
+                continue
+            with fx_traceback.annotate({"task": task.id}):
+                self.run_task(task, params, lr)
+        loss = self.env[self.p.loss_keys[0]]
+        for key in self.p.loss_keys[1:]:
+            loss = loss + self.env[key]
+        if self.update_params:
+            return [loss]
+        return [loss] + [self.env[key] for key in self.p.param_grads.values()]
+
+    def place_inputs(self, params, buffers, inputs) -> None:
+        for node, p in zip(self.g.params, params):
+            self.env[vkey(node.name, self.s.home(node.name), None)] = p
+        given = {"buffer": iter(buffers), "input": iter(inputs)}
+        for node in self.g.nodes:
+            if node.kind not in given:
+                continue
+            full = next(given[node.kind])
+            for m in ([None] if node.kind == "buffer" else range(self.k)):
+                self.env[vkey(node.name, self.s.home(node.name), m)] = shard_of(
+                    full, self.s.home(node.name), self.mbs.home(node.name), self.k, m,
+                    self.rank, self.world)
+
+    def run_task(self, task, params, lr) -> None:
+        if isinstance(task, Wait):
+            issued = self.pending.pop(task.collective, None)
+            if issued is not None:
+                issued()
+        elif isinstance(task, Convert):
+            self.convert(task)
+        elif task.phase == "fwd":
+            self.forward(task)
+        elif task.phase == "bwd":
+            self.backward(task)
+        else:
+            self.sgd(params, lr)
+
+    def accumulate(self, key: str, value: torch.Tensor, root_only: bool = False) -> None:
+        if root_only and self.rank != 0:
+            value = torch.zeros_like(value)
+        self.env[key] = value if key not in self.env else self.env[key] + value
+
+    # -- compute ----------------------------------------------------------------------------
+    def forward(self, task: Compute) -> None:
+        node = self.g.node(task.node)
+        leaves = [x.detach().requires_grad_(True) if x.is_floating_point() else x
+                  for x in (self.env[key] for key in task.inputs)]
+        with torch.enable_grad(), self.autocast():
+            out = self.callable(task, node)(leaves)
+        if self.spec.autocast is not None and out.is_floating_point():
+            out = out.float()  # values, collectives and gradients stay float32
+        if tuple(out.shape) != task.out_shape:
+            raise RuntimeError(f"node {task.node} ({task.op}) mb {task.mb}: local output shape "
+                               f"{tuple(out.shape)}, the Program expects {task.out_shape}")
+        if (task.node, task.mb) in self.backward_of:  # its backward differentiates this graph
+            self.saved[(task.node, task.mb)] = (leaves, out)
+        self.env[task.outputs[0]] = out.detach()
+
+    def autocast(self):
+        if self.spec.autocast is None:
+            return torch.autocast(self.spec.device_type, enabled=False)
+        return torch.autocast(self.spec.device_type, dtype=self.spec.autocast)
+
+    def callable(self, task: Compute, node):
+        fn = self.fns.get(task.id)
+        if fn is None:
+            root = (self.rank == 0 or task.option.output != Partial()) and \
+                   (not task.mb_partial or task.mb in (0, None))
+            ctx = ops.LocalContext(self.rank, self.world, task.in_shapes, task.out_shape,
+                                   node.out.shape, tuple(m.shape for m in node.in_metas(self.g)),
+                                   root)
+            fn = self.fns[task.id] = ops.local_callable(node, task.option, ctx)
+        return fn
+
+    def backward(self, task: Compute) -> None:
+        if task.op == "hidup.ones":
+            self.env[task.outputs[0]] = torch.ones(task.out_shape,
+                                                   device=self.env_device())
+            return
+        leaves, out = self.saved.pop((task.node, task.mb))
+        wanted = [i for i, key in enumerate(task.outputs) if key]
+        grads = [None] * len(wanted)
+        if out.requires_grad and wanted:
+            grads = torch.autograd.grad(out, [leaves[i] for i in wanted],
+                                        self.env[task.inputs[0]], allow_unused=True)
+        for i, g in zip(wanted, grads):
+            g = torch.zeros_like(leaves[i]) if g is None else g
+            self.accumulate(task.outputs[i], g, task.outputs[i] in task.root_only)
+
+    def env_device(self) -> torch.device:
+        return next(iter(self.env.values())).device
+
+    def sgd(self, params, lr) -> None:
+        """The update, in place on the parameter shards: p -= lr * grad."""
+        pairs = [(p, self.env[self.p.param_grads[node.name]].reshape(p.shape))
+                 for node, p in zip(self.g.params, params) if node.name in self.p.param_grads]
+        if pairs:
+            shards, grads = zip(*pairs)
+            torch._foreach_sub_(list(shards), torch._foreach_mul(list(grads), lr))
+
+    # -- conversions ------------------------------------------------------------------------
+    def convert(self, task: Convert) -> None:
+        root = bool(task.root_only)
+        if len(task.inputs) > 1:
+            return self.bucket_all_reduce(task)
+        x, out_key = self.env[task.inputs[0]], task.outputs[0]
+        if task.kind == "alias":
+            self.accumulate(out_key, x, root)
+        elif task.kind == "slice":
+            self.accumulate(out_key, x.chunk(self.world, dim=task.dst.dim)[self.rank].contiguous(),
+                            root)
+        elif self.world == 1:  # a group of one: every collective is the identity
+            self.pending[task.id] = lambda: self.accumulate(out_key, x, root)
+        else:
+            pack, unpack = _PACKING[task.kind]
+            sent = pack(x, task, self.world)
+            with fx_traceback.annotate({"task": task.id, "standin": True}):
+                result = self.collective(task.kind, sent)
+            self.pending[task.id] = lambda: self.accumulate(
+                out_key, unpack(self.wait(result), task, self.world), root)
+
+    def bucket_all_reduce(self, task: Convert) -> None:
+        """Several gradients all-reduced as one flat buffer (a DDP bucket)."""
+        parts = [self.env[key] for key in task.inputs]
+        flat = torch.cat([p.reshape(-1) for p in parts])
+        if self.world > 1:
+            with fx_traceback.annotate({"task": task.id, "standin": True}):
+                flat = self.collective("all_reduce", flat)
+
+        def finish():
+            done = self.wait(flat) if self.world > 1 else flat
+            for key, piece, p in zip(task.outputs, done.split([q.numel() for q in parts]), parts):
+                self.accumulate(key, piece.view_as(p))
+
+        self.pending[task.id] = finish
+
+    def collective(self, kind: str, x: torch.Tensor) -> torch.Tensor:
+        """Issue one functional collective over the world (or its local stand-in)."""
+        w, group = self.world, self.spec.group_name
+        if self.spec.local_collectives:
+            return _stand_in(kind, x, w, self.rank)
+        if kind == "all_reduce":
+            return _C.all_reduce(x, "sum", group)
+        if kind == "all_gather":
+            return _C.all_gather_into_tensor(x, w, group)
+        if kind == "reduce_scatter":
+            return _C.reduce_scatter_tensor(x, "sum", w, group)
+        return _C.all_to_all_single(x, [x.shape[0] // w] * w, [x.shape[0] // w] * w, group)
+
+    def wait(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.spec.local_collectives else _C.wait_tensor(x)
+
+
+def _stand_in(kind: str, x: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """A collective's result built from this rank's own piece, with the right shape and valid
+    values (token ids stay in range): all-gather repeats it, reduce-scatter cuts it."""
+    if kind == "all_gather":
+        return x.repeat((world,) + (1,) * (x.dim() - 1))
+    if kind == "reduce_scatter":
+        return x.chunk(world)[rank].clone()
+    return x.clone()
+
+
+def _along_dim0(x, task, world):
+    return x.movedim(task.src.dim if task.kind == "all_gather" else task.dst.dim, 0).contiguous()
+
+
+def _back_from_dim0(y, task, world):
+    return y.movedim(0, task.src.dim if task.kind == "all_gather" else task.dst.dim).contiguous()
+
+
+def _stack_chunks(x, task, world):
+    return torch.stack(x.chunk(world, dim=task.dst.dim)).contiguous()
+
+
+def _cat_received(y, task, world):
+    return torch.cat(y.unbind(0), dim=task.src.dim).contiguous()
+
+
+# kind -> (pack the local value into the collective's layout, unpack its result)
+_PACKING = {"all_reduce": (lambda x, task, world: x.contiguous(), lambda y, task, world: y),
+            "all_gather": (_along_dim0, _back_from_dim0),
+            "reduce_scatter": (_along_dim0, _back_from_dim0),
+            "all_to_all": (_stack_chunks, _cat_received)}
+
+
+def trace_step(spec: StepSpec, params, buffers, inputs, lr, update: bool = True
+               ) -> torch.fx.GraphModule:
+    """Trace one rank's whole step into an FX graph (on fake tensors: nothing is computed or
+    communicated). Arguments as the graph takes them: *params, *buffers, *inputs, lr."""
+    runner = _TaskRunner(spec, update)
+    n_p, n_b = len(params), len(buffers)
+
+    def step(*args):
+        return runner(list(args[:n_p]), list(args[n_p:n_p + n_b]), list(args[n_p + n_b:-1]),
+                      args[-1])
+
+    with fx_traceback.preserve_node_meta():
+        gm = make_fx(step, tracing_mode="fake")(*params, *buffers, *inputs, lr)
+    _drop_detaches(gm)
+    return gm
+
+
+def _drop_detaches(gm: torch.fx.GraphModule) -> None:
+    """A detach only cuts an autograd graph, and nothing records one at run time."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.detach.default:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def task_of(node: torch.fx.Node) -> int | None:
+    """The Program task a graph node was recorded in (None: the graph's inputs and output)."""
+    return node.meta.get("custom", {}).get("task")
+
+
+def collective_order(gm: torch.fx.GraphModule) -> list[int]:
+    """The task ids of the collectives in the graph's order."""
+    return [task_of(n) for n in gm.graph.nodes if n.op == "call_function"
+            and getattr(n.target, "namespace", "") == "_c10d_functional"
+            and "wait_tensor" not in str(n.target)]
+
+
+def with_hooks(gm: torch.fx.GraphModule, enter, leave) -> torch.fx.GraphModule:
+    """A copy of the graph that calls `enter(task, standin)` before each run of nodes recorded in
+    one task (and part: a collective's stand-in apart from its packing) and `leave(handle)` after
+    it: profiler labels, or per-task timing for calibration."""
+    import copy
+    out = copy.deepcopy(gm)
+    graph, handle, current = out.graph, None, None
+    for node in list(graph.nodes):
+        custom = node.meta.get("custom", {})
+        part = (custom.get("task"), bool(custom.get("standin"))) if node.op == "call_function" \
+            else None
+        if part == current:
+            continue
+        with graph.inserting_before(node):
+            if handle is not None:
+                graph.call_function(leave, (handle,))
+            handle = graph.call_function(enter, part) if part is not None else None
+        current = part
+    out.recompile()
+    return out
+
+
+class TaskClock:
+    """Per-task wall time of a graph run with `with_hooks` (on the CPU, where ops are synchronous):
+    `seconds[(task, standin)]` lists each run of that part."""
+
+    def __init__(self):
+        self.seconds: dict[tuple[int, bool], list[float]] = {}
+
+    def enter(self, task, standin):
+        return task, standin, time.perf_counter()
+
+    def leave(self, handle) -> None:
+        task, standin, start = handle
+        self.seconds.setdefault((task, standin), []).append(time.perf_counter() - start)
