@@ -1,8 +1,9 @@
 """Measure a model's kernels on this cluster and add them to a profile. Every rank, started by
-torchrun, runs the Programs of the given strategies and micro-batch counts with hidup.execute,
-collectives done locally (same shapes, no communication), and times each compute-stream task:
-a node's forward or backward, a local slice, the optimizer step, and the packing and unpacking
-of a collective's tensors (on a CPU the host does it: it is not hidden as on a GPU). Rank 0
+torchrun, runs the compiled step (hidup.step) of the given strategies and micro-batch counts,
+collectives stood in by local copies (same shapes, no communication), with a clock read between
+the graph nodes of consecutive tasks: a node's forward or backward, a local slice, the optimizer
+step, and the packing and unpacking of a collective's tensors (on a CPU the host does it: it is
+not hidden as on a GPU). Rank 0
 writes the base profile with the mean time of each kernel (by hidup.profile.kernel_key: a step
 is a sum of kernels, and a sum's expectation is the sum of means; occasional slow runs count as
 in a real step) on the slowest rank (ranks meet at every collective, so the slowest one sets
@@ -29,104 +30,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hidup import execute
 from hidup.capture import capture
 from hidup.cli import Parser
 from hidup.cluster import default_threads
 from hidup.execute import Executor
 from hidup.models import get_model, names
 from hidup.profile import ProfileError, kernel_key, load_profile
-from hidup.program import Compute, Convert, Wait, lower
+from hidup.program import Convert, Wait, lower
+from hidup.step import TaskClock, trace_step, with_hooks
 from hidup.strategy import resolve_strategy
 
 log = logging.getLogger(__name__)
 PROG = "calibration.ops"
 
 
-class _Done:
-    """A finished collective's handle."""
-
-    def wait(self) -> None:
-        pass
-
-
-class LocalCollectives:
-    """torch.distributed's collectives as hidup.execute calls them, done within this rank: the
-    result has the right shape and is built from this rank's own piece (all-gather repeats it,
-    reduce-scatter cuts it, all-to-all keeps it), so the values stay valid (token ids in range).
-    `seconds` adds up the time spent in them, which a real run spends on the network."""
-
-    def __init__(self, rank: int, world: int):
-        self.rank, self.world, self.seconds = rank, world, 0.0
-
-    def _local(self, fill):
-        start = time.perf_counter()
-        fill()
-        self.seconds += time.perf_counter() - start
-        return _Done()
-
-    def all_reduce(self, tensor, group=None, async_op=False):
-        return self._local(lambda: None)
-
-    def all_gather_into_tensor(self, out, part, group=None, async_op=False):
-        return self._local(lambda: out.copy_(part.repeat((self.world,) + (1,) * (part.dim() - 1))))
-
-    def reduce_scatter_tensor(self, out, whole, group=None, async_op=False):
-        return self._local(lambda: out.copy_(whole.chunk(self.world)[self.rank]))
-
-    def all_to_all_single(self, recv, send, group=None, async_op=False):
-        return self._local(lambda: recv.copy_(send))
-
-
-class StandInExecutor(Executor):
-    """The executor with torch.distributed's collectives done locally (LocalCollectives), so a
-    rank runs its Program alone; it records how long each compute-stream task took: kernels,
-    a collective's packing (its issue, less the stand-in's own time) and unpacking (its first
-    Wait)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.timings: dict[str, list[float]] = {}
-        self.local = LocalCollectives(self.rank, self.world)
-
-    def step(self, inputs, update: bool = True) -> float:
-        real, execute.dist = execute.dist, self.local
-        self._last_end, self._carry = None, 0.0
-        try:
-            return super().step(inputs, update)
-        finally:
-            execute.dist = real
-
-    def run_task(self, task) -> None:
-        """Time the task, and the executor's own work since the previous one (freeing values,
-        the profiler label): a real step spends that host time too."""
-        unpack = isinstance(task, Wait) and not self.pending[task.collective].done
-        before, start = self.local.seconds, time.perf_counter()
-        if self._last_end is not None:
-            self._carry += start - self._last_end
-        super().run_task(task)
-        end = time.perf_counter()
-        self._last_end = end
-        took = end - start - (self.local.seconds - before) + self._carry
-        if isinstance(task, Compute) or (isinstance(task, Convert) and not task.collective):
-            key = kernel_key(task)
-        elif isinstance(task, Convert):
-            key = f"issue {kernel_key(task)}"
-        elif unpack:
-            key = f"finish {kernel_key(self.p.tasks[task.collective])}"
-        else:  # a Wait with nothing to unpack: its gap goes to the next task
-            return
-        self._add(key, took)
-        self._carry = 0.0
-
-    def _add(self, key: str, seconds: float) -> None:
-        self.timings.setdefault(key, []).append(seconds)
-
-
 def measure_kernels(model: str, strategy: str, world: int, k: int, rank: int = 0,
-                    steps: int = 5, warmup: int = 2, batch: int | None = None,
-                    streams: int = 1) -> dict[str, list[float]]:
-    """Seconds of each kernel (by kernel_key) of rank `rank`'s Program, over `steps` timed
+                    steps: int = 5, warmup: int = 2, batch: int | None = None
+                    ) -> dict[str, list[float]]:
+    """Seconds of each kernel (by kernel_key) of rank `rank`'s compiled step, over `steps` timed
     steps after `warmup` (every occurrence: micro-batches, layers of the same shapes)."""
     spec = get_model(model, gpus=world)
     batch = batch or spec.batch
@@ -134,16 +55,40 @@ def measure_kernels(model: str, strategy: str, world: int, k: int, rank: int = 0
     net = spec.build()
     graph = capture(net, spec.inputs(batch, torch.Generator().manual_seed(0)))
     plan = resolve_strategy(strategy, graph, world)
-    program = lower(graph, plan, world, k, model, streams=streams)
-    executor = StandInExecutor(graph, plan, program, dict(net.named_parameters()), 0.0,
-                               buffers=dict(net.named_buffers()), rank=rank)
-    names_in = [n.source for n in graph.user_inputs]
+    program = lower(graph, plan, world, k, model)
+    executor = Executor(graph, plan, program, dict(net.named_parameters()), 0.0,
+                        buffers=dict(net.named_buffers()), rank=rank, local_collectives=True)
+    clock = TaskClock()
+    timed, xs = None, None
     for step in range(warmup + steps):
         if step == warmup:
-            executor.timings.clear()
+            clock.seconds.clear()
         data = spec.inputs(batch, torch.Generator().manual_seed(1 + step))
-        executor.step(dict(zip(names_in, data)))
-    return executor.timings
+        xs = [x.to(executor.device) for x in data]
+        if timed is None:
+            timed = with_hooks(trace_step(executor.spec, list(executor.params.values()),
+                                          executor.buffers, xs, executor.lr), clock.enter,
+                               clock.leave)
+        with torch.no_grad():  # lr 0: the parameters stay as they are
+            timed(*executor.params.values(), *executor.buffers, *xs, executor.lr)
+    return kernel_times(program, clock.seconds, steps)
+
+
+def kernel_times(program, seconds: dict[tuple[int, bool], list[float]], steps: int
+                 ) -> dict[str, list[float]]:
+    """Per-task timings -> per-kernel timings: a task's compute, a collective's packing ('issue
+    KEY', its stand-in left out: a real run spends that on the network) and unpacking ('finish
+    KEY', at its Wait). A task that recorded no graph node costs nothing in the compiled step."""
+    out: dict[str, list[float]] = {}
+    for task in program.tasks:
+        if isinstance(task, Wait):
+            key = f"finish {kernel_key(program.tasks[task.collective])}"
+        elif isinstance(task, Convert) and task.collective:
+            key = f"issue {kernel_key(task)}"
+        else:
+            key = kernel_key(task)
+        out.setdefault(key, []).extend(seconds.get((task.id, False), [0.0] * steps))
+    return out
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -154,7 +99,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="strategies whose kernels to measure: ddp, megatron, expert, a plan file")
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2],
                     help="micro-batch counts to measure (default 1 2: plain SPMD and Duplex)")
-    ap.add_argument("--streams", type=int, choices=[1, 2], default=1, help="compute streams")
     ap.add_argument("--batch", type=int, default=None, help="global batch (default: the model's)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
@@ -191,8 +135,8 @@ def main(argv=None) -> int:
             for k in args.micro_batches:
                 start = time.perf_counter()
                 for key, values in measure_kernels(args.model, strategy, world, k, rank,
-                                                   args.steps, args.warmup, args.batch,
-                                                   args.streams).items():
+                                                   args.steps, args.warmup, args.batch
+                                                   ).items():
                     times.setdefault(key, []).extend(values)
                 if rank == 0:
                     log.info("%s %s k=%d: %d kernels so far, %.1f s", args.model, strategy, k,

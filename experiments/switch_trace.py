@@ -81,19 +81,19 @@ def _run(args) -> int:
     print("  everything else: the `expert` strategy (experts split across the GPUs, reached by "
           "all-to-all; the rest data parallel)\n")
 
-    runs = [  # system, trace, strategy, micro-batches, streams, bucket MB, predicted run
-        ("DDP", "ddp", "ddp", 1, 1, 25.0, "spmd"),
-        ("HiDup (traced plan, Duplex)", "hidup", str(plan_path), 2, 2, 0.0, "duplex"),
-        ("DeepSpeed-MoE", "deepspeed", "expert", 1, 1, 25.0, "spmd"),
-        ("FastMoE", "fastmoe", "expert", 1, 1, 25.0, "spmd"),
+    runs = [  # system, trace, strategy, micro-batches, bucket MB, predicted run
+        ("DDP", "ddp", "ddp", 1, 25.0, "spmd"),
+        ("HiDup (traced plan, Duplex)", "hidup", str(plan_path), 2, 0.0, "duplex"),
+        ("DeepSpeed-MoE", "deepspeed", "expert", 1, 25.0, "spmd"),
+        ("FastMoE", "fastmoe", "expert", 1, 25.0, "spmd"),
     ]
     rows = []
-    for system, trace, strategy, k, streams, bucket, which in runs:
+    for system, trace, strategy, k, bucket, which in runs:
         real = breakdown(traces[trace])
-        result = getattr(predict(MODEL, args.cluster, GPUS, strategy, None, k, streams=streams,
+        result = getattr(predict(MODEL, args.cluster, GPUS, strategy, None, k,
                                  bucket_mb=bucket), which)
         cmd = (f"--strategy {'PLAN' if strategy.endswith('.json') else strategy}"
-               + (f" --micro-batches {k} --streams {streams} --bucket-mb 0" if k > 1 else ""))
+               + (f" --micro-batches {k} --bucket-mb 0" if k > 1 else ""))
         rows.append({"system": system, "trace": f"{trace}.json.gz", "predict": cmd,
                      "traced_step_ms": real.wall * 1e3, "predicted_step_ms": result.step_time * 1e3,
                      "error": result.step_time / real.wall - 1,

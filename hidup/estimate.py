@@ -1,6 +1,6 @@
 """The planner's fast cost estimate of a Program: one pass over its tasks with the simulator's
 rules for one rank (identical ranks; every collective starts when the communication stream is free
-and its inputs are written; kernels run in order on the device, after their Waits and events).
+and its inputs are written; kernels run in order on the compute stream, after their Waits).
 Equal to the SimPy simulator when the profile has no interference (a test checks it)."""
 from __future__ import annotations
 
@@ -21,35 +21,33 @@ def estimate(program: Program, profile: Profile) -> Estimate:
     done: dict[int, float] = {}
     writers: dict[str, list[int]] = {}
     device = comm = computation = communication = 0.0
-    ready: dict[int, float] = {}  # compute stream -> when its next kernel may start
     unpacked: set[int] = set()  # collectives past their first Wait
 
-    def kernel(task, seconds: float, after=()) -> float:  # on the device, in stream order
+    def kernel(seconds: float) -> float:  # on the compute stream, in order
         nonlocal device, computation
-        start = max([device, ready.get(task.stream, 0.0)] + [done[a] for a in after])
-        device = ready[task.stream] = start + seconds
+        device += seconds
         computation += seconds
         return device
 
     for task in program.tasks:
         if isinstance(task, Wait):
-            ready[task.stream] = max(ready.get(task.stream, 0.0), done[task.collective])
+            device = max(device, done[task.collective])
             coll = program.tasks[task.collective]
             unpack = profile.host_times(coll)[1]
             if unpack > 0 and task.collective not in unpacked:
                 unpacked.add(task.collective)
-                kernel(task, unpack)
+                kernel(unpack)
             continue
         if isinstance(task, Convert) and task.collective:
             pack = profile.host_times(task)[0]
-            issued = kernel(task, pack, task.after) if pack > 0 else 0.0
+            issued = kernel(pack) if pack > 0 else 0.0
             start = max([comm, issued] +
                         [done[w] for key in task.inputs for w in writers.get(key, ())])
             comm = done[task.id] = start + profile.collective_time(task.kind, task.bytes,
                                                                   task.group)
             communication += comm - start
         else:
-            done[task.id] = kernel(task, profile.compute_time(task), task.after)
+            done[task.id] = kernel(profile.compute_time(task))
         for key in task.outputs:
             if key:
                 writers.setdefault(key, []).append(task.id)

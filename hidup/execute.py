@@ -11,7 +11,8 @@ import torch.distributed as dist
 from hidup.capture import Graph
 from hidup.placement import Partial, Placement, Shard
 from hidup.program import Program, task_label
-from hidup.step import INPUT_TASK, StepSpec, shard_of, trace_step, with_hooks
+from hidup.step import (INPUT_TASK, StepSpec, inductor_segments, shard_of, trace_step,
+                        with_hooks)
 from hidup.strategy import Strategy, microbatch_split
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,8 @@ class Executor:
                  params: dict[str, torch.Tensor], lr: float = 0.01,
                  device: torch.device | str = "cpu", group=None,
                  buffers: dict[str, torch.Tensor] | None = None, rank: int | None = None,
-                 autocast: torch.dtype | None = None, mode: str = "graph"):
+                 autocast: torch.dtype | None = None, mode: str = "graph",
+                 local_collectives: bool = False):
         _check(program, mode, torch.device(device))
         self.g, self.s, self.p = graph, strategy, program
         self.world, self.k, self.device, self.mode = program.world, program.k, torch.device(device), mode
@@ -48,11 +50,11 @@ class Executor:
         self.buffers = [buffers[n.source].detach().to(self.device) for n in graph.nodes
                         if n.kind == "buffer"]
         self.lr = torch.tensor(float(lr), device=self.device)
-        group_name = None
-        if self.world > 1:
+        group_name = None  # calibration.ops stands collectives in locally, with no group
+        if self.world > 1 and not local_collectives:
             group_name = (group or dist.group.WORLD).group_name
         self.spec = StepSpec(graph, strategy, program, self.rank, group_name, autocast,
-                             self.device.type)
+                             self.device.type, local_collectives)
         self._steps: dict[tuple, object] = {}
         self.grads: dict[str, torch.Tensor] = {}
 
@@ -86,7 +88,7 @@ class Executor:
 
     def _finish(self, gm: torch.fx.GraphModule, update: bool):
         if self.mode == "compile":
-            return torch.compile(gm, fullgraph=True, dynamic=False)
+            return inductor_segments(gm).forward
         if self.mode == "cuda-graphs":
             return CudaGraphStep(gm, self, update)
         return gm.forward
@@ -111,9 +113,6 @@ def _check(program: Program, mode: str, device: torch.device) -> None:
     if split is not None:
         raise ValueError(f"task {split} runs in sub-groups {split.groups}: the executor runs "
                          f"world-spanning collectives only (a Program from hidup.program.lower)")
-    if program.streams != 1:
-        raise ValueError(f"the Program computes on {program.streams} streams; the executor runs "
-                         f"one compute stream (lower it with streams=1)")
     if mode not in MODES:
         raise ValueError(f"executor mode {mode!r}: choose one of {list(MODES)}")
     if mode == "cuda-graphs" and device.type != "cuda":

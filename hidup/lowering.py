@@ -7,7 +7,6 @@ soon as its gradient is complete. Parameter gradients are reduced once per step,
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 from hidup.capture import Graph
 from hidup.flops import backward_flops, forward_flops
@@ -24,14 +23,14 @@ class Lowering:
     soon as its gradient is complete. Parameter gradients are reduced once per step."""
 
     def __init__(self, graph: Graph, strategy: Strategy, world: int, k: int, model: str,
-                 bucket_bytes: int = BUCKET_BYTES, streams: int = 1):
+                 bucket_bytes: int = BUCKET_BYTES):
         self.g, self.s, self.world, self.k, self.model = graph, strategy, world, k, model
-        self.bucket_bytes, self.bucket, self.streams = bucket_bytes, [], streams
+        self.bucket_bytes, self.bucket = bucket_bytes, []
         self.mbs_split = microbatch_split(graph, k)
         self.group = tuple(range(world))
         self.tasks: list[Task] = []
         self.pending: dict[str, list[int]] = {}  # value key -> collectives that write it
-        self.waited: set[tuple[int, int]] = set()  # (compute stream, collective)
+        self.waited: set[int] = set()  # collectives already waited for
         self.uses = {n.name: [] for n in graph.nodes}  # tensor -> [(consumer, position, placement)]
         for node in graph.ops:
             for i, (t, p) in enumerate(zip(node.inputs, strategy.options[node.name].inputs)):
@@ -109,23 +108,20 @@ class Lowering:
         return list(dict.fromkeys(p for _, _, p in self.uses[t] if p != home))
 
     # -- emitting tasks -----------------------------------------------------------------------
-    def stream(self, m: int | None) -> int:
-        return 0 if m is None else m % self.streams
-
     def emit_convert(self, kind, t, src, dst, phase, m, in_key, out_key, shape, nbytes,
                      root_only=False) -> None:
         task = Convert(len(self.tasks), kind, t, src, dst, phase, m, shape, nbytes,
                        self.group if kind in COLLECTIVES else (), (in_key,), (out_key,),
-                       (out_key,) if root_only else (), self.stream(m))
+                       (out_key,) if root_only else ())
         self.tasks.append(task)
         if task.collective:
             self.pending.setdefault(out_key, []).append(task.id)
 
-    def wait_for(self, key: str, stream: int = 0) -> None:
+    def wait_for(self, key: str) -> None:
         for cid in self.pending.get(key, []):
-            if (stream, cid) not in self.waited:
-                self.waited.add((stream, cid))
-                self.tasks.append(Wait(len(self.tasks), cid, stream))
+            if cid not in self.waited:
+                self.waited.add(cid)
+                self.tasks.append(Wait(len(self.tasks), cid))
 
     def convert_for_consumers(self, t: str, m: int | None) -> None:
         home = self.s.home(t)
@@ -139,10 +135,9 @@ class Lowering:
         opt = self.s.options[node.name]
         return [vkey(t, p, self.in_mb(t, m)) for t, p in zip(node.inputs, opt.inputs)]
 
-    def blocked(self, keys, m) -> bool:
-        """Would micro-batch m reading these values wait for a collective still in flight?"""
-        stream = self.stream(m)
-        return any((stream, c) not in self.waited for key in keys for c in self.pending.get(key, ()))
+    def blocked(self, keys) -> bool:
+        """Would reading these values wait for a collective still in flight?"""
+        return any(c not in self.waited for key in keys for c in self.pending.get(key, ()))
 
     def interleave(self, nodes, emit, needs, marks=frozenset(), lead: int = 3) -> None:
         """Duplex order: run one micro-batch until it needs a collective's result still in flight,
@@ -156,7 +151,7 @@ class Lowering:
             first = True
             while cursor[m] < len(nodes):
                 node = nodes[cursor[m]]
-                if not first and (self.blocked(needs(node, m), m) or
+                if not first and (self.blocked(needs(node, m)) or
                                   self.too_far(cursor, m, ahead, lead)):
                     break
                 emit(node, m)
@@ -185,7 +180,7 @@ class Lowering:
         opt = self.s.options[node.name]
         keys = self.in_keys(node, m)
         for key in keys:
-            self.wait_for(key, self.stream(m))
+            self.wait_for(key)
         ins = tuple(self.shape(t, p) for t, p in zip(node.inputs, opt.inputs))
         out = self.shape(node.name, opt.output)
         flops = forward_flops(node.op, ins, out, node.args)
@@ -194,7 +189,7 @@ class Lowering:
             len(self.tasks), node.name, node.op, "fwd", m, flops,
             nbytes + self.nbytes(node.name, opt.output), ins, out, tuple(keys),
             (vkey(node.name, opt.output, m),), opt,
-            isinstance(self.mbs_split.options[node.name].output, Partial), stream=self.stream(m)))
+            isinstance(self.mbs_split.options[node.name].output, Partial)))
         self.convert_for_consumers(node.name, m)
         if node.name == self.g.loss:
             self.loss_keys.append(self._report_loss(m))
@@ -213,8 +208,7 @@ class Lowering:
         for m in self.mbs(loss):
             shape = self.shape(loss, self.s.home(loss))
             self.tasks.append(Compute(len(self.tasks), loss, "hidup.ones", "bwd", m, 0.0, 0.0, (),
-                                      shape, (), (gkey(loss, self.s.home(loss), m),),
-                                      stream=self.stream(m)))
+                                      shape, (), (gkey(loss, self.s.home(loss), m),)))
         nodes = [n for n in reversed(self.g.ops) if n.name in self.has_grad]
         per_mb = [n for n in nodes if self.mbs(n.name) != [None]]
         reduced = {p.name for p in self.g.params if p.name in self.has_grad
@@ -232,7 +226,7 @@ class Lowering:
     def backward_node(self, node, m) -> None:
         opt, home = self.s.options[node.name], self.s.home(node.name)
         grad_in = gkey(node.name, home, m)
-        self.wait_for(grad_in, self.stream(m))
+        self.wait_for(grad_in)
         fwd_keys = tuple(vkey(t, p, self.in_mb(t, m)) for t, p in zip(node.inputs, opt.inputs))
         outs, root, done = [], [], []
         for t, p in zip(node.inputs, opt.inputs):
@@ -252,8 +246,7 @@ class Lowering:
         self.tasks.append(Compute(
             len(self.tasks), node.name, node.op, "bwd", m, backward_flops(node.op, fwd),
             nbytes + self.nbytes(node.name, home), ins, out, (grad_in,) + fwd_keys, tuple(outs),
-            opt, isinstance(self.mbs_split.options[node.name].output, Partial), tuple(root),
-            self.stream(m)))
+            opt, isinstance(self.mbs_split.options[node.name].output, Partial), tuple(root)))
         for t, p, mm in done:
             self.contributed(t, p, mm)
 
@@ -313,37 +306,14 @@ class Lowering:
         self.tasks.append(Compute(len(self.tasks), "", "optimizer.step", "update", None,
                                   2.0 * numel, 12.0 * numel, (), (), tuple(self.final.values()),
                                   ()))
-        waited = {cid for _, cid in self.waited}
         for task in list(self.tasks):
-            if isinstance(task, Convert) and task.collective and task.id not in waited:
-                self.waited.add((0, task.id))
+            if isinstance(task, Convert) and task.collective and task.id not in self.waited:
+                self.waited.add(task.id)
                 self.tasks.append(Wait(len(self.tasks), task.id))
 
     def run(self) -> Program:
         loss_keys = self.forward()
         final = self.backward()
         self.update()
-        tasks = cross_stream_events(self.tasks) if self.streams > 1 else self.tasks
         return Program(self.model, self.g.fingerprint, self.s.name, self.world, self.k,
-                       tuple(tasks), tuple(loss_keys), final, self.streams)
-
-
-def cross_stream_events(tasks: list[Task]) -> list[Task]:
-    """Each task waits (an event) for the last task of another compute stream that wrote a value it
-    reads or adds to; a collective, on the stream that issues it, for its inputs' writers."""
-    last: dict[str, tuple[int, int]] = {}  # value key -> (task id, stream) of its last writer
-    out: list[Task] = []
-    for task in tasks:
-        if isinstance(task, Wait):
-            out.append(task)
-            continue
-        on_compute = not (isinstance(task, Convert) and task.collective)
-        after = sorted({tid for key in task.inputs + task.outputs if key in last
-                        for tid, stream in [last[key]] if stream != task.stream})
-        task = replace(task, after=tuple(after)) if after else task
-        if on_compute:  # a collective's result is read after its Wait on the reader's stream
-            for key in task.outputs:
-                if key:
-                    last[key] = (task.id, task.stream)
-        out.append(task)
-    return out
+                       tuple(self.tasks), tuple(loss_keys), final)

@@ -14,8 +14,8 @@ COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 
 @dataclass(frozen=True)
 class Compute:
-    """A kernel on compute stream `stream`: a node's forward or backward, the optimizer update,
-    or the seed gradient of the loss (op 'hidup.ones')."""
+    """A kernel on the compute stream: a node's forward or backward, the optimizer update, or the
+    seed gradient of the loss (op 'hidup.ones')."""
 
     id: int
     node: str
@@ -32,8 +32,6 @@ class Compute:
     option: ShardingOption | None = None
     mb_partial: bool = False  # the micro-batches' outputs are summed (a loss over the batch)
     root_only: tuple[str, ...] = ()  # outputs added on rank 0 only (replicated into Partial)
-    stream: int = 0
-    after: tuple[int, ...] = ()  # tasks on other compute streams to wait for (CUDA events)
 
     def __str__(self) -> str:
         mb = "*" if self.mb is None else self.mb
@@ -58,8 +56,6 @@ class Convert:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     root_only: tuple[str, ...] = ()
-    stream: int = 0  # the compute stream that issues it (and runs it, if local)
-    after: tuple[int, ...] = ()  # tasks on other compute streams to wait for (CUDA events)
     # sub-groups: the world split into disjoint groups, each rank's collective runs in its own
     # (a 2-D mesh's row or column). The simulator times them; `lower` makes world-spanning
     # collectives only (a 1-D mesh), and the executor refuses sub-groups.
@@ -82,11 +78,10 @@ class Convert:
 
 @dataclass(frozen=True)
 class Wait:
-    """Compute stream `stream` waits until collective `collective` has finished."""
+    """The compute stream waits until collective `collective` has finished."""
 
     id: int
     collective: int
-    stream: int = 0
 
     def __str__(self) -> str:
         return f"#{self.id} wait #{self.collective}"
@@ -105,7 +100,6 @@ class Program:
     tasks: tuple[Task, ...]
     loss_keys: tuple[str, ...]  # replicated per-micro-batch losses (summed = the step's loss)
     param_grads: dict[str, str] = field(hash=False)  # parameter node -> final gradient key
-    streams: int = 1  # compute streams (micro-batch m runs on stream m % streams)
 
     @property
     def collectives(self) -> list[Convert]:
@@ -177,15 +171,13 @@ def tensor_nbytes(graph: Graph, mb_split: Strategy, t: str, p: Placement, world:
 
 
 def lower(graph: Graph, strategy: Strategy, world: int, k: int = 1, model: str = "",
-          bucket_bytes: int = BUCKET_BYTES, streams: int = 1) -> Program:
+          bucket_bytes: int = BUCKET_BYTES) -> Program:
     """Strategy + world size + k micro-batches -> the Program of one training step of any rank.
     Replicated parameters' gradients are all-reduced in buckets of about `bucket_bytes`, as DDP
-    does (0: one all-reduce per parameter). With streams=2 the micro-batches compute on two
-    streams (as the paper's prototype did), joined by events where one reads the other's values."""
-    if k < 1 or world < 1 or streams not in (1, 2):
-        raise LoweringError(f"world size ({world}) and micro-batches k ({k}) must be at least 1, "
-                            f"and compute streams ({streams}) 1 or 2")
+    does (0: one all-reduce per parameter)."""
+    if k < 1 or world < 1:
+        raise LoweringError(f"world size ({world}) and micro-batches k ({k}) must be at least 1")
     from hidup.lowering import Lowering  # the algorithm, beside this data model
-    return Lowering(graph, strategy, world, k, model, bucket_bytes, streams).run()
+    return Lowering(graph, strategy, world, k, model, bucket_bytes).run()
 
 

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx.traceback as fx_traceback
+from torch._inductor.compile_fx import compile_fx
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.split_module import split_module
 
 from hidup import ops
 from hidup.capture import Graph
@@ -31,9 +33,9 @@ def shard_of(full: torch.Tensor, placement: Placement, mb_placement: Placement, 
              mb: int | None, rank: int, world: int) -> torch.Tensor:
     """This rank's piece of micro-batch `mb` of a whole tensor: micro-batch split first, then mesh."""
     x = full
-    if isinstance(mb_placement, Shard) and mb is not None:
+    if isinstance(mb_placement, Shard) and mb is not None and k > 1:
         x = x.chunk(k, dim=mb_placement.dim)[mb]
-    if isinstance(placement, Shard):
+    if isinstance(placement, Shard) and world > 1:
         x = x.chunk(world, dim=placement.dim)[rank]
     return x.contiguous()
 
@@ -68,7 +70,7 @@ class _TaskRunner:
         """params, buffers, inputs: lists in the graph's order (this rank's parameter shards, the
         whole buffers and the whole global batch); lr a 0-d tensor. Returns [loss] (update) or
         [loss, *gradients] (no update)."""
-        self.env, self.saved, self.pending = {}, {}, {}
+        self.env, self.saved, self.pending, self.owned = _Values(), {}, {}, set()
         with fx_traceback.annotate({"task": INPUT_TASK}):
             self.place_inputs(params, buffers, inputs)
         for task in self.p.tasks:
@@ -111,9 +113,23 @@ class _TaskRunner:
             self.sgd(params, lr)
 
     def accumulate(self, key: str, value: torch.Tensor, root_only: bool = False) -> None:
+        """Add one contribution to a gradient (or set its first). In place, as autograd's
+        AccumulateGrad does, into a buffer no other value shares; else into a new one."""
         if root_only and self.rank != 0:
             value = torch.zeros_like(value)
-        self.env[key] = value if key not in self.env else self.env[key] + value
+        if key not in self.env:
+            self.env[key] = value
+            if not self.shared(value):
+                self.owned.add(key)
+        elif key in self.owned:
+            self.env[key].add_(value)
+        else:
+            self.env[key] = self.env[key] + value
+            self.owned.add(key)
+
+    def shared(self, value: torch.Tensor) -> bool:
+        """Does any value of the step so far (or a tensor kept for a backward) use its memory?"""
+        return _storage(value) in self.env.storages
 
     # -- compute ----------------------------------------------------------------------------
     def forward(self, task: Compute) -> None:
@@ -129,6 +145,7 @@ class _TaskRunner:
                                f"{tuple(out.shape)}, the Program expects {task.out_shape}")
         if (task.node, task.mb) in self.backward_of:  # its backward differentiates this graph
             self.saved[(task.node, task.mb)] = (leaves, out)
+            self.env.storages.update(map(_storage, (*leaves, out)))
         self.env[task.outputs[0]] = out.detach()
 
     def autocast(self):
@@ -171,7 +188,8 @@ class _TaskRunner:
                  for node, p in zip(self.g.params, params) if node.name in self.p.param_grads]
         if pairs:
             shards, grads = zip(*pairs)
-            torch._foreach_sub_(list(shards), torch._foreach_mul(list(grads), lr))
+            # one in-place pass, as torch.optim.SGD's p.add_(grad, alpha=-lr), with lr a tensor
+            torch._foreach_addcmul_(list(shards), list(grads), [lr] * len(grads), value=-1)
 
     # -- conversions ------------------------------------------------------------------------
     def convert(self, task: Convert) -> None:
@@ -197,13 +215,16 @@ class _TaskRunner:
     def bucket_all_reduce(self, task: Convert) -> None:
         """Several gradients all-reduced as one flat buffer (a DDP bucket)."""
         parts = [self.env[key] for key in task.inputs]
+        if self.world == 1:  # a group of one: the gradients are already reduced
+            self.pending[task.id] = lambda: [self.accumulate(key, p)
+                                             for key, p in zip(task.outputs, parts)]
+            return
         flat = torch.cat([p.reshape(-1) for p in parts])
-        if self.world > 1:
-            with fx_traceback.annotate({"task": task.id, "standin": True}):
-                flat = self.collective("all_reduce", flat)
+        with fx_traceback.annotate({"task": task.id, "standin": True}):
+            flat = self.collective("all_reduce", flat)
 
         def finish():
-            done = self.wait(flat) if self.world > 1 else flat
+            done = self.wait(flat)
             for key, piece, p in zip(task.outputs, done.split([q.numel() for q in parts]), parts):
                 self.accumulate(key, piece.view_as(p))
 
@@ -224,6 +245,22 @@ class _TaskRunner:
 
     def wait(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.spec.local_collectives else _C.wait_tensor(x)
+
+
+class _Values(dict):
+    """The step's values by key, and the memory (storages) every value ever set uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages: set[int] = set()
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        super().__setitem__(key, value)
+        self.storages.add(_storage(value))
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
 
 
 def _stand_in(kind: str, x: torch.Tensor, world: int, rank: int) -> torch.Tensor:
@@ -272,17 +309,43 @@ def trace_step(spec: StepSpec, params, buffers, inputs, lr, update: bool = True
 
     with fx_traceback.preserve_node_meta():
         gm = make_fx(step, tracing_mode="fake")(*params, *buffers, *inputs, lr)
-    _drop_detaches(gm)
+    simplify(gm)
     return gm
 
 
-def _drop_detaches(gm: torch.fx.GraphModule) -> None:
-    """A detach only cuts an autograd graph, and nothing records one at run time."""
+_aten = torch.ops.aten
+
+
+def simplify(gm: torch.fx.GraphModule) -> None:
+    """Drop what only the tracing needed, as every op left costs a call each step: detaches (they
+    cut per-node autograd graphs; nothing records one at run time), views to the same shape,
+    views of views (one view of the first input does), transposes of transposes, and values
+    nothing reads (collectives and in-place updates always stay)."""
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is torch.ops.aten.detach.default:
-            node.replace_all_uses_with(node.args[0])
+        if node.op != "call_function":
+            continue
+        source = node.args[0] if node.args else None
+        if node.target is _aten.detach.default or (
+                node.target is _aten.view.default and _shape(node) == _shape(source)):
+            node.replace_all_uses_with(source)
             gm.graph.erase_node(node)
+        elif node.target is _aten.view.default and _is(source, _aten.view.default) and \
+                source.args[0].meta["val"].is_contiguous():
+            node.args = (source.args[0],) + node.args[1:]
+        elif node.target is _aten.t.default and _is(source, _aten.t.default):
+            node.replace_all_uses_with(source.args[0])
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or _is_communication(n))
     gm.recompile()
+
+
+def _is(node, target) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is target
+
+
+def _shape(node) -> tuple[int, ...] | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
 def task_of(node: torch.fx.Node) -> int | None:
@@ -290,11 +353,17 @@ def task_of(node: torch.fx.Node) -> int | None:
     return node.meta.get("custom", {}).get("task")
 
 
-def collective_order(gm: torch.fx.GraphModule) -> list[int]:
-    """The task ids of the collectives in the graph's order."""
-    return [task_of(n) for n in gm.graph.nodes if n.op == "call_function"
-            and getattr(n.target, "namespace", "") == "_c10d_functional"
-            and "wait_tensor" not in str(n.target)]
+def communication_order(gm: torch.nn.Module) -> list[str]:
+    """The functional collectives and waits in the order the step calls them ('all_reduce',
+    'wait_tensor', ...), looking into the stretches of a segmented (compiled) step."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            sub = gm.get_submodule(node.target)
+            out += communication_order(getattr(sub, "gm", sub))
+        elif _is_communication(node):
+            out.append(node.target._opname)
+    return out
 
 
 def with_hooks(gm: torch.fx.GraphModule, enter, leave) -> torch.fx.GraphModule:
@@ -332,3 +401,42 @@ class TaskClock:
     def leave(self, handle) -> None:
         task, standin, start = handle
         self.seconds.setdefault((task, standin), []).append(time.perf_counter() - start)
+
+
+def _is_communication(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "namespace", "") == "_c10d_functional"
+
+
+def inductor_segments(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The step with the computation between two communication calls compiled by Inductor, each
+    stretch on its own, and every collective and wait left where the Program put it: Inductor
+    compiling the whole graph schedules a wait right after its collective, which undoes Duplex."""
+    segment, marks = 0, {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if _is_communication(node):
+            segment += 1
+            marks[node] = segment
+            segment += 1
+        else:
+            marks[node] = segment
+    top = split_module(gm, None, lambda node: marks[node], keep_original_order=True,
+                       tuple_return=True)
+    for name, sub in list(top.named_children()):
+        if not any(_is_communication(n) for n in sub.graph.nodes):
+            setattr(top, name, _Inductor(sub))
+    return top
+
+
+class _Inductor(torch.nn.Module):
+    """One stretch of the step, compiled by Inductor on its first call (from its real inputs)."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        super().__init__()
+        self.gm, self.run = gm, None
+
+    def forward(self, *args):
+        if self.run is None:
+            self.run = compile_fx(self.gm, list(args))
+        return self.run(*args)

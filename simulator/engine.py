@@ -1,8 +1,8 @@
-"""The SimPy model of one training step: every rank runs the Program's tasks on its compute streams
+"""The SimPy model of one training step: every rank runs the Program's tasks on one compute stream
 and one communication stream, in program order, with the executor's ordering rules.
 
-Per rank: a compute stream runs its Compute tasks and local conversions (slice, alias) one after
-another; a Wait blocks its stream until that collective has finished on the rank. The
+Per rank: the compute stream runs the Compute tasks and local conversions (slice, alias) one after
+another; a Wait blocks it until that collective has finished on the rank. The
 communication stream runs the collectives in program order; each starts once the stream is free,
 the earlier tasks that write its input have finished on the rank, and every rank of its group has
 got that far (rendezvous); it then takes the same time on all of them (none in a group of one,
@@ -29,6 +29,8 @@ from simulator.intervals import covered, union
 
 log = logging.getLogger(__name__)
 
+COMPUTE_STREAM, COMM_STREAM = 0, 1  # each rank's streams, as numbered in `Result.records`
+
 
 class SimulationError(ValueError):
     """A Program cannot be simulated: a wait for no collective, a partial group, a deadlock."""
@@ -53,7 +55,7 @@ class Result:
     """Step time; rank 0's computation, communication and overlap (paper, Table III); seconds."""
 
     step_time: float
-    computation: float  # busy time of rank 0's compute streams
+    computation: float  # busy time of rank 0's compute stream
     communication: float  # sum of rank 0's collective durations
     overlap_ratio: float  # share of communication that runs while rank 0 computes
     exposed_communication: float  # communication not hidden under computation
@@ -71,9 +73,10 @@ class Result:
 
 @dataclass(frozen=True)
 class _Plan:
-    """What every rank does, worked out once: stream queues, durations, collectives' producers."""
+    """What every rank does, worked out once: the compute queue, durations, collectives'
+    producers."""
 
-    streams: dict[int, tuple[Compute | Convert | Wait, ...]]
+    compute: tuple[Compute | Convert | Wait, ...]  # the compute stream's tasks, in order
     collectives: tuple[Convert, ...]
     producers: dict[int, tuple[int, ...]]  # collective id -> earlier tasks writing its input
     duration: dict[int, float]  # compute-stream tasks
@@ -81,7 +84,6 @@ class _Plan:
     #   index) -> (latency, transfer, machines whose inter-node link it crosses)
     part: dict[tuple[int, int], int]  # (collective, rank) -> index of the rank's group, for
     #   collectives split into sub-groups (others: 0)
-    comm_stream: int
     host: dict[int, tuple[float, float]]  # collective id -> seconds its stream spends issuing
     #   it and at its first Wait (Profile.host_times; only those not zero)
 
@@ -120,7 +122,7 @@ def simulate(program: Program, profile: Profile, all_ranks: bool = False,
               program.strategy, program.k, program.world, events, elapsed,
               events / max(elapsed, 1e-9))
     sim.check_finished()
-    return replace(_result(sim.records, plan.comm_stream), events=events)
+    return replace(_result(sim.records), events=events)
 
 
 def _run(env: simpy.Environment) -> int:
@@ -137,7 +139,7 @@ def _run(env: simpy.Environment) -> int:
 def _plan(program: Program, profile: Profile) -> _Plan:
     collectives = tuple(program.collectives)
     ids = {c.id for c in collectives}
-    streams: dict[int, list] = {0: []}
+    compute: list = []
     duration: dict[int, float] = {}
     links, part, host = {}, {}, {}
     for task in program.tasks:
@@ -146,8 +148,8 @@ def _plan(program: Program, profile: Profile) -> _Plan:
             pack_unpack = profile.host_times(task)
             if any(pack_unpack):
                 host[task.id] = pack_unpack
-                if pack_unpack[0] > 0:  # issuing it takes its stream's time
-                    streams.setdefault(task.stream, []).append(task)
+                if pack_unpack[0] > 0:  # issuing it takes the compute stream's time
+                    compute.append(task)
             for i, group in enumerate(task.parts):
                 links[task.id, i] = (*profile.collective_split(task.kind, task.bytes, group),
                                      profile.machines(group))
@@ -159,9 +161,8 @@ def _plan(program: Program, profile: Profile) -> _Plan:
                                   f"program {program.model} {program.strategy}")
         if not isinstance(task, Wait):
             duration[task.id] = profile.compute_time(task)
-        streams.setdefault(task.stream, []).append(task)
-    return _Plan({s: tuple(q) for s, q in sorted(streams.items())}, collectives,
-                 _producers(program), duration, links, part, max(streams) + 1, host)
+        compute.append(task)
+    return _Plan(tuple(compute), collectives, _producers(program), duration, links, part, host)
 
 
 def _check_groups(task: Convert, world: int) -> None:
@@ -188,7 +189,7 @@ def _producers(program: Program) -> dict[int, tuple[int, ...]]:
 
 
 class _Sim:
-    """The SimPy processes of all ranks: one per compute stream, one communication stream."""
+    """The SimPy processes of all ranks: a compute stream and a communication stream each."""
 
     def __init__(self, env: simpy.Environment, plan: _Plan, ranks: int, profile: Profile,
                  slow: dict[int, float] | None = None):
@@ -206,46 +207,31 @@ class _Sim:
         self.interfere = max(self.slowdown.values()) > 1.0
         self.devices = [_Device() for _ in range(ranks)]
         self.links = _Links() if plan.shared_links else None
-        # kernels of several compute streams take turns on the device (one at a time)
-        self.kernels = ([simpy.Resource(env, capacity=1) for _ in range(ranks)]
-                        if len(plan.streams) > 1 else None)
         for rank in range(ranks):
-            for stream, tasks in plan.streams.items():
-                env.process(self.compute_stream(rank, stream, tasks))
+            env.process(self.compute_stream(rank))
             env.process(self.comm_stream(rank))
 
-    def compute_stream(self, rank: int, stream: int, tasks):
-        for task in tasks:
+    def compute_stream(self, rank: int):
+        for task in self.plan.compute:
             if isinstance(task, Wait):
                 yield self.done[rank, task.collective]
                 unpack = self.plan.host.get(task.collective, (0.0, 0.0))[1]
                 if unpack > 0 and (rank, task.collective) not in self.unpacked:
                     self.unpacked.add((rank, task.collective))
-                    yield from self.kernel(rank, stream, task, unpack)
+                    yield from self.kernel(rank, task, unpack)
                 continue
-            if task.after:  # events from the other compute stream
-                yield self.env.all_of([self.done[rank, i] for i in task.after])
             if isinstance(task, Convert) and task.collective:  # packing its input
-                yield from self.kernel(rank, stream, task, self.plan.host[task.id][0])
+                yield from self.kernel(rank, task, self.plan.host[task.id][0])
                 self.issued[rank, task.id].succeed()
             else:
-                yield from self.kernel(rank, stream, task, self.plan.duration[task.id])
+                yield from self.kernel(rank, task, self.plan.duration[task.id])
                 self.done[rank, task.id].succeed()
 
-    def kernel(self, rank: int, stream: int, task, seconds: float):
-        """`seconds` of work on a compute stream (slower on a slow rank), taking turns with the
-        other compute stream's kernels; recorded."""
-        if self.kernels is None:
-            yield from self.timed(rank, stream, task, seconds)
-        else:
-            with self.kernels[rank].request() as turn:
-                yield turn
-                yield from self.timed(rank, stream, task, seconds)
-
-    def timed(self, rank: int, stream: int, task, seconds: float):
+    def kernel(self, rank: int, task, seconds: float):
+        """`seconds` of work on the compute stream (slower on a slow rank); recorded."""
         start = self.env.now
-        yield from self.run(rank, stream, seconds * self.slow.get(rank, 1.0))
-        self.records[rank].append(Record(task, stream, start, self.env.now))
+        yield from self.run(rank, COMPUTE_STREAM, seconds * self.slow.get(rank, 1.0))
+        self.records[rank].append(Record(task, COMPUTE_STREAM, start, self.env.now))
 
     def comm_stream(self, rank: int):
         for task in self.plan.collectives:
@@ -259,11 +245,11 @@ class _Sim:
             latency, transfer, machines = self.plan.links[key]
             start = self.env.now
             if self.links is None or not machines:
-                yield from self.run(rank, self.plan.comm_stream, latency + transfer)
+                yield from self.run(rank, COMM_STREAM, latency + transfer)
             else:  # the transfer shares the machines' links with the groups crossing them
-                yield from self.run(rank, self.plan.comm_stream, latency)
-                yield from self.run(rank, self.plan.comm_stream, transfer, (key, machines))
-            self.finish(rank, self.plan.comm_stream, task, start)
+                yield from self.run(rank, COMM_STREAM, latency)
+                yield from self.run(rank, COMM_STREAM, transfer, (key, machines))
+            self.finish(rank, COMM_STREAM, task, start)
 
     def arrive(self, key: tuple[int, int], size: int) -> simpy.Event:
         """This rank has reached collective `key` (id, group); the returned event fires when all
@@ -285,7 +271,7 @@ class _Sim:
             yield self.env.timeout(work)
             return
         device = self.devices[rank] if self.interfere else None
-        kind = "comm" if stream == self.plan.comm_stream else "compute"
+        kind = "comm" if stream == COMM_STREAM else "compute"
         other = "compute" if kind == "comm" else "comm"
         me = self.env.active_process
         if device:
@@ -377,14 +363,14 @@ class _Links:
                         process.interrupt()
 
 
-def _result(records: list[list[Record]], comm_stream: int) -> Result:
+def _result(records: list[list[Record]]) -> Result:
     ends = [r.end for rank in records for r in rank]
     mine = records[0] if records else []
-    busy = union([(r.start, r.end) for r in mine if r.stream != comm_stream])
-    comm = [(r.start, r.end) for r in mine if r.stream == comm_stream]
+    busy = union([(r.start, r.end) for r in mine if r.stream != COMM_STREAM])
+    comm = [(r.start, r.end) for r in mine if r.stream == COMM_STREAM]
     communication = sum(e - s for s, e in comm)
     overlapped = sum(covered(s, e, busy) for s, e in comm)
     return Result(max(ends, default=0.0), sum(e - s for s, e in busy), communication,
                   overlapped / communication if communication > 0 else 0.0,
-                  communication - overlapped, comm_stream,
+                  communication - overlapped, COMM_STREAM,
                   tuple(tuple(rank) for rank in records))

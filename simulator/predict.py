@@ -111,7 +111,7 @@ def _plan_lines(strategy: Strategy) -> list[str]:
 
 
 def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | None,
-            k: int, samples: int = 0, noise: float = 0.1, streams: int = 1,
+            k: int, samples: int = 0, noise: float = 0.1,
             bucket_mb: float = 25.0) -> Prediction:
     """Capture, plan, lower for k=1 and for k micro-batches, and simulate both."""
     spec = models.get_model(model, gpus=gpus)
@@ -124,8 +124,7 @@ def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | Non
     plan = resolve_strategy(strategy, graph, gpus)
     results, intervals, memory = [], [], []
     bucket = int(bucket_mb * 2 ** 20)
-    for program in [lower(graph, plan, gpus, n, spec.name, bucket_bytes=bucket,
-                          streams=streams if n > 1 else 1) for n in (1, k)]:
+    for program in [lower(graph, plan, gpus, n, spec.name, bucket_bytes=bucket) for n in (1, k)]:
         started = time.perf_counter()
         results.append(simulate(program, profile))
         log.info("simulated k=%d: %d tasks in %.3f s: %s", program.k, len(program.tasks),
@@ -167,9 +166,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a report")
     p.add_argument("--trace", metavar="PATH", type=Path, default=None,
                    help="write the Duplex run's simulated Chrome trace to this file")
-    p.add_argument("--streams", metavar="S", type=int, choices=[1, 2], default=1,
-                   help="compute streams for Duplex (2: one per micro-batch, as the paper's "
-                        "prototype; default: %(default)s)")
     p.add_argument("--bucket-mb", metavar="MB", type=float, default=25.0,
                    help="gradient bucket size for the replicated parameters' all-reduces, as "
                         "DDP's bucket_cap_mb; 0: one all-reduce per parameter, as the HiDup "
@@ -197,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prediction = predict(args.model, args.cluster, args.gpus, args.strategy,
                              args.batch, args.micro_batches, args.monte_carlo, args.noise,
-                             args.streams, args.bucket_mb)
+                             args.bucket_mb)
     except ValueError as exc:
         parser.exit(2, f"{PROG}: error: {' '.join(str(exc).split())}\n")
     if args.trace is not None:

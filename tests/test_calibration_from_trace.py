@@ -39,7 +39,7 @@ def test_the_traced_plan_shards_the_gathered_weights_and_issues_the_traced_colle
             | {f"p_layers_{i}_linear{j}_weight" for i in dense for j in (1, 2)}
             | {f"p_layers_{i}_linear2_bias" for i in dense})
     assert sharded == want and len(lines) == 21
-    program = lower(graph, plan, 4, 2, spec.name, bucket_bytes=0, streams=2)
+    program = lower(graph, plan, 4, 2, spec.name, bucket_bytes=0)
     ours = collections.Counter(c.kind for c in program.collectives)
     traced = kind_counts(events)
     for kind in ("all_gather", "reduce_scatter", "all_to_all"):

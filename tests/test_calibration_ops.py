@@ -34,9 +34,12 @@ def test_every_kernel_and_collective_of_the_program_is_measured(strategy):
     for task in prog.tasks:
         if isinstance(task, Compute):
             assert profile.compute_time(task) == kernels[kernel_key(task)]
-        if isinstance(task, Convert) and task.collective:
+        if isinstance(task, Convert) and task.collective:  # measured; a lone all-reduce has no
+            # packing or unpacking (it reduces the gradient itself), the others and buckets do
+            assert f"issue {kernel_key(task)}" in kernels, task
             pack, unpack = profile.host_times(task)
-            assert pack > 0 and unpack > 0, task
+            if task.kind != "all_reduce" or len(task.inputs) > 1:
+                assert pack > 0 and unpack > 0, (task, pack, unpack)
 
 
 def test_measured_kernels_change_the_prediction_and_estimate_still_equals_the_simulator():

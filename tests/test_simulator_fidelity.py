@@ -97,33 +97,6 @@ def test_monte_carlo_interval():
         step_time_interval(prog, profile, samples=1)
 
 
-def test_two_compute_streams_take_turns_on_the_device_and_wait_for_events():
-    """Stream 1's kernel C runs while stream 0 waits for the all-reduce; the device runs one
-    kernel at a time; B (stream 0) reads C's output, so it waits for C's event."""
-    from dataclasses import replace as rep
-    p = Profile("s", "test", 1e12, 1e12, 0.0, {k: LinkCost(0.0, 1e9) for k in COLLECTIVES}, 4)
-    c1 = rep(C, stream=1, outputs=("c",))
-    b0 = rep(B, inputs=("a@R", "c"), after=(2,))
-    prog = program(A, AR, c1, Wait(-1, 1), b0)
-    prog = rep(prog, streams=2)
-    r = simulate(prog, p)
-    got = {rec.task.id: (rec.stream, rec.start, rec.end) for rec in r.records[0]}
-    assert got[2] == (1, pytest.approx(1.0), pytest.approx(1.5))  # C beside the all-reduce
-    assert got[4][1:] == (pytest.approx(2.0), pytest.approx(3.0))  # B after the all-reduce (1 s)
-    assert r.comm_stream == 2
-
-
-def test_lowering_with_two_streams_matches_one_stream_numerically():
-    spec = get_model("gpt:tiny", gpus=2)
-    graph = capture_model(spec, spec.batch)
-    one = lower(graph, megatron(graph, 2), 2, 2)
-    two = lower(graph, megatron(graph, 2), 2, 2, streams=2)
-    assert {t.stream for t in two.tasks if hasattr(t, "mb") and t.mb == 1} == {1}
-    assert any(getattr(t, "after", ()) for t in two.tasks)  # events join the streams
-    profile = load_profile("v100-1x4-nvlink")
-    assert simulate(two, profile).step_time <= simulate(one, profile).step_time * 1.05
-
-
 def test_rendezvous_waits_for_the_slowest_rank():
     """Rank 1 computes 1.5x slower: the all-reduce starts when rank 1 has finished A (1.5 s), so
     rank 0 waits 0.5 s at the rendezvous; then each rank finishes B at its own speed."""

@@ -1,0 +1,217 @@
+"""HiDup's executor against plain PyTorch on the same module and optimizer, side by side in one run:
+`python -m experiments.executor_overhead` (one process: eager PyTorch, and for k=2 eager with two
+accumulated micro-batches, against hidup k=1 and k=2 in each executor mode) or
+`torchrun --nproc-per-node 2 -m experiments.executor_overhead --models gpt:small` (hidup's ddp
+plan against torch.nn.parallel.DistributedDataParallel). The contestants take turns, a few steps
+each, for several rounds (machine noise hits all alike); each prints its median step and its
+ratio to the baseline. On CUDA, --busy also reads each contestant's GPU busy time (the union of
+its kernels in a profiler trace) and prints step / busy."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hidup.capture import capture
+from hidup.cli import Parser
+from hidup.execute import Executor
+from hidup.models import get_model
+from hidup.program import lower
+from hidup.strategy import fixed_strategy
+
+log = logging.getLogger(__name__)
+PROG = "python -m experiments.executor_overhead"
+
+
+@dataclass
+class Row:
+    model: str
+    precision: str
+    k: int
+    contestant: str  # 'eager', 'ddp', 'hidup graph', 'hidup compile', 'hidup cuda-graphs'
+    baseline: str
+    median_ms: float
+    ratio: float = 1.0  # median step / the baseline's
+    busy_ms: float | None = None  # GPU busy time of one step (--busy)
+
+
+def parse_args(argv=None):
+    ap = Parser(prog=PROG, description=__doc__)
+    ap.add_argument("--models", nargs="+", default=["gpt:tiny", "bert-sgmoe:tiny", "mlp:small"],
+                    help="models NAME:SIZE (default: %(default)s)")
+    ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2],
+                    help="hidup's k; eager accumulates the same number of micro-batches")
+    ap.add_argument("--modes", nargs="+", default=None,
+                    choices=["graph", "compile", "cuda-graphs"],
+                    help="executor modes (default: graph and compile; cuda-graphs too on CUDA)")
+    ap.add_argument("--precision", nargs="+", choices=["fp32", "bf16"], default=["fp32"],
+                    help="fp32, or bf16 autocast (both sides alike)")
+    ap.add_argument("--batch", type=int, default=None, help="global batch (default: the model's)")
+    ap.add_argument("--rounds", type=int, default=7, help="rounds of turns (default: %(default)s)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per turn (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=1, help="intra-op CPU threads (default: 1)")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                    help="auto: CUDA where there is one")
+    ap.add_argument("--busy", action="store_true", help="CUDA: also read GPU busy time per step")
+    ap.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
+    args = ap.parse_args(argv)
+    for flag in ("rounds", "steps", "threads", "batch"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            ap.error(f"--{flag} must be at least 1, got {value}")
+    if min(args.micro_batches) < 1:
+        ap.error("every --micro-batches must be at least 1")
+    return args
+
+
+def contestants(name: str, k: int, precision: str, modes, device, world: int, rank: int,
+                batch: int | None) -> dict:
+    """name -> (one training step, no sync) on the same model, weights, optimizer and batch."""
+    spec = get_model(name, gpus=world)
+    batch = batch or spec.batch
+    data = [x.to(device) for x in spec.inputs(batch, torch.Generator().manual_seed(1))]
+    dtype = torch.bfloat16 if precision == "bf16" else None
+    torch.manual_seed(0)
+    model = spec.build().to(device)
+    graph = capture(model, spec.inputs(batch, torch.Generator().manual_seed(0)))
+    plan = fixed_strategy("ddp", graph, world)
+    program = lower(graph, plan, world, k, name)
+    inputs = dict(zip([n.source for n in graph.user_inputs], data))
+    out = {}
+    for mode in modes:
+        ex = Executor(graph, plan, program, dict(model.named_parameters()), 0.01, device,
+                      buffers=dict(model.named_buffers()), autocast=dtype, mode=mode)
+        out[f"hidup {mode}"] = lambda ex=ex: ex.step(inputs)
+    baseline = model
+    if world > 1:
+        baseline = torch.nn.parallel.DistributedDataParallel(model)
+        data = [x.chunk(world)[rank] for x in data]
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    chunks = list(zip(*(x.chunk(k) for x in data)))
+
+    def eager():
+        for part in chunks:
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                loss = baseline(*part)
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    out["ddp" if world > 1 else "eager"] = eager
+    return out
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def race(runs: dict, rounds: int, steps: int, device) -> dict[str, float]:
+    """Each contestant's median step (seconds), taking turns: `steps` steps each per round."""
+    for fn in runs.values():  # trace, compile, capture and warm up
+        for _ in range(3):
+            fn()
+    sync(device)
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            sync(device)
+            start = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            sync(device)
+            times[name].append((time.perf_counter() - start) / steps)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def busy_seconds(fn, device) -> float:
+    """GPU busy time of one step: the union of its kernels' spans in a profiler trace."""
+    sync(device)
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        fn()
+        sync(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "step.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return busy * 1e-6
+
+
+def measure(args, device, world: int, rank: int) -> list[Row]:
+    modes = args.modes or (["graph", "compile"] + (["cuda-graphs"] if device.type == "cuda"
+                                                   else []))
+    rows = []
+    for name in args.models:
+        for precision in args.precision:
+            for k in args.micro_batches:
+                runs = contestants(name, k, precision, modes, device, world, rank, args.batch)
+                base = "ddp" if world > 1 else "eager"
+                medians = race(runs, args.rounds, args.steps, device)
+                for who, median in medians.items():
+                    busy = busy_seconds(runs[who], device) if args.busy and \
+                        device.type == "cuda" else None
+                    rows.append(Row(name, precision, k, who, base, 1e3 * median,
+                                    median / medians[base], None if busy is None else 1e3 * busy))
+                    if rank == 0:
+                        log.info("%s", _line(rows[-1]))
+    return rows
+
+
+def _line(row: Row) -> str:
+    busy = "" if row.busy_ms is None else \
+        f"  busy {row.busy_ms:.2f} ms (step / busy {row.median_ms / row.busy_ms:.2f})"
+    return (f"{row.model:16s} {row.precision} k={row.k} {row.contestant:18s} "
+            f"{row.median_ms:8.2f} ms  {row.ratio:.3f}x {row.baseline}{busy}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.set_num_threads(args.threads)
+    if world > 1:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        rows = measure(args, device, world, rank)
+    except ValueError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+    if rank == 0:
+        torch_line = f"torch {torch.__version__}, {world} rank(s), " + (
+            torch.cuda.get_device_name(device) if cuda else f"CPU, {args.threads} thread(s)")
+        print(f"{PROG} {' '.join(sys.argv[1:] if argv is None else argv)}\n{torch_line}")
+        for row in rows:
+            print(_line(row))
+        if args.out is not None:
+            args.out.write_text(json.dumps({"setup": torch_line,
+                                            "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""The compiled step: collectives and waits in the Program's order (traced and through Inductor),
+the same results in every mode, and clear refusals."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_model, run_ranks
+
+from hidup.capture import capture
+from hidup.execute import Executor
+from hidup.models import get_model
+from hidup.program import Convert, Wait, lower
+from hidup.step import communication_order
+from hidup.strategy import fixed_strategy
+
+FUNCTIONAL = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor",
+              "reduce_scatter": "reduce_scatter_tensor", "all_to_all": "all_to_all_single"}
+
+
+def program_order(program) -> list[str]:
+    return [FUNCTIONAL[t.kind] if isinstance(t, Convert) else "wait_tensor"
+            for t in program.tasks if isinstance(t, Wait) or (isinstance(t, Convert)
+                                                             and t.collective)]
+
+
+def setup(name, strategy, world, k):
+    spec = get_model(name, gpus=world)
+    model = build_model(spec)
+    batch = spec.inputs(spec.batch, torch.Generator().manual_seed(1))
+    graph = capture(model, batch)
+    plan = fixed_strategy(strategy, graph, world)
+    program = lower(graph, plan, world, k, name)
+    return model, graph, plan, program, dict(zip([n.source for n in graph.user_inputs], batch))
+
+
+def orders(rank, world, name, strategy, k, modes):
+    model, graph, plan, program, inputs = setup(name, strategy, world, k)
+    out = {"program": program_order(program)}
+    for mode in modes:
+        ex = Executor(graph, plan, program, dict(model.named_parameters()), mode=mode)
+        loss = float(ex.step(inputs, update=False))
+        run = ex.compiled(False, list(inputs.values()))
+        out[mode] = (communication_order(run.__self__), loss,
+                     {p: g.clone() for p, g in ex.grads.items()})
+    return out
+
+
+@pytest.mark.slow
+def test_traced_step_issues_and_waits_in_the_programs_order():
+    """Duplex is the graph's order: gpt:tiny tensor parallel, two micro-batches, four kinds of
+    conversion, every issue and wait where the Program has it."""
+    result = run_ranks(2, orders, "gpt:tiny", "megatron", 2, ("graph",))[0]
+    order, _, _ = result["graph"]
+    assert len(set(result["program"])) >= 3 and order == result["program"]
+    # Duplex: some collective is still in flight when another one is issued
+    assert any(a != "wait_tensor" and b != "wait_tensor" for a, b in zip(order, order[1:]))
+
+
+@pytest.mark.slow
+def test_inductor_keeps_the_programs_order_and_the_results():
+    result = run_ranks(2, orders, "mlp:tiny", "megatron", 2, ("graph", "compile"))[0]
+    (graph_order, graph_loss, graph_grads), (order, loss, grads) = result["graph"], result["compile"]
+    assert order == graph_order == result["program"]
+    assert loss == pytest.approx(graph_loss, rel=1e-5)
+    for p, g in grads.items():
+        assert torch.allclose(g, graph_grads[p], rtol=1e-4, atol=1e-6), p
+
+
+def test_cuda_graphs_need_a_gpu_and_modes_are_checked(tiny_graphs):
+    spec, model, graph = tiny_graphs["mlp:tiny"]
+    plan = fixed_strategy("ddp", graph, 1)
+    with pytest.raises(ValueError, match="--cuda-graphs needs a CUDA device, this run is on cpu"):
+        Executor(graph, plan, lower(graph, plan, 1, 1), dict(model.named_parameters()),
+                 mode="cuda-graphs")
+    with pytest.raises(ValueError, match="executor mode 'fast': choose one of"):
+        Executor(graph, plan, lower(graph, plan, 1, 1), dict(model.named_parameters()),
+                 mode="fast")
+
+
+def test_step_updates_in_place_and_returns_the_loss_as_a_tensor(tiny_graphs):
+    """SGD in the graph: one step moves each parameter by -lr * its gradient, the loss stays on
+    the device (no host sync); set_lr takes effect without retracing."""
+    spec, model, graph = tiny_graphs["mlp:tiny"]
+    plan = fixed_strategy("ddp", graph, 1)
+    program = lower(graph, plan, 1, 2)
+    ex = Executor(graph, plan, program, dict(model.named_parameters()), lr=0.5)
+    inputs = dict(zip([n.source for n in graph.user_inputs],
+                      spec.inputs(spec.batch, torch.Generator().manual_seed(3))))
+    loss = ex.step(inputs, update=False)
+    assert isinstance(loss, torch.Tensor) and loss.dim() == 0
+    before = {n: p.clone() for n, p in ex.params.items()}
+    grads = {n: g.clone() for n, g in ex.grads.items()}
+    ex.set_lr(0.25)
+    ex.step(inputs)
+    assert len(ex._steps) == 2  # the step without update and the one with
+    for name, p in ex.params.items():
+        assert torch.allclose(p, before[name] - 0.25 * grads[name].reshape(p.shape), atol=1e-7)
