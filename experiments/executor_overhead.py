@@ -15,6 +15,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -99,10 +100,12 @@ def contestants(name: str, k: int, precision: str, modes, device, world: int, ra
     chunks = list(zip(*(x.chunk(k) for x in data)))
 
     def eager():
-        for part in chunks:
-            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+        for i, part in enumerate(chunks):  # DDP reduces once, after the last micro-batch
+            last = i == len(chunks) - 1
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None), \
+                    (nullcontext() if world == 1 or last else baseline.no_sync()):
                 loss = baseline(*part)
-            loss.backward()
+                loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 

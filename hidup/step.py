@@ -221,7 +221,10 @@ class _TaskRunner:
             return
         flat = torch.cat([p.reshape(-1) for p in parts])
         with fx_traceback.annotate({"task": task.id, "standin": True}):
-            flat = self.collective("all_reduce", flat)
+            if self.spec.local_collectives:
+                flat = _stand_in("all_reduce", flat, self.world, self.rank)
+            else:  # in place: the buffer is the step's own (the functional one would copy it)
+                flat = _C.all_reduce_(flat, "sum", self.spec.group_name)
 
         def finish():
             done = self.wait(flat)
@@ -362,7 +365,7 @@ def communication_order(gm: torch.nn.Module) -> list[str]:
             sub = gm.get_submodule(node.target)
             out += communication_order(getattr(sub, "gm", sub))
         elif _is_communication(node):
-            out.append(node.target._opname)
+            out.append(node.target._opname.rstrip("_"))  # all_reduce_: in place
     return out
 
 

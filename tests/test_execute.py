@@ -95,3 +95,24 @@ def test_step_updates_in_place_and_returns_the_loss_as_a_tensor(tiny_graphs):
     assert len(ex._steps) == 2  # the step without update and the one with
     for name, p in ex.params.items():
         assert torch.allclose(p, before[name] - 0.25 * grads[name].reshape(p.shape), atol=1e-7)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["graph", "compile", "cuda-graphs"])
+def test_a_cuda_step_waits_for_nothing_on_the_host(tiny_graphs, mode):
+    """After the first steps (tracing, compiling, capturing), a step never syncs with the host."""
+    spec, model, graph = tiny_graphs["gpt:tiny"]
+    plan = fixed_strategy("ddp", graph, 1)
+    ex = Executor(graph, plan, lower(graph, plan, 1, 2), dict(model.named_parameters()),
+                  device="cuda", mode=mode)
+    inputs = {n.source: x.cuda() for n, x in zip(
+        graph.user_inputs, spec.inputs(spec.batch, torch.Generator().manual_seed(3)))}
+    for _ in range(3):
+        ex.step(inputs)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = ex.step(inputs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss)
