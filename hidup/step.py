@@ -70,7 +70,7 @@ class _TaskRunner:
         """params, buffers, inputs: lists in the graph's order (this rank's parameter shards, the
         whole buffers and the whole global batch); lr a 0-d tensor. Returns [loss] (update) or
         [loss, *gradients] (no update)."""
-        self.env, self.saved, self.pending, self.owned = _Values(), {}, {}, set()
+        self.env, self.saved, self.pending = _Values(), {}, {}
         with fx_traceback.annotate({"task": INPUT_TASK}):
             self.place_inputs(params, buffers, inputs)
         for task in self.p.tasks:
@@ -119,17 +119,10 @@ class _TaskRunner:
             value = torch.zeros_like(value)
         if key not in self.env:
             self.env[key] = value
-            if not self.shared(value):
-                self.owned.add(key)
-        elif key in self.owned:
+        elif self.env.alone(key):
             self.env[key].add_(value)
         else:
             self.env[key] = self.env[key] + value
-            self.owned.add(key)
-
-    def shared(self, value: torch.Tensor) -> bool:
-        """Does any value of the step so far (or a tensor kept for a backward) use its memory?"""
-        return _storage(value) in self.env.storages
 
     # -- compute ----------------------------------------------------------------------------
     def forward(self, task: Compute) -> None:
@@ -145,7 +138,7 @@ class _TaskRunner:
                                f"{tuple(out.shape)}, the Program expects {task.out_shape}")
         if (task.node, task.mb) in self.backward_of:  # its backward differentiates this graph
             self.saved[(task.node, task.mb)] = (leaves, out)
-            self.env.storages.update(map(_storage, (*leaves, out)))
+            self.env.keep(*leaves, out)
         self.env[task.outputs[0]] = out.detach()
 
     def autocast(self):
@@ -251,15 +244,28 @@ class _TaskRunner:
 
 
 class _Values(dict):
-    """The step's values by key, and the memory (storages) every value ever set uses."""
+    """The step's values by key, and which memory (storage) more than one of them uses."""
 
     def __init__(self):
         super().__init__()
         self.storages: set[int] = set()
+        self.shared: set[int] = set()
 
     def __setitem__(self, key: str, value: torch.Tensor) -> None:
         super().__setitem__(key, value)
-        self.storages.add(_storage(value))
+        self.keep(value)
+
+    def keep(self, *tensors: torch.Tensor) -> None:
+        """Note the memory of tensors the step holds on to (values, or kept for a backward)."""
+        for t in tensors:
+            storage = _storage(t)
+            if storage in self.storages:
+                self.shared.add(storage)
+            self.storages.add(storage)
+
+    def alone(self, key: str) -> bool:
+        """Is the value of `key` the only holder of its memory (so it may be updated in place)?"""
+        return _storage(self[key]) not in self.shared
 
 
 def _storage(t: torch.Tensor) -> int:
