@@ -2,10 +2,11 @@
 `python -m experiments.executor_overhead` (one process: eager PyTorch, and for k=2 eager with two
 accumulated micro-batches, against hidup k=1 and k=2 in each executor mode) or
 `torchrun --nproc-per-node 2 -m experiments.executor_overhead --models gpt:small` (hidup's ddp
-plan against torch.nn.parallel.DistributedDataParallel). The contestants take turns, a few steps
-each, for several rounds (machine noise hits all alike); each prints its median step and its
-ratio to the baseline. On CUDA, --busy also reads each contestant's GPU busy time (the union of
-its kernels in a profiler trace) and prints step / busy."""
+plan against torch.nn.parallel.DistributedDataParallel, micro-batches under no_sync). The
+contestants take turns, a few steps each, for several rounds; each prints its median step and
+its ratio to the baseline: the median over rounds of the ratio within a round (this machine's
+speed drifts between rounds). On CUDA, --busy also reads each contestant's GPU busy time (the
+union of its kernels in a profiler trace) and prints step / busy."""
 from __future__ import annotations
 
 import json
@@ -41,7 +42,7 @@ class Row:
     contestant: str  # 'eager', 'ddp', 'hidup graph', 'hidup compile', 'hidup cuda-graphs'
     baseline: str
     median_ms: float
-    ratio: float = 1.0  # median step / the baseline's
+    ratio: float = 1.0  # median over rounds of (step / the baseline's step in that round)
     busy_ms: float | None = None  # GPU busy time of one step (--busy)
 
 
@@ -120,8 +121,8 @@ def sync(device) -> None:
         dist.barrier()
 
 
-def race(runs: dict, rounds: int, steps: int, device) -> dict[str, float]:
-    """Each contestant's median step (seconds), taking turns: `steps` steps each per round."""
+def race(runs: dict, rounds: int, steps: int, device) -> dict[str, list[float]]:
+    """Each contestant's step (seconds) in each round, taking turns: `steps` steps each."""
     for fn in runs.values():  # trace, compile, capture and warm up
         for _ in range(3):
             fn()
@@ -135,7 +136,7 @@ def race(runs: dict, rounds: int, steps: int, device) -> dict[str, float]:
                 fn()
             sync(device)
             times[name].append((time.perf_counter() - start) / steps)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
 def busy_seconds(fn, device) -> float:
@@ -167,12 +168,14 @@ def measure(args, device, world: int, rank: int) -> list[Row]:
             for k in args.micro_batches:
                 runs = contestants(name, k, precision, modes, device, world, rank, args.batch)
                 base = "ddp" if world > 1 else "eager"
-                medians = race(runs, args.rounds, args.steps, device)
-                for who, median in medians.items():
+                times = race(runs, args.rounds, args.steps, device)
+                for who, mine in times.items():
                     busy = busy_seconds(runs[who], device) if args.busy and \
                         device.type == "cuda" else None
-                    rows.append(Row(name, precision, k, who, base, 1e3 * median,
-                                    median / medians[base], None if busy is None else 1e3 * busy))
+                    # the ratio within each round (this machine's speed drifts between rounds)
+                    ratio = statistics.median(a / b for a, b in zip(mine, times[base]))
+                    rows.append(Row(name, precision, k, who, base, 1e3 * statistics.median(mine),
+                                    ratio, None if busy is None else 1e3 * busy))
                     if rank == 0:
                         log.info("%s", _line(rows[-1]))
     return rows

@@ -11,7 +11,7 @@ import math
 from hidup.capture import Graph
 from hidup.flops import backward_flops, forward_flops
 from hidup.placement import Partial, Placement, R, Replicate, Shard
-from hidup.program import (BUCKET_BYTES, COLLECTIVES, Compute, Convert, Program, Task, Wait,
+from hidup.program import (BUCKET_BYTES, FIRST_BUCKET_BYTES, COLLECTIVES, Compute, Convert, Program, Task, Wait,
                            gkey, tensor_nbytes, tensor_shape, vkey)
 from hidup.strategy import Strategy, conversion, microbatch_split
 
@@ -25,7 +25,7 @@ class Lowering:
     def __init__(self, graph: Graph, strategy: Strategy, world: int, k: int, model: str,
                  bucket_bytes: int = BUCKET_BYTES):
         self.g, self.s, self.world, self.k, self.model = graph, strategy, world, k, model
-        self.bucket_bytes, self.bucket = bucket_bytes, []
+        self.bucket_bytes, self.bucket, self.flushed = bucket_bytes, [], False
         self.mbs_split = microbatch_split(graph, k)
         self.group = tuple(range(world))
         self.tasks: list[Task] = []
@@ -279,8 +279,11 @@ class Lowering:
             return
         self.final[t] = "grad:" + t
         self.bucket.append(t)
-        if sum(self.nbytes(p, self.s.home(p)) for p in self.bucket) >= self.bucket_bytes:
+        # DDP's first bucket is small, so that communication starts early in the backward
+        cap = self.bucket_bytes if self.flushed else min(self.bucket_bytes, FIRST_BUCKET_BYTES)
+        if sum(self.nbytes(p, self.s.home(p)) for p in self.bucket) >= cap:
             self.flush_bucket()
+            self.flushed = True
 
     def flush_bucket(self) -> None:
         """One all-reduce for the gradients gathered so far (flattened together, as DDP does)."""

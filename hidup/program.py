@@ -155,6 +155,7 @@ def local_shape(shape, placement: Placement, mb_placement: Placement, world: int
 
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default gradient bucket
+FIRST_BUCKET_BYTES = 2**20  # and its first one (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES)
 
 
 def tensor_shape(graph: Graph, mb_split: Strategy, t: str, p: Placement, world: int,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from hidup import lowering
 from hidup.program import Compute, Convert, LoweringError, Wait, lower
 from hidup.strategy import data_parallel, megatron
 
@@ -53,6 +54,19 @@ def test_gradients_are_bucketed_like_ddp(tiny_graphs):
         held = [sizes[key.removeprefix("grad:")] for key in t.outputs]
         assert t.bytes == sum(held) >= cap and sum(held[:-1]) < cap
     assert len(buckets) < len(sizes)
+
+
+def test_the_first_bucket_is_small_as_in_ddp(tiny_graphs, monkeypatch):
+    """The first bucket closes at FIRST_BUCKET_BYTES, so its all-reduce runs under the rest of
+    the backward; the others at the cap."""
+    monkeypatch.setattr(lowering, "FIRST_BUCKET_BYTES", 20_000)
+    _, _, graph = tiny_graphs["gpt:tiny"]
+    sizes = {p.name: p.out.nbytes for p in graph.params}
+    buckets = [t for t in lower(graph, data_parallel(graph, 2), 2, k=1, bucket_bytes=10**9)
+               .collectives if t.phase == "bwd"]
+    first = [sizes[key.removeprefix("grad:")] for key in buckets[0].outputs]
+    assert len(buckets) == 2 and sum(first) >= 20_000 > sum(first[:-1])
+    assert buckets[0].bytes + buckets[1].bytes == sum(sizes.values())
 
 
 def test_every_collective_is_waited_before_the_update(tiny_graphs):
