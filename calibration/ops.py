@@ -37,7 +37,8 @@ from hidup.execute import Executor
 from hidup.models import get_model, names
 from hidup.profile import ProfileError, kernel_key, load_profile
 from hidup.program import Convert, Wait, lower
-from hidup.step import TaskClock, trace_step, with_hooks
+from hidup.passes import TaskClock, with_hooks
+from hidup.step import trace_step
 from hidup.strategy import resolve_strategy
 
 log = logging.getLogger(__name__)

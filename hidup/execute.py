@@ -11,8 +11,8 @@ import torch.distributed as dist
 from hidup.capture import Graph
 from hidup.placement import Partial, Placement, Shard
 from hidup.program import Program, task_label
-from hidup.step import (INPUT_TASK, StepSpec, inductor_segments, shard_of, trace_step,
-                        with_hooks)
+from hidup.passes import inductor_segments, with_hooks
+from hidup.step import INPUT_TASK, StepSpec, shard_of, trace_step
 from hidup.strategy import Strategy, microbatch_split
 
 log = logging.getLogger(__name__)

@@ -7,20 +7,19 @@ collective is a functional collective (torch.ops._c10d_functional) issued at its
 for (`wait_tensor`) at its Wait. What is recorded is the graph: its node order is the Program's,
 so Duplex's interleaving is the order of the code that runs, and no autograd graph, detach or
 per-task Python is left at run time. Every graph node carries its task's id
-(`node.meta['custom']['task']`), which the profiler labels and calibration.ops use."""
+(`node.meta['custom']['task']`), which the profiler labels and calibration.ops use
+(hidup.passes)."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.fx.traceback as fx_traceback
-from torch._inductor.compile_fx import compile_fx
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.passes.split_module import split_module
 
 from hidup import ops
 from hidup.capture import Graph
+from hidup.passes import simplify
 from hidup.placement import Partial, Placement, Shard
 from hidup.program import Compute, Convert, Program, Wait, vkey
 from hidup.strategy import Strategy, microbatch_split
@@ -320,132 +319,3 @@ def trace_step(spec: StepSpec, params, buffers, inputs, lr, update: bool = True
         gm = make_fx(step, tracing_mode="fake")(*params, *buffers, *inputs, lr)
     simplify(gm)
     return gm
-
-
-_aten = torch.ops.aten
-
-
-def simplify(gm: torch.fx.GraphModule) -> None:
-    """Drop what only the tracing needed, as every op left costs a call each step: detaches (they
-    cut per-node autograd graphs; nothing records one at run time), views to the same shape,
-    views of views (one view of the first input does), transposes of transposes, and values
-    nothing reads (collectives and in-place updates always stay)."""
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function":
-            continue
-        source = node.args[0] if node.args else None
-        if node.target is _aten.detach.default or (
-                node.target is _aten.view.default and _shape(node) == _shape(source)):
-            node.replace_all_uses_with(source)
-            gm.graph.erase_node(node)
-        elif node.target is _aten.view.default and _is(source, _aten.view.default) and \
-                source.args[0].meta["val"].is_contiguous():
-            node.args = (source.args[0],) + node.args[1:]
-        elif node.target is _aten.t.default and _is(source, _aten.t.default):
-            node.replace_all_uses_with(source.args[0])
-            gm.graph.erase_node(node)
-    gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or _is_communication(n))
-    gm.recompile()
-
-
-def _is(node, target) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is target
-
-
-def _shape(node) -> tuple[int, ...] | None:
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
-
-
-def task_of(node: torch.fx.Node) -> int | None:
-    """The Program task a graph node was recorded in (None: the graph's inputs and output)."""
-    return node.meta.get("custom", {}).get("task")
-
-
-def communication_order(gm: torch.nn.Module) -> list[str]:
-    """The functional collectives and waits in the order the step calls them ('all_reduce',
-    'wait_tensor', ...), looking into the stretches of a segmented (compiled) step."""
-    out = []
-    for node in gm.graph.nodes:
-        if node.op == "call_module":
-            sub = gm.get_submodule(node.target)
-            out += communication_order(getattr(sub, "gm", sub))
-        elif _is_communication(node):
-            out.append(node.target._opname.rstrip("_"))  # all_reduce_: in place
-    return out
-
-
-def with_hooks(gm: torch.fx.GraphModule, enter, leave) -> torch.fx.GraphModule:
-    """A copy of the graph that calls `enter(task, standin)` before each run of nodes recorded in
-    one task (and part: a collective's stand-in apart from its packing) and `leave(handle)` after
-    it: profiler labels, or per-task timing for calibration."""
-    import copy
-    out = copy.deepcopy(gm)
-    graph, handle, current = out.graph, None, None
-    for node in list(graph.nodes):
-        custom = node.meta.get("custom", {})
-        part = (custom.get("task"), bool(custom.get("standin"))) if node.op == "call_function" \
-            else None
-        if part == current:
-            continue
-        with graph.inserting_before(node):
-            if handle is not None:
-                graph.call_function(leave, (handle,))
-            handle = graph.call_function(enter, part) if part is not None else None
-        current = part
-    out.recompile()
-    return out
-
-
-class TaskClock:
-    """Per-task wall time of a graph run with `with_hooks` (on the CPU, where ops are synchronous):
-    `seconds[(task, standin)]` lists each run of that part."""
-
-    def __init__(self):
-        self.seconds: dict[tuple[int, bool], list[float]] = {}
-
-    def enter(self, task, standin):
-        return task, standin, time.perf_counter()
-
-    def leave(self, handle) -> None:
-        task, standin, start = handle
-        self.seconds.setdefault((task, standin), []).append(time.perf_counter() - start)
-
-
-def _is_communication(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and getattr(node.target, "namespace", "") == "_c10d_functional"
-
-
-def inductor_segments(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """The step with the computation between two communication calls compiled by Inductor, each
-    stretch on its own, and every collective and wait left where the Program put it: Inductor
-    compiling the whole graph schedules a wait right after its collective, which undoes Duplex."""
-    segment, marks = 0, {}
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if _is_communication(node):
-            segment += 1
-            marks[node] = segment
-            segment += 1
-        else:
-            marks[node] = segment
-    top = split_module(gm, None, lambda node: marks[node], keep_original_order=True,
-                       tuple_return=True)
-    for name, sub in list(top.named_children()):
-        if not any(_is_communication(n) for n in sub.graph.nodes):
-            setattr(top, name, _Inductor(sub))
-    return top
-
-
-class _Inductor(torch.nn.Module):
-    """One stretch of the step, compiled by Inductor on its first call (from its real inputs)."""
-
-    def __init__(self, gm: torch.fx.GraphModule):
-        super().__init__()
-        self.gm, self.run = gm, None
-
-    def forward(self, *args):
-        if self.run is None:
-            self.run = compile_fx(self.gm, list(args))
-        return self.run(*args)

@@ -10,7 +10,7 @@ from hidup.capture import capture
 from hidup.execute import Executor
 from hidup.models import get_model
 from hidup.program import Convert, Wait, lower
-from hidup.step import communication_order
+from hidup.passes import communication_order
 from hidup.strategy import fixed_strategy
 
 FUNCTIONAL = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor",
