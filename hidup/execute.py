@@ -135,7 +135,7 @@ class CudaGraphStep:
         for buf, x in zip(self.static, args[-1 - n:-1]):
             buf.copy_(x, non_blocking=True)
         self.graph.replay()
-        return self.out
+        return [t.clone() for t in self.out]  # the next replay overwrites the static outputs
 
     def _capture(self, args) -> None:
         """Warm up on a side stream (lazy initialisations), capture, and undo the warm-up's
