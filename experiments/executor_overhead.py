@@ -83,8 +83,9 @@ def contestants(name: str, k: int, precision: str, modes, device, world: int, ra
     data = [x.to(device) for x in spec.inputs(batch, torch.Generator().manual_seed(1))]
     dtype = torch.bfloat16 if precision == "bf16" else None
     torch.manual_seed(0)
-    model = spec.build().to(device)
-    graph = capture(model, spec.inputs(batch, torch.Generator().manual_seed(0)))
+    model = spec.build()
+    graph = capture(model, spec.inputs(batch, torch.Generator().manual_seed(0)))  # on the CPU
+    model.to(device)
     plan = fixed_strategy("ddp", graph, world)
     program = lower(graph, plan, world, k, name)
     inputs = dict(zip([n.source for n in graph.user_inputs], data))
