@@ -35,7 +35,29 @@ def simplify(gm: torch.fx.GraphModule) -> None:
             node.replace_all_uses_with(source.args[0])
             gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or _is_communication(n))
+    _keep_until_waited(gm.graph)
     gm.recompile()
+
+
+def _keep_until_waited(graph: torch.fx.Graph) -> None:
+    """The generated code frees a value right after its last use; a collective's input is read
+    by the communication thread until the collective is waited for, so it is used once more
+    right after that wait (as async work in torch.distributed holds its tensors)."""
+    issued = {}
+    for node in list(graph.nodes):
+        if not _is_communication(node):
+            continue
+        if node.target is torch.ops._c10d_functional.wait_tensor.default:
+            source = issued.pop(node.args[0], None)
+            if source is not None:
+                with graph.inserting_after(node):
+                    graph.call_function(_held, (source, node))
+        else:
+            issued[node] = node.args[0]
+
+
+def _held(*values) -> None:
+    """Nothing: its call keeps `values` alive up to here."""
 
 
 def _is(node, target) -> bool:
