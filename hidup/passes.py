@@ -69,11 +69,6 @@ def _shape(node) -> tuple[int, ...] | None:
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
-def task_of(node: torch.fx.Node) -> int | None:
-    """The Program task a graph node was recorded in (None: the graph's inputs and output)."""
-    return node.meta.get("custom", {}).get("task")
-
-
 def communication_order(gm: torch.nn.Module) -> list[str]:
     """The functional collectives and waits in the order the step calls them ('all_reduce',
     'wait_tensor', ...), looking into the stretches of a segmented (compiled) step."""

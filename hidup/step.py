@@ -63,7 +63,6 @@ class _TaskRunner:
         self.mbs = microbatch_split(self.g, self.k)
         self.backward_of = {(t.node, t.mb) for t in self.p.tasks if isinstance(t, Compute)
                             and t.phase == "bwd" and t.op != "hidup.ones"}
-        self.fns = {}
 
     def __call__(self, params, buffers, inputs, lr):
         """params, buffers, inputs: lists in the graph's order (this rank's parameter shards, the
@@ -146,15 +145,13 @@ class _TaskRunner:
         return torch.autocast(self.spec.device_type, dtype=self.spec.autocast)
 
     def callable(self, task: Compute, node):
-        fn = self.fns.get(task.id)
-        if fn is None:
-            root = (self.rank == 0 or task.option.output != Partial()) and \
-                   (not task.mb_partial or task.mb in (0, None))
-            ctx = ops.LocalContext(self.rank, self.world, task.in_shapes, task.out_shape,
-                                   node.out.shape, tuple(m.shape for m in node.in_metas(self.g)),
-                                   root)
-            fn = self.fns[task.id] = ops.local_callable(node, task.option, ctx)
-        return fn
+        """The node's local function (each task is traced once: nothing to keep)."""
+        root = (self.rank == 0 or task.option.output != Partial()) and \
+               (not task.mb_partial or task.mb in (0, None))
+        ctx = ops.LocalContext(self.rank, self.world, task.in_shapes, task.out_shape,
+                               node.out.shape, tuple(m.shape for m in node.in_metas(self.g)),
+                               root)
+        return ops.local_callable(node, task.option, ctx)
 
     def backward(self, task: Compute) -> None:
         if task.op == "hidup.ones":
