@@ -78,7 +78,7 @@ def communication_order(gm: torch.nn.Module) -> list[str]:
             sub = gm.get_submodule(node.target)
             out += communication_order(getattr(sub, "gm", sub))
         elif _is_communication(node):
-            out.append(node.target._opname.rstrip("_"))  # all_reduce_: in place
+            out.append(node.target._opname.removesuffix("_out").rstrip("_"))  # in place
     return out
 
 

@@ -224,19 +224,30 @@ class _TaskRunner:
 
     def collective(self, kind: str, x: torch.Tensor) -> torch.Tensor:
         """Issue one functional collective over the world (or its local stand-in)."""
-        w, group = self.world, self.spec.group_name
         if self.spec.local_collectives:
-            return _stand_in(kind, x, w, self.rank)
-        if kind == "all_reduce":
-            return _C.all_reduce(x, "sum", group)
-        if kind == "all_gather":
-            return _C.all_gather_into_tensor(x, w, group)
-        if kind == "reduce_scatter":
-            return _C.reduce_scatter_tensor(x, "sum", w, group)
-        return _C.all_to_all_single(x, [x.shape[0] // w] * w, [x.shape[0] // w] * w, group)
+            return _stand_in(kind, x, self.world, self.rank)
+        return issue(kind, x, self.world, self.spec.group_name)
 
     def wait(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.spec.local_collectives else _C.wait_tensor(x)
+
+
+def issue(kind: str, x: torch.Tensor, world: int, group: str) -> torch.Tensor:
+    """Issue the functional collective `kind` on `x` over the group named `group` of `world`
+    ranks; its result is ready after `wait_tensor`."""
+    if kind == "all_reduce":
+        return _C.all_reduce(x, "sum", group)
+    if kind == "all_gather":  # into a buffer of its own: the functional all_gather_into_tensor
+        # (gloo's coalesced all-gather) corrupts the heap when two are in flight, as under Duplex
+        # (torch 2.13; tests/test_execute.py)
+        out = x.new_empty((x.shape[0] * world,) + tuple(x.shape[1:]))
+        return _C.all_gather_into_tensor_out(x, world, group, out=out)
+    if kind == "reduce_scatter":
+        return _C.reduce_scatter_tensor(x, "sum", world, group)
+    if kind == "all_to_all":
+        return _C.all_to_all_single(x, [x.shape[0] // world] * world,
+                                    [x.shape[0] // world] * world, group)
+    raise ValueError(f"unknown collective {kind!r}")
 
 
 class _Values(dict):
