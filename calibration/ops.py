@@ -8,7 +8,9 @@ writes the base profile with the mean time of each kernel (by hidup.profile.kern
 is a sum of kernels, and a sum's expectation is the sum of means; occasional slow runs count as
 in a real step) on the slowest rank (ranks meet at every collective, so the slowest one sets
 the pace); the simulator then uses these instead of the roofline wherever a Program has the
-same kernel:
+same kernel. It also writes each kernel's spread over every rank's runs (16 quantiles): from
+it simulator.montecarlo draws each rank's kernel times, so that a collective waits for its
+slowest member as it does in a real step (the expected maximum at each rendezvous):
 
     torchrun --nproc-per-node 2 -m calibration.ops --model gpt:tiny --strategy ddp megatron \\
         --micro-batches 1 2 --base PROFILE.json --out PROFILE-gpt.json
@@ -92,6 +94,13 @@ def kernel_times(program, seconds: dict[tuple[int, bool], list[float]], steps: i
     return out
 
 
+def quantiles(seconds: list[float], points: int = 16) -> list[float]:
+    """A kernel's timings reduced to `points` evenly spaced quantiles (fewer if fewer runs)."""
+    ordered = sorted(seconds)
+    m = min(points, len(ordered))
+    return [ordered[int((i + 0.5) / m * len(ordered))] for i in range(m)]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = Parser(prog=PROG, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -142,11 +151,10 @@ def main(argv=None) -> int:
                 if rank == 0:
                     log.info("%s %s k=%d: %d kernels so far, %.1f s", args.model, strategy, k,
                              len(times), time.perf_counter() - start)
-        mine = {key: statistics.fmean(values) for key, values in times.items()}
-        means = [mine]
-        if world > 1:  # every rank's means: a step waits for its slowest rank
-            means = [None] * world
-            dist.all_gather_object(means, mine)
+        runs = [times]
+        if world > 1:  # every rank's timings: a step waits for its slowest rank
+            runs = [None] * world
+            dist.all_gather_object(runs, times)
     except ValueError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
@@ -156,13 +164,17 @@ def main(argv=None) -> int:
             dist.destroy_process_group()
     if rank != 0:
         return 0
+    keys = sorted({key for r in runs for key in r})
     kernels = dict(base.kernels or {})
-    kernels.update({key: max(m[key] for m in means if key in m)
-                    for key in sorted({key for m in means for key in m})})
+    kernels.update({key: max(statistics.fmean(r[key]) for r in runs if key in r) for key in keys})
+    spreads = dict(base.kernel_quantiles or {})
+    spreads.update({key: quantiles([t for r in runs for t in r.get(key, ())]) for key in keys})
     command = "calibration.ops " + " ".join(sys.argv[1:] if argv is None else argv)
     source = (f"{base.source} Kernels of {args.model} measured by `{command}` on {world} "
-              f"rank(s), mean of {args.steps} steps on the slowest rank.")
-    profile = replace(base, name=args.out.stem, source=source, kernels=kernels)
+              f"rank(s), mean of {args.steps} steps on the slowest rank, and their spread over "
+              f"all ranks.")
+    profile = replace(base, name=args.out.stem, source=source, kernels=kernels,
+                      kernel_quantiles=spreads)
     args.out.write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
     print(f"{PROG}: {len(times)} kernels measured ({sum(map(len, times.values()))} timings); "
           f"wrote {args.out}")

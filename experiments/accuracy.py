@@ -30,7 +30,7 @@ from hidup.profile import kernel_coverage, load_profile
 from hidup.program import lower
 from hidup.search import search
 from hidup.strategy import resolve_strategy, save_plan
-from simulator.engine import simulate
+from simulator.montecarlo import expected_step
 
 log = logging.getLogger(__name__)
 PROG = "python -m experiments.accuracy"
@@ -147,7 +147,7 @@ def predict(model: str, strategy: str, k: int, profile_path: Path, world: int):
     spec, graph = captured(model, world)
     program = lower(graph, resolve_strategy(strategy, graph, world), world, k, spec.name)
     profile = load_profile(profile_path)
-    return simulate(program, profile), kernel_coverage(profile, program.tasks)
+    return expected_step(program, profile), kernel_coverage(profile, program.tasks)
 
 
 def measure(cluster: Cluster, model: str, strategy: str, k: int, args) -> float:

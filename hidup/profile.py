@@ -36,8 +36,10 @@ _KEYS = {"format", "version", "name", "source", "collectives", "inter_node", "in
 # provenance: where a measured profile was taken (host, devices, date, versions);
 # kernels: measured seconds of kernels by kernel_key (calibration.ops), used before the roofline;
 # collective_points: [tier ("intra"/"inter"), kind, group size, bytes, seconds] as measured by
-# calibration.profile, interpolated before the fitted formulas
-_OPTIONAL = {"provenance", "kernels", "collective_points"}
+# calibration.profile, interpolated before the fitted formulas;
+# kernel_quantiles: each measured kernel's spread (calibration.ops): its seconds at evenly spaced
+# quantiles over every rank's runs, from which simulator.montecarlo draws per rank
+_OPTIONAL = {"provenance", "kernels", "collective_points", "kernel_quantiles"}
 TIERS = ("intra", "inter")
 
 
@@ -88,6 +90,8 @@ class Profile:
     provenance: dict | None = field(default=None, hash=False, compare=False)
     kernels: dict[str, float] | None = field(default=None, hash=False, compare=False)
     collective_points: list[list] | None = field(default=None, hash=False, compare=False)
+    kernel_quantiles: dict[str, list[float]] | None = field(default=None, hash=False,
+                                                            compare=False)
 
     def compute_time(self, task: Compute | Convert) -> float:
         """Seconds of a kernel on a compute stream: a Compute, or a local slice / alias. A kernel
@@ -112,6 +116,12 @@ class Profile:
             return 0.0, 0.0
         key = kernel_key(task)
         return self.kernels.get(f"issue {key}", 0.0), self.kernels.get(f"finish {key}", 0.0)
+
+    def drawn_time(self, key: str, seconds: float, u: float) -> float:
+        """A kernel's seconds in one run: at quantile `u` (in [0, 1)) of its measured spread
+        (`kernel_quantiles`), or `seconds` where none was measured."""
+        spread = (self.kernel_quantiles or {}).get(key)
+        return spread[int(u * len(spread))] if spread else seconds
 
     def kernel_time(self, flops: float, nbytes: float) -> float:
         """Seconds of one kernel: launch overhead, then bound by FLOPs or by memory traffic."""
@@ -269,6 +279,14 @@ def from_dict(doc, where: str = "profile") -> Profile:
                                f"{type(kernels).__name__}")
         kernels = {str(k): _number(v, f"kernels[{k!r}]", where, zero_ok=True)
                    for k, v in kernels.items()}
+    spreads = doc.get("kernel_quantiles")
+    if spreads is not None:
+        if not isinstance(spreads, dict) or not all(
+                isinstance(v, list) and v for v in spreads.values()):
+            raise ProfileError(f"{where}: \"kernel_quantiles\" must map kernel keys to non-empty "
+                               f"lists of seconds")
+        spreads = {str(k): sorted(_number(x, f"kernel_quantiles[{k!r}]", where, zero_ok=True)
+                                  for x in v) for k, v in spreads.items()}
     points = doc.get("collective_points")
     if points is not None:
         points = [_point(p, where) for p in (points if isinstance(points, list) else [points])]
@@ -286,7 +304,8 @@ def from_dict(doc, where: str = "profile") -> Profile:
     return Profile(str(doc["name"]), str(doc["source"]), values["flops"],
                    values["mem_bandwidth"], values["op_overhead"],
                    _collectives(doc["collectives"], where), int(values["gpus_per_node"]), inter,
-                   slow["compute"], slow["communication"], provenance, kernels, points)
+                   slow["compute"], slow["communication"], provenance, kernels, points,
+                   spreads)
 
 
 def _point(p, where: str) -> list:

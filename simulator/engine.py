@@ -18,13 +18,14 @@ device and collectives while a kernel runs (the profile's factors).
 from __future__ import annotations
 
 import logging
+import random
 import time
 from dataclasses import dataclass, replace
 
 import simpy
 
 from hidup.program import Compute, Convert, Program, Wait
-from hidup.profile import Profile
+from hidup.profile import Profile, kernel_key
 from simulator.intervals import covered, union
 
 log = logging.getLogger(__name__)
@@ -100,13 +101,16 @@ class _Plan:
 
 
 def simulate(program: Program, profile: Profile, all_ranks: bool = False,
-             slow_ranks: dict[int, float] | None = None) -> Result:
+             slow_ranks: dict[int, float] | None = None,
+             noise: random.Random | None = None) -> Result:
     """Run one step of `program` and measure it. Every rank runs the same tasks; when every
     collective spans the world the ranks are identical and one is simulated (all_ranks=True
     simulates each of them, to the same result); sub-group collectives simulate them all.
     `slow_ranks` {rank: factor} makes those ranks' kernels take `factor` times longer
     (stragglers, noise): every rank is simulated then, and collectives wait at the rendezvous
-    for the slowest member."""
+    for the slowest member. With `noise`, each rank's run of each measured kernel takes a time
+    drawn from its measured spread (Profile.kernel_quantiles), every rank simulated: one sample of
+    a step as ranks whose kernels vary meet at each collective (simulator.montecarlo)."""
     plan = _plan(program, profile)
     env = simpy.Environment()
     slow = dict(slow_ranks or {})
@@ -114,8 +118,8 @@ def simulate(program: Program, profile: Profile, all_ranks: bool = False,
     if bad:
         raise SimulationError(f"slow_ranks {bad}: ranks must be in 0..{program.world - 1} and "
                               f"factors positive")
-    ranks = program.world if all_ranks or slow or not plan.identical else 1
-    sim = _Sim(env, plan, ranks, profile, slow)
+    ranks = program.world if all_ranks or slow or noise or not plan.identical else 1
+    sim = _Sim(env, plan, ranks, profile, slow, noise)
     started, events = time.perf_counter(), _run(env)
     elapsed = time.perf_counter() - started
     log.debug("simulated %s k=%d on %d ranks: %d events in %.3f s (%.0f events/s)",
@@ -192,8 +196,10 @@ class _Sim:
     """The SimPy processes of all ranks: a compute stream and a communication stream each."""
 
     def __init__(self, env: simpy.Environment, plan: _Plan, ranks: int, profile: Profile,
-                 slow: dict[int, float] | None = None):
+                 slow: dict[int, float] | None = None, noise: random.Random | None = None):
         self.env, self.plan, self.ranks, self.slow = env, plan, ranks, slow or {}
+        self.profile, self.noise = profile, noise
+        self.collective_of = {c.id: c for c in plan.collectives}
         tasks = [*plan.duration, *(c.id for c in plan.collectives)]
         self.done = {(r, i): env.event() for r in range(ranks) for i in tasks}
         self.issued = {(r, i): env.event() for r in range(ranks) for i in plan.host
@@ -218,17 +224,22 @@ class _Sim:
                 unpack = self.plan.host.get(task.collective, (0.0, 0.0))[1]
                 if unpack > 0 and (rank, task.collective) not in self.unpacked:
                     self.unpacked.add((rank, task.collective))
-                    yield from self.kernel(rank, task, unpack)
+                    yield from self.kernel(rank, task, unpack, "finish " + kernel_key(
+                        self.collective_of[task.collective]))
                 continue
             if isinstance(task, Convert) and task.collective:  # packing its input
-                yield from self.kernel(rank, task, self.plan.host[task.id][0])
+                yield from self.kernel(rank, task, self.plan.host[task.id][0],
+                                       "issue " + kernel_key(task))
                 self.issued[rank, task.id].succeed()
             else:
-                yield from self.kernel(rank, task, self.plan.duration[task.id])
+                yield from self.kernel(rank, task, self.plan.duration[task.id], kernel_key(task))
                 self.done[rank, task.id].succeed()
 
-    def kernel(self, rank: int, task, seconds: float):
-        """`seconds` of work on the compute stream (slower on a slow rank); recorded."""
+    def kernel(self, rank: int, task, seconds: float, key: str):
+        """`seconds` of work on the compute stream (slower on a slow rank; with noise, drawn
+        from kernel `key`'s spread); recorded."""
+        if self.noise is not None:
+            seconds = self.profile.drawn_time(key, seconds, self.noise.random())
         start = self.env.now
         yield from self.run(rank, COMPUTE_STREAM, seconds * self.slow.get(rank, 1.0))
         self.records[rank].append(Record(task, COMPUTE_STREAM, start, self.env.now))

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from hidup.program import Program
-from simulator.engine import simulate
+from simulator.engine import Result, simulate
 from hidup.profile import LinkCost, Profile
 
 
@@ -66,3 +66,22 @@ def step_time_interval(program: Program, profile: Profile, samples: int = 100,
     q = statistics.quantiles(times, n=1000, method="inclusive")
     return Interval(statistics.fmean(times), q[max(0, round(tail * 1000) - 1)],
                     q[min(998, round((1 - tail) * 1000) - 1)], level, samples)
+
+
+def expected_step(program: Program, profile: Profile, samples: int = 32,
+                  seed: int = 0) -> Result:
+    """The step as a real run averages it: where the profile has the measured spread of its
+    kernels (calibration.ops on several ranks) and the Program several ranks, `samples` steps in
+    which every rank's kernels take times drawn from that spread, so each collective waits for
+    its slowest member as it does for real; the mean of their figures (the records: the first
+    sample's). Else the one step the profile's means give."""
+    if program.world == 1 or not profile.kernel_quantiles:
+        return simulate(program, profile)
+    if samples < 1:
+        raise ValueError(f"expected_step needs samples >= 1, got {samples}")
+    rng = random.Random(seed)
+    runs = [simulate(program, profile, noise=rng) for _ in range(samples)]
+    mean = {f: statistics.fmean(getattr(r, f) for r in runs)
+            for f in ("step_time", "computation", "communication", "overlap_ratio",
+                      "exposed_communication")}
+    return replace(runs[0], **mean, events=sum(r.events for r in runs))

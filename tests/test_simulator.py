@@ -208,3 +208,23 @@ def test_a_what_if_link_or_a_perturbed_profile_moves_the_measured_times_too():
     assert all(abs(r - 1) > 1e-6 for r in ratios.values())
     assert [q[4] / pt[4] for pt, q in zip(pts, moved.collective_points)] == pytest.approx(
         [ratios["inter"]] * 2 + [ratios["intra"]] * 2)  # one factor per tier and kind
+
+
+def test_ranks_with_varying_kernels_wait_for_the_slowest_at_each_collective():
+    """Kernel A takes 1 s or 3 s, each rank drawing its own: the all-reduce starts when both
+    ranks are done, after max(A0, A1), whose mean is 2.5 s (3 s unless both draw 1 s), not A's
+    mean of 2 s; one rank alone has nothing to wait for."""
+    from dataclasses import replace
+
+    from hidup.profile import kernel_key
+    from simulator.montecarlo import expected_step
+    prog = program(A, AR, Wait(-1, 1))
+    varying = replace(profile(), kernels={kernel_key(A): 2.0},
+                      kernel_quantiles={kernel_key(A): [1.0, 3.0]})
+    assert simulate(prog, varying).step_time == pytest.approx(2.0 + T_AR)
+    mean = expected_step(prog, varying, samples=4000).step_time
+    assert mean == pytest.approx(2.5 + T_AR, abs=0.05)
+    alone = program(A, world=1)
+    assert expected_step(alone, varying).step_time == pytest.approx(2.0)
+    # the spread survives a round trip through the profile file
+    assert from_dict(json.loads(varying.to_json())).kernel_quantiles == varying.kernel_quantiles
