@@ -44,6 +44,7 @@ from scipy.optimize import least_squares
 from calibration.fit import FitError, Residuals, fit_link, fit_roofline, residuals
 from calibration.trace import (
     TraceError,
+    KERNELS,
     is_communication,
     load_trace,
     step_gpu_events,
@@ -82,7 +83,7 @@ def forward_op_times(events: list[dict]) -> dict[str, list[float]]:
     their external id)."""
     kernels: dict[int, float] = {}
     for e in events:
-        if e.get("cat") == "Kernel" and not is_communication(e):
+        if e.get("cat") in KERNELS and not is_communication(e):
             ext = e.get("args", {}).get("external id")
             kernels[ext] = kernels.get(ext, 0.0) + e["dur"] * 1e-6
     cpu = sorted((e for e in events if e.get("cat") == "cpu_op"),
@@ -205,7 +206,7 @@ def _compute_streams(events: list[dict]) -> int:
     first = steps(events)[0]["ts"]
     counts: dict = {}
     for e in events:
-        if e.get("cat") == "Kernel" and e["ts"] >= first and not is_communication(e):
+        if e.get("cat") in KERNELS and e["ts"] >= first and not is_communication(e):
             counts[e["args"].get("stream")] = counts.get(e["args"].get("stream"), 0) + 1
     return max(1, sum(c >= 0.05 * sum(counts.values()) for c in counts.values()))
 

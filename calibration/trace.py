@@ -45,19 +45,27 @@ def load_trace(path: Path) -> list[dict]:
     return events
 
 
+# the device's work as the profiler names it: PyTorch 1.x ("Kernel", "Memcpy", the V100 traces)
+# and 2.x ("kernel", "gpu_memcpy", the H100 traces); memsets are left out as they always were
+KERNELS, COPIES = {"Kernel", "kernel"}, {"Memcpy", "gpu_memcpy"}
+
+
 def is_communication(event: dict) -> bool:
+    """An NCCL kernel, or a device-to-device copy (communication in the multi-GPU traces)."""
     name = event.get("name", "")
     return name.startswith("ncclKernel") or name.startswith("ncclDevKernel") or (
-        event.get("cat") == "Memcpy" and "DtoD" in name)
+        event.get("cat") in COPIES and "DtoD" in name)
 
 
 def gpu_events(events: list[dict]) -> list[dict]:
-    return [e for e in events if e.get("ph") == "X" and e.get("cat") in ("Kernel", "Memcpy")]
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") in KERNELS | COPIES]
 
 
 def steps(events: list[dict]) -> list[dict]:
+    """The host's ProfilerStep# ranges (PyTorch 2.x also marks each on the device, as a
+    gpu_user_annotation; those are not steps of their own)."""
     found = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")
-             and e.get("ph") == "X"]
+             and e.get("ph") == "X" and e.get("cat") != "gpu_user_annotation"]
     if not found:
         raise TraceError("the trace has no ProfilerStep# ranges; profile with a schedule "
                          "(torch.profiler.schedule) so that steps are marked")
@@ -78,10 +86,14 @@ def step_gpu_events(events: list[dict]) -> list[list[dict]]:
 
 def breakdown(events: list[dict]) -> StepBreakdown:
     """Mean over the profiled steps of wall time, computation, communication and overlap."""
+    per_step = step_gpu_events(events)
+    # one GPU (no NCCL kernel anywhere): a device-to-device copy is the model's own work
+    nccl = any(is_communication(e) and "DtoD" not in e["name"] for step in per_step for e in step)
+    talks = is_communication if nccl else (lambda e: False)
     rows = []
-    for step, inside in zip(steps(events), step_gpu_events(events)):
-        comm = [(e["ts"], e["ts"] + e["dur"]) for e in inside if is_communication(e)]
-        comp = union([(e["ts"], e["ts"] + e["dur"]) for e in inside if not is_communication(e)])
+    for step, inside in zip(steps(events), per_step):
+        comm = [(e["ts"], e["ts"] + e["dur"]) for e in inside if talks(e)]
+        comp = union([(e["ts"], e["ts"] + e["dur"]) for e in inside if not talks(e)])
         computation = sum(b - a for a, b in comp)  # busy time: two streams count once
         communication = sum(b - a for a, b in comm)
         hidden = sum(covered(a, b, comp) for a, b in comm)

@@ -31,6 +31,25 @@ def test_breakdown_matches_the_readme(name):
         assert b.overlap == pytest.approx(overlap, abs=0.01)
 
 
+# PyTorch 2.11 traces of one H100 (kernel / gpu_memcpy events, each step marked on the host and
+# on the device): host step mean and the GPU busy time per step as shared/traces/h100-1x1 lists
+H100 = {"bert-sgmoe-paper-fp32": ((72.0, 72.8, 74.1, 72.3), (68.6, 68.6)),
+        "bert-sgmoe-paper-bf16": ((71.1, 72.4, 60.3, 55.4), (14.0, 14.0)),
+        "switch-trace-paper-fp32": ((179.8, 180.5, 173.3, 186.3), (105.2, 106.1)),
+        "switch-trace-paper-bf16": ((114.4, 119.9, 141.0, 137.2), (21.0, 21.3))}
+
+
+@pytest.mark.parametrize("name", sorted(H100))
+def test_h100_traces_are_read(name):
+    """Four steps (not eight: the device's copies of the step marks are not steps), their GPU
+    work counted, and no communication on one GPU."""
+    host, (low, high) = H100[name]
+    b = breakdown(load_trace(TRACES / "h100-1x1" / f"{name}.json.gz"))
+    assert b.wall * 1e3 == pytest.approx(sum(host) / 4, abs=0.06)
+    assert low - 0.15 <= b.computation * 1e3 <= high + 0.15
+    assert b.communication == 0.0
+
+
 def test_bad_traces_are_one_line_errors(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{nope")
     with pytest.raises(TraceError, match=r"bad\.json: cannot read it"):
