@@ -4,6 +4,11 @@ issues them, over sizes and group sizes, then computation and communication alon
 rank 0 fits the figures (calibration.fit) and writes the profile JSON:
 
     torchrun --nproc-per-node 2 -m calibration.profile --out PROFILE.json
+
+On one rank (one GPU, say) there is nothing to communicate with: `--base PROFILE` keeps that
+profile's collectives and interference and the run measures the device's kernels only:
+
+    torchrun --nproc-per-node 1 -m calibration.profile --base v100-1x4-nvlink --out GPU.json
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ import tempfile
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -92,6 +97,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-bytes", type=parse_size,
                     help="largest collective tensor, e.g. 256MB (binary units; default 256MB, "
                          "4MB with --quick); sizes go from 1KB up by x4")
+    ap.add_argument("--base", metavar="NAME|PATH",
+                    help="one rank (e.g. one GPU): measure the device's kernels only and take the "
+                         "collectives and interference from this profile (shipped name or file)")
     ap.add_argument("--json", action="store_true",
                     help="print a machine-readable summary on stdout (the report goes to stderr)")
     ap.add_argument("-v", "--verbose", action="store_true", help="log every measured point")
@@ -388,10 +396,11 @@ def measure(args, ranks: Ranks, clock: Clock) -> tuple[list, list, tuple[float, 
     """Every rank: kernel points (flops, bytes, seconds of the slowest rank), collective points
     (tier, kind, n, nbytes, seconds) of every group (complete on rank 0), interference factors."""
     todo = kernels(args.quick, ranks.device)
-    groups = make_groups(ranks)
+    groups = make_groups(ranks) if ranks.world > 1 else []  # one rank: kernels only
     sizes = byte_sizes(args.max_bytes)
     trials = 2 if args.quick else 5  # interference trials
-    progress = Progress(len(todo) + len(groups) * len(COLLECTIVES) * len(sizes) + 3 * trials,
+    progress = Progress(len(todo) + len(groups) * len(COLLECTIVES) * len(sizes)
+                        + 3 * trials * bool(groups),
                         enabled=ranks.rank == 0)
     seconds = []
     for k in todo:
@@ -411,7 +420,7 @@ def measure(args, ranks: Ranks, clock: Clock) -> tuple[list, list, tuple[float, 
                 if ranks.rank == members[0]:  # one report per group
                     mine.append((tier, kind, len(members), exact, t))
                 del call
-    factors = interference(ranks, clock, args.quick, trials, progress)
+    factors = interference(ranks, clock, args.quick, trials, progress) if groups else None
     progress.close()
     everyone: list = [None] * ranks.world
     dist.all_gather_object(everyone, mine)
@@ -464,9 +473,13 @@ def provenance(ranks: Ranks, command: str) -> dict:
             "command": command, "versions": versions()}
 
 
-def fit_profile(args, ranks: Ranks, kernel_points, link_points, factors, prov):
-    """The Profile, the report's lines and the machine-readable summary."""
+def fit_profile(args, ranks: Ranks, kernel_points, link_points, factors, prov,
+                base: Profile | None = None):
+    """The Profile, the report's lines and the machine-readable summary. Measured on one rank,
+    the collectives and interference are `base`'s."""
     flops, mem, overhead, roof = fit_roofline(kernel_points)
+    if not link_points:
+        return _kernels_on_base(args, ranks, base, prov, (flops, mem, overhead, roof))
     links, fits = {}, {}
     for tier in ("intra", "inter"):
         points = [p[1:] for p in link_points if p[0] == tier]
@@ -506,6 +519,23 @@ def fit_profile(args, ranks: Ranks, kernel_points, link_points, factors, prov):
     return profile, lines, summary
 
 
+def _kernels_on_base(args, ranks: Ranks, base: Profile, prov, fit):
+    """One rank's profile: its device's roofline, `base`'s collectives and interference."""
+    flops, mem, overhead, roof = fit
+    source = (f"Kernels measured by calibration.profile on one rank of {prov['host']} "
+              f"({prov['devices'][0]}, {prov['date']}) with `{prov['command']}`, fitted with "
+              f"calibration.fit: a roofline of {roof.points} kernels (rms error {roof.rms:.1%}). "
+              f"Collectives and interference from profile {base.name} ({base.source})")
+    profile = replace(base, name=args.name, source=source, flops=flops, mem_bandwidth=mem,
+                      op_overhead=overhead, provenance=prov, kernels=None, kernel_quantiles=None)
+    lines = [f"roofline of {roof.points} kernels: {flops / 1e9:.4g} GFLOP/s, {mem / 1e9:.4g} GB/s "
+             f"memory, {overhead * 1e6:.3g} us per kernel; rms error {roof.rms:.1%}, "
+             f"max {roof.max:.1%}", f"collectives and interference: profile {base.name}"]
+    summary = {"name": args.name, "out": str(args.out), "flops": flops, "mem_bandwidth": mem,
+               "op_overhead": overhead, "roofline_fit": _fit_dict(roof), "base": base.name}
+    return profile, lines, summary
+
+
 def _fit_dict(r) -> dict:
     return {"points": r.points, "rms_error": r.rms, "max_error": r.max}
 
@@ -534,14 +564,17 @@ def main(argv=None) -> int:
     log.setLevel(logging.DEBUG if args.verbose and rank0 else logging.WARNING)
     try:
         env = torchrun_env()
-        if int(env["WORLD_SIZE"]) < 2:
-            raise UsageError(f"WORLD_SIZE is 1: collectives need at least 2 ranks; run: {LAUNCH}")
+        if int(env["WORLD_SIZE"]) < 2 and not args.base:
+            raise UsageError(f"WORLD_SIZE is 1: collectives need at least 2 ranks; run: {LAUNCH}; "
+                             f"or, to measure one device's kernels, add --base PROFILE for the "
+                             f"collectives")
+        base = load_profile(args.base) if args.base else None
         backend = args.backend if args.backend != "auto" else (
             "nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl" and not torch.cuda.is_available():
             raise UsageError("--backend nccl needs CUDA GPUs and none is available; use "
                              "--backend gloo (or auto)")
-    except UsageError as exc:
+    except (UsageError, ProfileError) as exc:
         if rank0:
             print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
@@ -555,12 +588,12 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
     dist.init_process_group(backend)
     try:
-        return run(args, argv, Ranks(env, backend, device))
+        return run(args, argv, Ranks(env, backend, device), base)
     finally:
         dist.destroy_process_group()
 
 
-def run(args, argv, ranks: Ranks) -> int:
+def run(args, argv, ranks: Ranks, base: Profile | None = None) -> int:
     """Check the output path, measure on every rank, then fit, write and report on rank 0."""
     problem = [check_out(args.out) if ranks.rank == 0 else None]
     dist.broadcast_object_list(problem, src=0)  # every rank stops if rank 0 cannot write
@@ -578,7 +611,7 @@ def run(args, argv, ranks: Ranks) -> int:
         return 0
     try:
         profile, lines, summary = fit_profile(args, ranks, kernel_points, link_points, factors,
-                                              prov)
+                                              prov, base)
         write_profile(profile, args.out)
     except (FitError, ProfileError, OSError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

@@ -183,3 +183,26 @@ def test_two_gloo_ranks_under_torchrun_write_a_profile(tmp_path):
         assert f"  {kind} " in done.stderr
     assert "55/55" in done.stderr  # the progress line reached its last item
     assert not list(tmp_path.glob(".x.*"))  # no temporary file left behind
+
+
+@pytest.mark.slow
+def test_one_rank_measures_kernels_on_a_base_profile(tmp_path):
+    """One rank (one GPU, say): the device's roofline is measured, the collectives and
+    interference are the base profile's; without --base the run says what to add."""
+    out = tmp_path / "one.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+           "--master-port", str(free_port()), "-m", "calibration.profile", "--quick",
+           "--out", str(out)]
+    refused = subprocess.run(cmd, capture_output=True, text=True, env=_env_without_torchrun(),
+                             cwd=tmp_path, timeout=300)
+    assert refused.returncode != 0 and "add --base PROFILE" in refused.stderr
+    done = subprocess.run(cmd + ["--base", "v100-1x4-nvlink"], capture_output=True, text=True,
+                          env=_env_without_torchrun(), cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    p, base = load_profile(out), load_profile("v100-1x4-nvlink")
+    assert 1e8 < p.flops < 1e13 and p.flops != base.flops  # measured here, not the V100's
+    assert p.collectives == base.collectives and p.inter_node == base.inter_node
+    assert (p.interference_compute, p.interference_comm) == \
+        (base.interference_compute, base.interference_comm)
+    assert p.provenance["world"] == 1 and "v100-1x4-nvlink" in p.source
+    assert "21/21" in done.stderr  # kernels only: no collective or interference items
