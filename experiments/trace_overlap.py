@@ -33,15 +33,19 @@ def load_events(path: Path) -> list[dict]:
 
 
 def overlaps(events: list[dict]) -> list[Overlap]:
-    """Match each gloo/nccl kernel to the HiDup label that issued it, then intersect its span with
-    the compute labels of other micro-batches."""
-    issues = [e for e in events if _ISSUE.match(e["name"])]
-    kernels = [e for e in events if re.match(r"^(gloo|nccl):", e["name"])]
+    """Match each gloo/nccl kernel to the HiDup label that issued it (the last one issued before
+    the kernel started: the communication thread may start it after the label has ended, once
+    the collective before it is done), then intersect its span with the compute labels of other
+    micro-batches."""
+    issues = sorted((e for e in events if _ISSUE.match(e["name"])), key=lambda e: e["ts"])
+    kernels = [e for e in events if re.match(r"^(gloo|nccl):", e["name"])
+               and "barrier" not in e["name"]]
     computes = [(e["ts"], e["ts"] + e["dur"], int(_COMPUTE.match(e["name"]).group(3)))
                 for e in events if _COMPUTE.match(e["name"])]
     out = []
-    for issue in issues:
-        inside = [k for k in kernels if issue["ts"] <= k["ts"] <= issue["ts"] + issue["dur"]]
+    for i, issue in enumerate(issues):
+        until = issues[i + 1]["ts"] if i + 1 < len(issues) else float("inf")
+        inside = [k for k in kernels if issue["ts"] <= k["ts"] < until]
         if not inside:
             continue
         start = min(k["ts"] for k in inside)
