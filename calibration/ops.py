@@ -37,8 +37,8 @@ from hidup.cli import Parser
 from hidup.cluster import default_threads
 from hidup.execute import Executor
 from hidup.models import get_model, names
-from hidup.profile import ProfileError, kernel_key, load_profile
-from hidup.program import Convert, Wait, lower
+from hidup.profile import ProfileError, load_profile, timing_key
+from hidup.program import lower
 from hidup.passes import TaskClock, with_hooks
 from hidup.step import trace_step
 from hidup.strategy import resolve_strategy
@@ -84,13 +84,8 @@ def kernel_times(program, seconds: dict[tuple[int, bool], list[float]], steps: i
     KEY', at its Wait). A task that recorded no graph node costs nothing in the compiled step."""
     out: dict[str, list[float]] = {}
     for task in program.tasks:
-        if isinstance(task, Wait):
-            key = f"finish {kernel_key(program.tasks[task.collective])}"
-        elif isinstance(task, Convert) and task.collective:
-            key = f"issue {kernel_key(task)}"
-        else:
-            key = kernel_key(task)
-        out.setdefault(key, []).extend(seconds.get((task.id, False), [0.0] * steps))
+        out.setdefault(timing_key(task, program.tasks), []).extend(
+            seconds.get((task.id, False), [0.0] * steps))
     return out
 
 

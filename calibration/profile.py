@@ -498,9 +498,7 @@ def fit_profile(args, ranks: Ranks, kernel_points, link_points, factors, prov,
     profile = Profile(args.name, source, flops, mem, overhead, intra, ranks.local, inter,
                       factors[0], factors[1], prov,
                       collective_points=[[t, kind, n, b, sec] for t, kind, n, b, sec in link_points])
-    lines = [f"roofline of {roof.points} kernels: {flops / 1e9:.4g} GFLOP/s, {mem / 1e9:.4g} GB/s "
-             f"memory, {overhead * 1e6:.3g} us per kernel; rms error {roof.rms:.1%}, "
-             f"max {roof.max:.1%}"]
+    lines = [_roofline_line(flops, mem, overhead, roof)]
     summary = {"name": args.name, "out": str(args.out), "flops": flops, "mem_bandwidth": mem,
                "op_overhead": overhead, "roofline_fit": _fit_dict(roof), "collectives": {},
                "interference": {"compute": factors[0], "communication": factors[1]}}
@@ -528,12 +526,16 @@ def _kernels_on_base(args, ranks: Ranks, base: Profile, prov, fit):
               f"Collectives and interference from profile {base.name} ({base.source})")
     profile = replace(base, name=args.name, source=source, flops=flops, mem_bandwidth=mem,
                       op_overhead=overhead, provenance=prov, kernels=None, kernel_quantiles=None)
-    lines = [f"roofline of {roof.points} kernels: {flops / 1e9:.4g} GFLOP/s, {mem / 1e9:.4g} GB/s "
-             f"memory, {overhead * 1e6:.3g} us per kernel; rms error {roof.rms:.1%}, "
-             f"max {roof.max:.1%}", f"collectives and interference: profile {base.name}"]
+    lines = [_roofline_line(*fit), f"collectives and interference: profile {base.name}"]
     summary = {"name": args.name, "out": str(args.out), "flops": flops, "mem_bandwidth": mem,
                "op_overhead": overhead, "roofline_fit": _fit_dict(roof), "base": base.name}
     return profile, lines, summary
+
+
+def _roofline_line(flops, mem, overhead, roof) -> str:
+    return (f"roofline of {roof.points} kernels: {flops / 1e9:.4g} GFLOP/s, {mem / 1e9:.4g} GB/s "
+            f"memory, {overhead * 1e6:.3g} us per kernel; rms error {roof.rms:.1%}, "
+            f"max {roof.max:.1%}")
 
 
 def _fit_dict(r) -> dict:

@@ -50,11 +50,13 @@ def load_trace(path: Path) -> list[dict]:
 KERNELS, COPIES = {"Kernel", "kernel"}, {"Memcpy", "gpu_memcpy"}
 
 
+def is_nccl(event: dict) -> bool:
+    return event.get("name", "").startswith(("ncclKernel", "ncclDevKernel"))
+
+
 def is_communication(event: dict) -> bool:
     """An NCCL kernel, or a device-to-device copy (communication in the multi-GPU traces)."""
-    name = event.get("name", "")
-    return name.startswith("ncclKernel") or name.startswith("ncclDevKernel") or (
-        event.get("cat") in COPIES and "DtoD" in name)
+    return is_nccl(event) or (event.get("cat") in COPIES and "DtoD" in event.get("name", ""))
 
 
 def gpu_events(events: list[dict]) -> list[dict]:
@@ -88,7 +90,7 @@ def breakdown(events: list[dict]) -> StepBreakdown:
     """Mean over the profiled steps of wall time, computation, communication and overlap."""
     per_step = step_gpu_events(events)
     # one GPU (no NCCL kernel anywhere): a device-to-device copy is the model's own work
-    nccl = any(is_communication(e) and "DtoD" not in e["name"] for step in per_step for e in step)
+    nccl = any(is_nccl(e) for step in per_step for e in step)
     talks = is_communication if nccl else (lambda e: False)
     rows = []
     for step, inside in zip(steps(events), per_step):

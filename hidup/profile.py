@@ -25,7 +25,7 @@ from functools import cached_property
 from importlib import resources
 from pathlib import Path
 
-from hidup.program import COLLECTIVES, Compute, Convert, kernel_tasks
+from hidup.program import COLLECTIVES, Compute, Convert, Wait, kernel_tasks
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +212,17 @@ def kernel_key(task: Compute | Convert) -> str:
     if task.phase == "bwd":
         key += " grads " + "".join("1" if out else "0" for out in task.outputs)
     return key
+
+
+def timing_key(task: Compute | Convert | Wait, tasks) -> str:
+    """The key under which calibration.ops records a compute-stream task's time: a kernel's
+    own key, a collective's packing 'issue KEY', and at a Wait its unpacking 'finish KEY' (of
+    collective `tasks[task.collective]`)."""
+    if isinstance(task, Wait):
+        return f"finish {kernel_key(tasks[task.collective])}"
+    if isinstance(task, Convert) and task.collective:
+        return f"issue {kernel_key(task)}"
+    return kernel_key(task)
 
 
 def kernel_coverage(profile: Profile, tasks) -> float:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import simpy
 
 from hidup.program import Compute, Convert, Program, Wait
-from hidup.profile import Profile, kernel_key
+from hidup.profile import Profile, timing_key
 from simulator.intervals import covered, union
 
 log = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ class _Sim:
                  slow: dict[int, float] | None = None, noise: random.Random | None = None):
         self.env, self.plan, self.ranks, self.slow = env, plan, ranks, slow or {}
         self.profile, self.noise = profile, noise
-        self.collective_of = {c.id: c for c in plan.collectives}
+        self.collective_of = {c.id: c for c in plan.collectives}  # for a Wait's timing key
         tasks = [*plan.duration, *(c.id for c in plan.collectives)]
         self.done = {(r, i): env.event() for r in range(ranks) for i in tasks}
         self.issued = {(r, i): env.event() for r in range(ranks) for i in plan.host
@@ -224,21 +224,20 @@ class _Sim:
                 unpack = self.plan.host.get(task.collective, (0.0, 0.0))[1]
                 if unpack > 0 and (rank, task.collective) not in self.unpacked:
                     self.unpacked.add((rank, task.collective))
-                    yield from self.kernel(rank, task, unpack, "finish " + kernel_key(
-                        self.collective_of[task.collective]))
+                    yield from self.kernel(rank, task, unpack)
                 continue
             if isinstance(task, Convert) and task.collective:  # packing its input
-                yield from self.kernel(rank, task, self.plan.host[task.id][0],
-                                       "issue " + kernel_key(task))
+                yield from self.kernel(rank, task, self.plan.host[task.id][0])
                 self.issued[rank, task.id].succeed()
             else:
-                yield from self.kernel(rank, task, self.plan.duration[task.id], kernel_key(task))
+                yield from self.kernel(rank, task, self.plan.duration[task.id])
                 self.done[rank, task.id].succeed()
 
-    def kernel(self, rank: int, task, seconds: float, key: str):
+    def kernel(self, rank: int, task, seconds: float):
         """`seconds` of work on the compute stream (slower on a slow rank; with noise, drawn
-        from kernel `key`'s spread); recorded."""
+        from the task's measured spread); recorded."""
         if self.noise is not None:
+            key = timing_key(task, self.collective_of)
             seconds = self.profile.drawn_time(key, seconds, self.noise.random())
         start = self.env.now
         yield from self.run(rank, COMPUTE_STREAM, seconds * self.slow.get(rank, 1.0))

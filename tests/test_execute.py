@@ -67,10 +67,10 @@ def collectives_in_flight(rank, world, rounds):
 
 def expected(kind, x, world):
     """What `kind` returns on every rank, from rank r's input x + 1000 r."""
-    parts = [x + 1000 * (r - torch.distributed.get_rank()) for r in range(world)]
+    me = torch.distributed.get_rank()
+    parts = [x + 1000 * (r - me) for r in range(world)]
     total = sum(parts)
     rows = x.shape[0] // world
-    me = torch.distributed.get_rank()
     return {"all_gather": torch.cat(parts), "all_reduce": total,
             "reduce_scatter": total[me * rows:(me + 1) * rows],
             "all_to_all": torch.cat([p[me * rows:(me + 1) * rows] for p in parts])}[kind]
