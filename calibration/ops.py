@@ -8,8 +8,8 @@ writes the base profile with the mean time of each kernel (by hidup.profile.kern
 is a sum of kernels, and a sum's expectation is the sum of means; occasional slow runs count as
 in a real step) on the slowest rank (ranks meet at every collective, so the slowest one sets
 the pace); the simulator then uses these instead of the roofline wherever a Program has the
-same kernel. It also writes each kernel's spread over every rank's runs (16 quantiles): from
-it simulator.montecarlo draws each rank's kernel times, so that a collective waits for its
+same kernel. It also writes each kernel's spread over every rank's runs (16 equally likely
+values): from it simulator.montecarlo draws each rank's kernel times, so that a collective waits for its
 slowest member as it does in a real step (the expected maximum at each rendezvous):
 
     torchrun --nproc-per-node 2 -m calibration.ops --model gpt:tiny --strategy ddp megatron \\
@@ -90,10 +90,14 @@ def kernel_times(program, seconds: dict[tuple[int, bool], list[float]], steps: i
 
 
 def quantiles(seconds: list[float], points: int = 16) -> list[float]:
-    """A kernel's timings reduced to `points` evenly spaced quantiles (fewer if fewer runs)."""
+    """A kernel's timings reduced to `points` equally likely values (fewer if fewer runs): the
+    mean of each `points`-th of the sorted runs, so that drawing one of them at random keeps the
+    measured mean (up to bins one run apart in size: a slow run in fifty still counts, as it does
+    in a real step)."""
     ordered = sorted(seconds)
     m = min(points, len(ordered))
-    return [ordered[int((i + 0.5) / m * len(ordered))] for i in range(m)]
+    cuts = [round(i * len(ordered) / m) for i in range(m + 1)]
+    return [statistics.fmean(ordered[a:b]) for a, b in zip(cuts, cuts[1:])]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
