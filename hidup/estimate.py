@@ -1,7 +1,8 @@
 """The planner's fast cost estimate of a Program: one pass over its tasks with the simulator's
 rules for one rank (identical ranks; every collective starts when the communication stream is free
-and its inputs are written; kernels run in order on the compute stream, after their Waits).
-Equal to the SimPy simulator when the profile has no interference (a test checks it)."""
+and its inputs are written; kernels run in order on the compute stream, after their Waits; with
+a GPU profile's host figures, nothing starts before the host has issued it). Equal to the SimPy
+simulator when the profile has no interference (a test checks it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,10 +18,11 @@ class Estimate:
     communication: float
 
 
-def estimate(program: Program, profile: Profile) -> Estimate:
+def estimate(program: Program, profile: Profile, mode: str = "graph") -> Estimate:
+    """The step as the simulator runs it for `program` under `profile`, the executor in `mode`."""
     done: dict[int, float] = {}
     writers: dict[str, list[int]] = {}
-    device = comm = computation = communication = 0.0
+    device = comm = computation = communication = host = 0.0
     unpacked: set[int] = set()  # collectives past their first Wait
 
     def kernel(seconds: float) -> float:  # on the compute stream, in order
@@ -30,6 +32,11 @@ def estimate(program: Program, profile: Profile) -> Estimate:
         return device
 
     for task in program.tasks:
+        issue = profile.issue_time(task, mode)
+        if issue is not None:  # a GPU's host issues every task in order, ahead of the streams
+            host += issue
+            if not (isinstance(task, Convert) and task.collective):
+                device = max(device, host)
         if isinstance(task, Wait):
             device = max(device, done[task.collective])
             coll = program.tasks[task.collective]
@@ -41,7 +48,7 @@ def estimate(program: Program, profile: Profile) -> Estimate:
         if isinstance(task, Convert) and task.collective:
             pack = profile.host_times(task)[0]
             issued = kernel(pack) if pack > 0 else 0.0
-            start = max([comm, issued] +
+            start = max([comm, issued, host] +
                         [done[w] for key in task.inputs for w in writers.get(key, ())])
             comm = done[task.id] = start + profile.collective_time(task.kind, task.bytes,
                                                                   task.group)

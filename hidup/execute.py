@@ -10,13 +10,12 @@ import torch.distributed as dist
 
 from hidup.capture import Graph
 from hidup.placement import Partial, Placement, Shard
-from hidup.program import Program, task_label
+from hidup.program import MODES, Program, task_label
 from hidup.passes import inductor_segments, with_hooks
 from hidup.step import INPUT_TASK, StepSpec, shard_of, trace_step
 from hidup.strategy import Strategy, microbatch_split
 
 log = logging.getLogger(__name__)
-MODES = ("graph", "compile", "cuda-graphs")
 
 
 class Executor:

@@ -25,7 +25,7 @@ from functools import cached_property
 from importlib import resources
 from pathlib import Path
 
-from hidup.program import COLLECTIVES, Compute, Convert, Wait, kernel_tasks
+from hidup.program import COLLECTIVES, MODES, Compute, Convert, Wait, kernel_tasks
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +38,9 @@ _KEYS = {"format", "version", "name", "source", "collectives", "inter_node", "in
 # collective_points: [tier ("intra"/"inter"), kind, group size, bytes, seconds] as measured by
 # calibration.profile, interpolated before the fitted formulas;
 # kernel_quantiles: each measured kernel's spread (calibration.ops): its seconds at evenly spaced
-# quantiles over every rank's runs, from which simulator.montecarlo draws per rank
-_OPTIONAL = {"provenance", "kernels", "collective_points", "kernel_quantiles"}
+# quantiles over every rank's runs, from which simulator.montecarlo draws per rank;
+# host: on a GPU, seconds the host spends issuing one task, per executor mode (hidup.program.MODES)
+_OPTIONAL = {"provenance", "kernels", "collective_points", "kernel_quantiles", "host"}
 TIERS = ("intra", "inter")
 
 
@@ -92,6 +93,21 @@ class Profile:
     collective_points: list[list] | None = field(default=None, hash=False, compare=False)
     kernel_quantiles: dict[str, list[float]] | None = field(default=None, hash=False,
                                                             compare=False)
+    host: dict[str, float] | None = field(default=None, hash=False, compare=False)  # mode ->
+    #   seconds the host spends issuing one task on a GPU, where kernels run asynchronously
+    #   after it; absent on a CPU cluster, whose host runs the kernels (their times include it)
+
+    def issue_time(self, task: Compute | Convert | Wait, mode: str) -> float | None:
+        """Seconds the host spends issuing `task` in executor `mode`: None when the profile has
+        no host figures (a CPU cluster: the host is the compute stream), 0 for an alias (it
+        issues nothing). A mode the profile has no figure for is an error that names them."""
+        if self.host is None:
+            return None
+        if mode not in self.host:
+            raise ProfileError(f"profile {self.name} has host figures for executor modes "
+                               f"{sorted(self.host)}, not {mode!r}; calibrate that mode "
+                               f"(calibration.ops --mode {mode}) or pick one of those")
+        return 0.0 if isinstance(task, Convert) and task.kind == "alias" else self.host[mode]
 
     def compute_time(self, task: Compute | Convert) -> float:
         """Seconds of a kernel on a compute stream: a Compute, or a local slice / alias. A kernel
@@ -298,6 +314,12 @@ def from_dict(doc, where: str = "profile") -> Profile:
                                f"lists of seconds")
         spreads = {str(k): sorted(_number(x, f"kernel_quantiles[{k!r}]", where, zero_ok=True)
                                   for x in v) for k, v in spreads.items()}
+    host = doc.get("host")
+    if host is not None:
+        if not isinstance(host, dict) or not host or set(host) - set(MODES):
+            raise ProfileError(f"{where}: \"host\" must map executor modes ({', '.join(MODES)}) "
+                               f"to the seconds of host time per task, got {host!r}")
+        host = {k: _number(v, f"host[{k!r}]", where, zero_ok=True) for k, v in host.items()}
     points = doc.get("collective_points")
     if points is not None:
         points = [_point(p, where) for p in (points if isinstance(points, list) else [points])]
@@ -316,7 +338,7 @@ def from_dict(doc, where: str = "profile") -> Profile:
                    values["mem_bandwidth"], values["op_overhead"],
                    _collectives(doc["collectives"], where), int(values["gpus_per_node"]), inter,
                    slow["compute"], slow["communication"], provenance, kernels, points,
-                   spreads)
+                   spreads, host)
 
 
 def _point(p, where: str) -> list:

@@ -10,6 +10,7 @@ from hidup.placement import Placement, Shard, ShardingOption
 from hidup.strategy import Strategy
 
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+MODES = ("graph", "compile", "cuda-graphs")  # how the executor runs a rank's step (hidup.execute)
 
 
 @dataclass(frozen=True)

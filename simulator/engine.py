@@ -14,6 +14,13 @@ world is split into sub-groups (Convert.groups), several groups cross the same l
 share it: each runs its transfer at 1/n of the speed while n groups load its busiest link
 (re-timed whenever one starts or ends). Interference slows kernels while a collective runs on the
 device and collectives while a kernel runs (the profile's factors).
+
+Where the profile has host figures (a GPU: `Profile.host`, seconds per task for the executor mode
+that runs), each rank also has a host thread that issues its tasks in program order, each taking
+that long; a kernel or collective cannot start before it is issued, so a step of small kernels is
+as slow as its host (and Duplex, with twice the tasks, doubles the host's work). A Wait blocks
+only the stream there, never the host. On a CPU cluster (no host figures) the host is the compute
+stream: it runs the kernels, and a Wait blocks it.
 """
 from __future__ import annotations
 
@@ -30,7 +37,7 @@ from simulator.intervals import covered, union
 
 log = logging.getLogger(__name__)
 
-COMPUTE_STREAM, COMM_STREAM = 0, 1  # each rank's streams, as numbered in `Result.records`
+COMPUTE_STREAM, COMM_STREAM, HOST = 0, 1, 2  # each rank's tracks, as numbered in `Result.records`
 
 
 class SimulationError(ValueError):
@@ -87,6 +94,9 @@ class _Plan:
     #   collectives split into sub-groups (others: 0)
     host: dict[int, tuple[float, float]]  # collective id -> seconds its stream spends issuing
     #   it and at its first Wait (Profile.host_times; only those not zero)
+    issue: tuple[tuple[Compute | Convert | Wait, float], ...] | None  # every task in program
+    #   order and the seconds the host thread spends issuing it (a GPU profile's host figures;
+    #   None: no host thread)
 
     @property
     def identical(self) -> bool:
@@ -102,7 +112,7 @@ class _Plan:
 
 def simulate(program: Program, profile: Profile, all_ranks: bool = False,
              slow_ranks: dict[int, float] | None = None,
-             noise: random.Random | None = None) -> Result:
+             noise: random.Random | None = None, mode: str = "graph") -> Result:
     """Run one step of `program` and measure it. Every rank runs the same tasks; when every
     collective spans the world the ranks are identical and one is simulated (all_ranks=True
     simulates each of them, to the same result); sub-group collectives simulate them all.
@@ -110,8 +120,9 @@ def simulate(program: Program, profile: Profile, all_ranks: bool = False,
     (stragglers, noise): every rank is simulated then, and collectives wait at the rendezvous
     for the slowest member. With `noise`, each rank's run of each measured kernel takes a time
     drawn from its measured spread (Profile.kernel_quantiles), every rank simulated: one sample of
-    a step as ranks whose kernels vary meet at each collective (simulator.montecarlo)."""
-    plan = _plan(program, profile)
+    a step as ranks whose kernels vary meet at each collective (simulator.montecarlo). `mode` is
+    the executor mode (hidup.program.MODES) whose host figures the profile gives, if it has any."""
+    plan = _plan(program, profile, mode)
     env = simpy.Environment()
     slow = dict(slow_ranks or {})
     bad = {r: f for r, f in slow.items() if not (0 <= r < program.world) or f <= 0}
@@ -140,7 +151,7 @@ def _run(env: simpy.Environment) -> int:
         return events
 
 
-def _plan(program: Program, profile: Profile) -> _Plan:
+def _plan(program: Program, profile: Profile, mode: str = "graph") -> _Plan:
     collectives = tuple(program.collectives)
     ids = {c.id for c in collectives}
     compute: list = []
@@ -166,7 +177,10 @@ def _plan(program: Program, profile: Profile) -> _Plan:
         if not isinstance(task, Wait):
             duration[task.id] = profile.compute_time(task)
         compute.append(task)
-    return _Plan(tuple(compute), collectives, _producers(program), duration, links, part, host)
+    issue = None if profile.host is None else \
+        tuple((t, profile.issue_time(t, mode)) for t in program.tasks)
+    return _Plan(tuple(compute), collectives, _producers(program), duration, links, part, host,
+                 issue)
 
 
 def _check_groups(task: Convert, world: int) -> None:
@@ -213,12 +227,27 @@ class _Sim:
         self.interfere = max(self.slowdown.values()) > 1.0
         self.devices = [_Device() for _ in range(ranks)]
         self.links = _Links() if plan.shared_links else None
+        self.launched = {(r, t.id): env.event() for r in range(ranks) for t, _ in plan.issue or ()}
         for rank in range(ranks):
             env.process(self.compute_stream(rank))
             env.process(self.comm_stream(rank))
+            if self.launched:
+                env.process(self.host_thread(rank))
+
+    def host_thread(self, rank: int):
+        """A GPU rank's host: issues every task in program order (a Wait too: it only enqueues
+        the stream's wait), each taking its issue time; recorded on the HOST track."""
+        for task, seconds in self.plan.issue:
+            if seconds > 0:
+                start = self.env.now
+                yield self.env.timeout(seconds)
+                self.records[rank].append(Record(task, HOST, start, self.env.now))
+            self.launched[rank, task.id].succeed()
 
     def compute_stream(self, rank: int):
         for task in self.plan.compute:
+            if self.launched:  # a GPU's stream runs what the host has issued
+                yield self.launched[rank, task.id]
             if isinstance(task, Wait):
                 yield self.done[rank, task.collective]
                 unpack = self.plan.host.get(task.collective, (0.0, 0.0))[1]
@@ -248,6 +277,8 @@ class _Sim:
             inputs = [self.done[rank, i] for i in self.plan.producers[task.id]]
             if (rank, task.id) in self.issued:
                 inputs.append(self.issued[rank, task.id])
+            if self.launched:
+                inputs.append(self.launched[rank, task.id])
             if inputs:
                 yield self.env.all_of(inputs)
             key = (task.id, self.plan.part.get((task.id, rank), 0))
@@ -376,7 +407,7 @@ class _Links:
 def _result(records: list[list[Record]]) -> Result:
     ends = [r.end for rank in records for r in rank]
     mine = records[0] if records else []
-    busy = union([(r.start, r.end) for r in mine if r.stream != COMM_STREAM])
+    busy = union([(r.start, r.end) for r in mine if r.stream == COMPUTE_STREAM])
     comm = [(r.start, r.end) for r in mine if r.stream == COMM_STREAM]
     communication = sum(e - s for s, e in comm)
     overlapped = sum(covered(s, e, busy) for s, e in comm)

@@ -54,13 +54,14 @@ def perturb(profile: Profile, rng: random.Random, sigma: float) -> Profile:
 
 
 def step_time_interval(program: Program, profile: Profile, samples: int = 100,
-                       sigma: float = 0.1, level: float = 0.95, seed: int = 0) -> Interval:
+                       sigma: float = 0.1, level: float = 0.95, seed: int = 0,
+                       mode: str = "graph") -> Interval:
     """Mean and central `level` interval of the simulated step time under perturbed profiles."""
     if samples < 2 or not 0 < level < 1 or sigma < 0:
         raise ValueError(f"Monte-Carlo needs samples >= 2 (got {samples}), 0 < level < 1 (got "
                          f"{level}) and sigma >= 0 (got {sigma})")
     rng = random.Random(seed)
-    times = sorted(simulate(program, perturb(profile, rng, sigma)).step_time
+    times = sorted(simulate(program, perturb(profile, rng, sigma), mode=mode).step_time
                    for _ in range(samples))
     tail = (1 - level) / 2
     q = statistics.quantiles(times, n=1000, method="inclusive")
@@ -69,18 +70,19 @@ def step_time_interval(program: Program, profile: Profile, samples: int = 100,
 
 
 def expected_step(program: Program, profile: Profile, samples: int = 32,
-                  seed: int = 0) -> Result:
+                  seed: int = 0, mode: str = "graph") -> Result:
     """The step as a real run averages it: where the profile has the measured spread of its
     kernels (calibration.ops on several ranks) and the Program several ranks, `samples` steps in
     which every rank's kernels take times drawn from that spread, so each collective waits for
     its slowest member as it does for real; the mean of their figures (the records: the first
-    sample's). Else the one step the profile's means give."""
+    sample's). Else the one step the profile's means give. `mode`: the executor mode (host
+    figures, where the profile has them)."""
     if program.world == 1 or not profile.kernel_quantiles:
-        return simulate(program, profile)
+        return simulate(program, profile, mode=mode)
     if samples < 1:
         raise ValueError(f"expected_step needs samples >= 1, got {samples}")
     rng = random.Random(seed)
-    runs = [simulate(program, profile, noise=rng) for _ in range(samples)]
+    runs = [simulate(program, profile, noise=rng, mode=mode) for _ in range(samples)]
     mean = {f: statistics.fmean(getattr(r, f) for r in runs)
             for f in ("step_time", "computation", "communication", "overlap_ratio",
                       "exposed_communication")}

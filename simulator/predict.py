@@ -16,7 +16,7 @@ from hidup.cli import Parser
 from hidup.memory import MemoryReport, peak_memory
 from hidup.models import capture_model
 from hidup.profile import Profile, load_profile
-from hidup.program import lower
+from hidup.program import MODES, lower
 from hidup.strategy import Strategy, resolve_strategy, save_plan
 from simulator.engine import Result
 from simulator.montecarlo import Interval, expected_step, step_time_interval
@@ -43,6 +43,7 @@ class Prediction:
     graph: Graph
     memory: tuple[MemoryReport, MemoryReport]  # peak memory per rank: SPMD, Duplex
     intervals: tuple[Interval, Interval] | None = None  # Monte-Carlo step times: SPMD, Duplex
+    mode: str = "graph"  # the executor mode whose host cost was simulated (GPU profiles)
 
     @property
     def speedup(self) -> float:
@@ -55,6 +56,7 @@ class Prediction:
     def to_dict(self) -> dict:
         return {"model": self.model, "batch": self.batch, "cluster": self.profile.name,
                 "gpus": self.gpus, "strategy": self.strategy.name, "micro_batches": self.k,
+                "mode": self.mode,
                 "spmd": _result_dict(self.spmd, 1, self.memory[0]),
                 "duplex": _result_dict(self.duplex, self.k, self.memory[1]),
                 "speedup": self.speedup,
@@ -68,6 +70,9 @@ class Prediction:
     def __str__(self) -> str:
         head = (f"model {self.model} (batch {self.batch}), cluster {self.profile.name}, "
                 f"{self.gpus} GPUs, strategy {self.strategy.name}")
+        if self.profile.host is not None:
+            head += (f", executor mode {self.mode} ({self.profile.host[self.mode] * 1e6:.3g} us "
+                     f"of host time per task)")
         noise = [] if self.intervals is None else [
             f"Monte-Carlo, profile figures perturbed: SPMD {self.intervals[0]}; "
             f"Duplex {self.intervals[1]}"]
@@ -112,8 +117,9 @@ def _plan_lines(strategy: Strategy) -> list[str]:
 
 def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | None,
             k: int, samples: int = 0, noise: float = 0.1,
-            bucket_mb: float = 25.0) -> Prediction:
-    """Capture, plan, lower for k=1 and for k micro-batches, and simulate both."""
+            bucket_mb: float = 25.0, mode: str = "graph") -> Prediction:
+    """Capture, plan, lower for k=1 and for k micro-batches, and simulate both (the executor in
+    `mode`: what the host costs where the profile has host figures)."""
     spec = models.get_model(model, gpus=gpus)
     profile = load_profile(cluster)
     batch = batch or spec.batch
@@ -126,14 +132,14 @@ def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | Non
     bucket = int(bucket_mb * 2 ** 20)
     for program in [lower(graph, plan, gpus, n, spec.name, bucket_bytes=bucket) for n in (1, k)]:
         started = time.perf_counter()
-        results.append(expected_step(program, profile))  # simulate, unless kernels vary
+        results.append(expected_step(program, profile, mode=mode))  # simulate unless kernels vary
         log.info("simulated k=%d: %d tasks in %.3f s: %s", program.k, len(program.tasks),
                  time.perf_counter() - started, results[-1])
         memory.append(peak_memory(program))
         if samples:
-            intervals.append(step_time_interval(program, profile, samples, noise))
+            intervals.append(step_time_interval(program, profile, samples, noise, mode=mode))
     return Prediction(spec.name, batch, profile, gpus, plan, k, *results, graph, tuple(memory),
-                      tuple(intervals) if samples else None)
+                      tuple(intervals) if samples else None, mode)
 
 
 def _positive(text: str) -> int:
@@ -163,9 +169,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="global batch size (default: the model's own)")
     p.add_argument("--micro-batches", metavar="K", type=_positive, default=2,
                    help="Duplex micro-batches per rank, k (default: %(default)s)")
+    p.add_argument("--mode", choices=MODES, default="graph",
+                   help="executor mode to predict: its host time per task, where the profile has "
+                        "host figures (GPU profiles; on a CPU cluster the host runs the kernels "
+                        "and this changes nothing) (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a report")
     p.add_argument("--trace", metavar="PATH", type=Path, default=None,
-                   help="write the Duplex run's simulated Chrome trace to this file")
+                   help="write the Duplex run's simulated Chrome trace to this file (a track per "
+                        "stream, and the host's where the profile has host figures)")
     p.add_argument("--bucket-mb", metavar="MB", type=float, default=25.0,
                    help="gradient bucket size for the replicated parameters' all-reduces, as "
                         "DDP's bucket_cap_mb; 0: one all-reduce per parameter, as the HiDup "
@@ -193,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prediction = predict(args.model, args.cluster, args.gpus, args.strategy,
                              args.batch, args.micro_batches, args.monte_carlo, args.noise,
-                             args.bucket_mb)
+                             args.bucket_mb, args.mode)
     except ValueError as exc:
         parser.exit(2, f"{PROG}: error: {' '.join(str(exc).split())}\n")
     if args.trace is not None:

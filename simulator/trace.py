@@ -1,5 +1,6 @@
 """Chrome trace of a simulated step, laid out like a PyTorch profiler trace: one process per rank,
-one track per CUDA stream ('stream 0 (compute)', 'stream 1 (nccl)'), complete events in us."""
+one track per CUDA stream ('stream 0 (compute)', 'stream 1 (nccl)') and, where the profile has
+host figures, the host thread that issues the tasks ('host'); complete events in us."""
 from __future__ import annotations
 
 import json
@@ -7,7 +8,7 @@ import logging
 from pathlib import Path
 
 from hidup.program import Compute, Convert, task_label
-from simulator.engine import Record, Result
+from simulator.engine import HOST, Record, Result
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ def write_trace(path: Path, result: Result, title: str = "") -> None:
 
 
 def _track(stream: int, comm_stream: int) -> str:
+    if stream == HOST:
+        return "host (issues the tasks)"
     return f"stream {stream} ({'nccl' if stream == comm_stream else 'compute'})"
 
 
@@ -56,6 +59,7 @@ def _metadata(rank: int, records: tuple[Record, ...], comm_stream: int, title: s
 
 
 def _complete(rank: int, record: Record) -> dict:
-    return {"ph": "X", "cat": "kernel", "name": task_label(record.task), "pid": rank,
+    return {"ph": "X", "cat": "cpu_op" if record.stream == HOST else "kernel",
+            "name": task_label(record.task), "pid": rank,
             "tid": record.stream, "ts": record.start * 1e6, "dur": record.duration * 1e6,
             "args": {"stream": record.stream, **event_args(record.task)}}

@@ -228,3 +228,36 @@ def test_ranks_with_varying_kernels_wait_for_the_slowest_at_each_collective():
     assert expected_step(alone, varying).step_time == pytest.approx(2.0)
     # the spread survives a round trip through the profile file
     assert from_dict(json.loads(varying.to_json())).kernel_quantiles == varying.kernel_quantiles
+
+
+def test_a_gpu_host_issues_every_task_and_a_kernel_waits_to_be_issued():
+    from dataclasses import replace
+
+    from hidup.estimate import estimate
+    from simulator.engine import HOST
+    from simulator.trace import chrome_trace
+
+    tiny = [compute(f"t{i}", 1e6, outputs=[f"t{i}"]) for i in range(10)]  # 1 us + 1 us overhead
+    host = replace(profile(), host={"graph": 1e-4, "cuda-graphs": 0.0})
+    fast = simulate(program(*tiny), host, mode="cuda-graphs")
+    assert fast.step_time == pytest.approx(10 * 2e-6, rel=1e-9)  # the streams' pace
+    slow = simulate(program(*tiny), host)  # graph mode: 100 us to issue each
+    assert slow.step_time == pytest.approx(10 * 1e-4 + 2e-6, rel=1e-9)  # the host's pace
+    assert slow.computation == pytest.approx(10 * 2e-6, rel=1e-9)  # host time is not compute
+    assert [r.stream for r in slow.records[0]].count(HOST) == 10
+    tracks = {e["args"]["name"] for e in chrome_trace(slow)["traceEvents"]
+              if e["name"] == "thread_name"}
+    assert "host (issues the tasks)" in tracks
+    # a Wait blocks the stream, not the host: C is issued during the all-reduce and runs after A
+    prog = program(A, AR, C, Wait(-1, 1), B)
+    r = simulate(prog, host)
+    assert r.step_time == pytest.approx(1e-4 + T_A + T_AR + T_A, rel=1e-9)
+    for p in (prog, program(*tiny), program(A, AR, Wait(-1, 1), B, C)):
+        assert estimate(p, host).step_time == pytest.approx(simulate(p, host).step_time, rel=1e-9)
+    assert simulate(prog, profile()).step_time == pytest.approx(T_A + T_AR + T_A, rel=1e-12)
+    with pytest.raises(ProfileError, match="not 'compile'"):
+        simulate(prog, host, mode="compile")
+    doc = json.loads(host.to_json())
+    assert from_dict(doc).host == {"graph": 1e-4, "cuda-graphs": 0.0}
+    with pytest.raises(ProfileError, match="executor modes"):
+        from_dict(dict(doc, host={"eager": 1e-5}))
