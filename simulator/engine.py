@@ -34,6 +34,7 @@ import simpy
 from hidup.program import Compute, Convert, Program, Wait
 from hidup.profile import Profile, timing_key
 from simulator.intervals import covered, union
+from simulator.resources import Device, Links
 
 log = logging.getLogger(__name__)
 
@@ -225,8 +226,8 @@ class _Sim:
         self.slowdown = {"compute": profile.interference_compute,
                          "comm": profile.interference_comm}
         self.interfere = max(self.slowdown.values()) > 1.0
-        self.devices = [_Device() for _ in range(ranks)]
-        self.links = _Links() if plan.shared_links else None
+        self.devices = [Device() for _ in range(ranks)]
+        self.links = Links() if plan.shared_links else None
         self.launched = {(r, t.id): env.event() for r in range(ranks) for t, _ in plan.issue or ()}
         for rank in range(ranks):
             env.process(self.compute_stream(rank))
@@ -340,68 +341,6 @@ class _Sim:
             if not event.triggered:
                 raise SimulationError(f"deadlock: task #{tid} never ran on rank {rank} (a wait "
                                       f"before the task that its collective's input needs?)")
-
-
-class _Device:
-    """Which streams of one rank are running, so that each kind can re-time the other."""
-
-    def __init__(self):
-        self.running: dict[str, set] = {"compute": set(), "comm": set()}
-
-    def busy(self, kind: str) -> bool:
-        return bool(self.running[kind])
-
-    def begin(self, kind: str, process) -> None:
-        self._toggle(kind, lambda: self.running[kind].add(process))
-
-    def end(self, kind: str, process) -> None:
-        self._toggle(kind, lambda: self.running[kind].discard(process))
-
-    def _toggle(self, kind: str, change) -> None:
-        was = self.busy(kind)
-        change()
-        if was != self.busy(kind):  # the other kind's rate changes now
-            other = "compute" if kind == "comm" else "comm"
-            for process in list(self.running[other]):
-                if process.is_alive:
-                    process.interrupt()
-
-
-class _Links:
-    """The machines' inter-node links and the group transfers crossing them: a transfer runs at
-    1/n of its speed while n transfers cross the busiest of its links (fair sharing)."""
-
-    def __init__(self):
-        self.members: dict[tuple, set] = {}  # transfer -> its ranks' running processes
-        self.machines: dict[tuple, tuple[int, ...]] = {}
-        self.load: dict[int, int] = {}  # machine -> transfers crossing its link
-
-    def share(self, key: tuple) -> float:
-        return 1.0 / max(self.load[m] for m in self.machines[key])
-
-    def begin(self, key: tuple, machines: tuple[int, ...], process) -> None:
-        if key not in self.members:  # a new transfer loads the links: the others slow down
-            self.members[key], self.machines[key] = set(), machines
-            for m in machines:
-                self.load[m] = self.load.get(m, 0) + 1
-            self._retime(machines)
-        self.members[key].add(process)
-
-    def end(self, key: tuple, process) -> None:
-        self.members[key].discard(process)
-        if not self.members[key]:  # its last rank is done: the others speed up
-            del self.members[key]
-            machines = self.machines.pop(key)
-            for m in machines:
-                self.load[m] -= 1
-            self._retime(machines)
-
-    def _retime(self, machines: tuple[int, ...]) -> None:
-        for key, processes in self.members.items():
-            if set(self.machines[key]) & set(machines):
-                for process in processes:
-                    if process.is_alive:
-                        process.interrupt()
 
 
 def _result(records: list[list[Record]]) -> Result:
