@@ -53,9 +53,10 @@ from calibration.trace import (
 from calibration.traced_plan import collective_kernels, derive_plan, nccl_kind, sized
 from hidup.capture import Graph
 from hidup.cli import Parser
+from simulator.intervals import covered, union
 from hidup.models import capture_model, get_model
 from hidup.profile import LinkCost, Profile, ProfileError, load_profile
-from hidup.program import COLLECTIVES, Compute, Program, kernel_tasks, lower
+from hidup.program import COLLECTIVES, HOST_MODES, Compute, Convert, Program, kernel_tasks, lower
 from hidup.strategy import PlanError, resolve_strategy
 
 # the trace's forward op (PyTorch 1.10 names) -> the captured graph's op of the same kind
@@ -75,6 +76,8 @@ class TracedRun:
     link_points: list[tuple[str, int, float, float]]  # (kind, n, nbytes, seconds)
     notes: list[str]
     computation: float  # summed computation kernel seconds per step, from the trace
+    host: float  # seconds per step the host spent in ops, not waiting for the GPU (host_seconds)
+    model: str  # the zoo model of the run
 
 
 def forward_op_times(events: list[dict]) -> dict[str, list[float]]:
@@ -84,23 +87,19 @@ def forward_op_times(events: list[dict]) -> dict[str, list[float]]:
     kernels: dict[int, float] = {}
     for e in events:
         if e.get("cat") in KERNELS and not is_communication(e):
-            ext = e.get("args", {}).get("external id")
+            args = e.get("args", {})  # PyTorch 1.x spells it 'external id', 2.x 'External id'
+            ext = args.get("external id", args.get("External id"))
             kernels[ext] = kernels.get(ext, 0.0) + e["dur"] * 1e-6
     cpu = sorted((e for e in events if e.get("cat") == "cpu_op"),
                  key=lambda e: (e["tid"], e["ts"], -e["dur"]))
     starts = [(e["tid"], e["ts"]) for e in cpu]
     out: dict[str, list[float]] = {k: [] for k in OP_KINDS}
     for step in steps(events):
-        fwd = [e for e in cpu if e["name"] == "forward"
-               and step["ts"] <= e["ts"] < step["ts"] + step["dur"]]
-        if not fwd:
-            raise TraceError("a profiled step has no 'forward' range; annotate the forward pass "
-                             "with torch.profiler.record_function('forward')")
+        tid, begin, end = forward_range(step, cpu)
         totals = dict.fromkeys(OP_KINDS, 0.0)
-        f = fwd[0]
-        i, end = bisect.bisect_left(starts, (f["tid"], f["ts"])), f["ts"] + f["dur"]
+        i = bisect.bisect_left(starts, (tid, begin))
         inside_until = -1.0  # the end of the outermost counted op we are in
-        while i < len(cpu) and cpu[i]["tid"] == f["tid"] and cpu[i]["ts"] <= end:
+        while i < len(cpu) and cpu[i]["tid"] == tid and cpu[i]["ts"] <= end:
             op = cpu[i]
             if op["name"] in OP_KINDS and op["ts"] >= inside_until:
                 inside_until = op["ts"] + op["dur"]
@@ -112,6 +111,23 @@ def forward_op_times(events: list[dict]) -> dict[str, list[float]]:
         for kind, seconds in totals.items():
             out[kind].append(seconds)
     return out
+
+
+def forward_range(step: dict, cpu: list[dict]) -> tuple[int, float, float]:
+    """(thread, start, end) in us of a profiled step's forward pass: its 'forward' range where
+    the run annotated one (the V100 traces), else the step's thread from the step's start until
+    the autograd engine's first backward function (an eager PyTorch 2.x step, as the H100
+    traces: the forward on the main thread, then the backward)."""
+    inside = [e for e in cpu if step["ts"] <= e["ts"] < step["ts"] + step["dur"]]
+    fwd = [e for e in inside if e["name"] == "forward"]
+    if fwd:
+        return fwd[0]["tid"], fwd[0]["ts"], fwd[0]["ts"] + fwd[0]["dur"]
+    backward = [e["ts"] for e in inside if e["name"].startswith("autograd::engine")]
+    if not backward:
+        raise TraceError("a profiled step has neither a 'forward' range nor autograd backward "
+                         "functions; annotate the forward pass with "
+                         "torch.profiler.record_function('forward')")
+    return step["tid"], step["ts"], min(backward)
 
 
 def collective_times(per_step_events: list[list[dict]]) -> dict[str, list[float]]:
@@ -134,7 +150,8 @@ def collective_times(per_step_events: list[list[dict]]) -> dict[str, list[float]
     return out
 
 
-def read_run(path: Path, strategy_arg: str, graph: Graph, model: str, world: int) -> TracedRun:
+def read_run(path: Path, strategy_arg: str, graph: Graph, model: str, world: int,
+             profiler_overhead: float = 0.0) -> TracedRun:
     """Pair one trace with its Program and read the kernel and collective points off it."""
     events = load_trace(path)
     notes = []
@@ -190,7 +207,32 @@ def read_run(path: Path, strategy_arg: str, graph: Graph, model: str, world: int
         link_points += [(kind, len(c.group), float(c.bytes), s) for c, s in zip(ours, theirs)]
         notes.append(f"{kind}: {len(theirs)} kernels paired")
     return TracedRun(path, strategy_arg, program, kernel_points, link_points, notes,
-                     kernel_seconds(per_step))
+                     kernel_seconds(per_step), host_seconds(events, profiler_overhead), model)
+
+
+def host_seconds(events: list[dict], overhead: float = 0.0) -> float:
+    """Mean over the profiled steps of the host's busy time: the union of every thread's ops
+    (forward, autograd's backward, optimizer) in the step, less the parts of it spent in CUDA
+    calls that wait for the GPU (synchronizations inside an op), less `overhead` seconds per
+    host event recorded in the step (ops and CUDA calls: the profiler's own cost of recording
+    each; for the H100 traces 2.94 us, see the README)."""
+    ops = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "cpu_op"]
+    waits = [(e["ts"], e["ts"] + e["dur"]) for e in events
+             if e.get("cat") == "cuda_runtime" and "Synchronize" in e.get("name", "")]
+    out = []
+    for step in steps(events):
+        busy = union([(max(a, step["ts"]), min(b, step["ts"] + step["dur"])) for a, b in ops
+                      if a < step["ts"] + step["dur"] and b > step["ts"]])
+        waiting = sum(covered(a, b, busy) for a, b in union(waits))
+        recorded = sum(1 for e in events if e.get("cat") in ("cpu_op", "cuda_runtime")
+                       and step["ts"] <= e["ts"] < step["ts"] + step["dur"])
+        out.append(max(0.0, (sum(b - a for a, b in busy) - waiting) * 1e-6 - recorded * overhead))
+    return statistics.fmean(out)
+
+
+def issued_tasks(program: Program) -> int:
+    """The tasks a host issues in one step (an alias issues nothing: Profile.issue_time)."""
+    return sum(not (isinstance(t, Convert) and t.kind == "alias") for t in program.tasks)
 
 
 def kernel_seconds(per_step_events: list[list[dict]]) -> float:
@@ -292,10 +334,13 @@ def predicted_computation(program: Program, profile: Profile) -> float:
 def main(argv=None) -> int:
     ap = Parser(prog="python -m calibration.from_trace", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("traces", nargs="+", metavar="TRACE=STRATEGY",
+    ap.add_argument("traces", nargs="+", metavar="TRACE=STRATEGY[@MODEL]",
                     help="a PyTorch-profiler trace (.json or .json.gz) and the strategy it ran: "
-                         "ddp, expert, megatron, a plan file, or 'traced' (read from the trace)")
-    ap.add_argument("--model", required=True, help="the zoo model the traces ran, NAME:SIZE")
+                         "ddp, expert, megatron, a plan file, or 'traced' (read from the trace); "
+                         "@NAME:SIZE names its model where it is not --model's")
+    ap.add_argument("--model", default=None,
+                    help="the zoo model the traces ran, NAME:SIZE (needed unless every trace "
+                         "names its own)")
     ap.add_argument("--gpus", type=int, required=True, help="ranks of the traced job")
     ap.add_argument("--gpus-per-node", type=int, default=None,
                     help="ranks per machine (default: --gpus, one machine)")
@@ -305,6 +350,13 @@ def main(argv=None) -> int:
     ap.add_argument("--links-only", action="store_true",
                     help="fit only the collectives; keep --base's device figures (FLOP/s, memory "
                          "bandwidth, overhead)")
+    ap.add_argument("--host-mode", choices=HOST_MODES, default=None,
+                    help="also fit the host's seconds per task from the traces' host busy time "
+                         "(hidup.profile's host figures), as this mode's: 'eager' for traces of "
+                         "plain PyTorch steps (default: no host figures)")
+    ap.add_argument("--profiler-overhead-us", type=float, default=0.0, metavar="US",
+                    help="microseconds the profiler added per recorded host event, taken off the "
+                         "host busy time (default: 0; the H100 traces: 2.94, see the README)")
     ap.add_argument("--name", default=None, help="the profile's name (default: --out's stem)")
     ap.add_argument("--out", type=Path, required=True, help="where to write the profile JSON")
     args = ap.parse_args(argv)
@@ -322,33 +374,53 @@ def _run(args) -> int:
                          f"positive and --gpus a multiple of --gpus-per-node")
     if not args.out.parent.is_dir():
         raise ValueError(f"--out {args.out}: folder {args.out.parent} does not exist; create it")
+    if not args.profiler_overhead_us >= 0:
+        raise ValueError(f"--profiler-overhead-us {args.profiler_overhead_us}: must be 0 or more")
     pairs = []
     for item in args.traces:
         path, sep, strategy = item.rpartition("=")
-        if not sep or not path:
-            raise ValueError(f"{item!r}: give TRACE=STRATEGY, e.g. ddp.json.gz=ddp")
-        pairs.append((Path(path), strategy))
+        strategy, at, model = strategy.partition("@")
+        if not sep or not path or (at and not model):
+            raise ValueError(f"{item!r}: give TRACE=STRATEGY or TRACE=STRATEGY@NAME:SIZE, e.g. "
+                             f"ddp.json.gz=ddp")
+        if not (model or args.model):
+            raise ValueError(f"{item!r} names no model and --model is not given: add "
+                             f"@NAME:SIZE or --model NAME:SIZE")
+        pairs.append((Path(path), strategy, model or args.model))
     base = load_profile(args.base) if args.base else None
     if args.links_only and not base:
         raise ValueError("--links-only keeps the device figures of a --base profile; give --base")
-    spec = get_model(args.model, gpus=args.gpus)
-    batch = args.batch or spec.batch
-    graph = capture_model(spec, batch)
+    graphs: dict[str, tuple] = {}
     runs = []
-    for i, (path, strategy) in enumerate(pairs, 1):
-        print(f"[{i}/{len(pairs)}] {path} = {strategy}", file=sys.stderr, flush=True)
-        runs.append(read_run(path, strategy, graph, spec.name, args.gpus))
+    for i, (path, strategy, model) in enumerate(pairs, 1):
+        print(f"[{i}/{len(pairs)}] {path} = {strategy} ({model})", file=sys.stderr, flush=True)
+        if model not in graphs:
+            spec = get_model(model, gpus=args.gpus)
+            graphs[model] = spec.name, args.batch or spec.batch
+            graphs[model] += (capture_model(spec, graphs[model][1]),)
+        name_, batch, graph = graphs[model]
+        runs.append(read_run(path, strategy, graph, name_, args.gpus,
+                             args.profiler_overhead_us * 1e-6))
+    models_ = ", ".join(f"{n} (batch {b})" for n, b, _ in graphs.values())
     name = args.name or args.out.name.removesuffix(".json")
     profile, report = fit_profile(runs, name, per_node, base, args.gpus, args.links_only)
     traces = ", ".join(f"{r.path.name} ({r.strategy})" for r in runs)
     source = (f"Fitted by calibration.from_trace from PyTorch-profiler traces {traces} of "
-              f"{spec.name} (batch {batch}) on {args.gpus} GPUs, {per_node} per machine: kernel "
+              f"{models_} on {args.gpus} GPUs, {per_node} per machine: kernel "
               f"times per forward op kind against the Program's FLOPs and bytes, collective "
               f"kernel times against the Program's collectives' bytes"
               + (f"; other figures from {base.name}" if base else "")
               + (" (device figures too: --links-only)" if args.links_only else "") + ".")
+    if args.host_mode:
+        per_task = statistics.fmean(r.host / issued_tasks(r.program) for r in runs)
+        profile = replace(profile, host={args.host_mode: per_task})
+        source += (f" Host: {per_task * 1e6:.3g} us per task ({args.host_mode}), the traces' "
+                   f"host busy time per step (less {args.profiler_overhead_us:g} us per recorded "
+                   f"event, the profiler's) over the Program's tasks.")
     provenance = {"traces": [str(r.path) for r in runs], "strategies": [r.strategy for r in runs],
-                  "model": spec.name, "batch": batch, "gpus": args.gpus,
+                  "models": [r.model for r in runs], "batch": sorted({b for _, b, _ in
+                                                                       graphs.values()}),
+                  "gpus": args.gpus,
                   "gpus_per_node": per_node, "base": base.name if base else None,
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
                       timespec="seconds"),
@@ -365,7 +437,9 @@ def _run(args) -> int:
     for run in runs:
         predicted = predicted_computation(run.program, profile)
         print(f"  check: {run.path.name}: predicted kernel time {predicted * 1e3:.1f} ms, traced "
-              f"{run.computation * 1e3:.1f} ms ({predicted / run.computation - 1:+.1%} off)")
+              f"{run.computation * 1e3:.1f} ms ({predicted / run.computation - 1:+.1%} off)"
+              + (f"; host {run.host * 1e3:.1f} ms per step, {issued_tasks(run.program)} tasks"
+                 if args.host_mode else ""))
     tmp = args.out.with_suffix(args.out.suffix + ".tmp")
     tmp.write_text(profile.to_json())
     load_profile(tmp)  # what was written reads back

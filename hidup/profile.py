@@ -25,7 +25,7 @@ from functools import cached_property
 from importlib import resources
 from pathlib import Path
 
-from hidup.program import COLLECTIVES, MODES, Compute, Convert, Wait, kernel_tasks
+from hidup.program import COLLECTIVES, HOST_MODES, Compute, Convert, Wait, kernel_tasks
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,8 @@ _KEYS = {"format", "version", "name", "source", "collectives", "inter_node", "in
 # calibration.profile, interpolated before the fitted formulas;
 # kernel_quantiles: each measured kernel's spread (calibration.ops): its seconds at evenly spaced
 # quantiles over every rank's runs, from which simulator.montecarlo draws per rank;
-# host: on a GPU, seconds the host spends issuing one task, per executor mode (hidup.program.MODES)
+# host: on a GPU, seconds the host spends issuing one task, per executor mode or plain PyTorch
+# ("eager"; hidup.program.HOST_MODES)
 _OPTIONAL = {"provenance", "kernels", "collective_points", "kernel_quantiles", "host"}
 TIERS = ("intra", "inter")
 
@@ -105,8 +106,8 @@ class Profile:
             return None
         if mode not in self.host:
             raise ProfileError(f"profile {self.name} has host figures for executor modes "
-                               f"{sorted(self.host)}, not {mode!r}; calibrate that mode "
-                               f"(calibration.ops --mode {mode}) or pick one of those")
+                               f"{sorted(self.host)}, not {mode!r}; calibrate that mode on "
+                               f"the GPU or pick one of those")
         return 0.0 if isinstance(task, Convert) and task.kind == "alias" else self.host[mode]
 
     def compute_time(self, task: Compute | Convert) -> float:
@@ -316,8 +317,9 @@ def from_dict(doc, where: str = "profile") -> Profile:
                                   for x in v) for k, v in spreads.items()}
     host = doc.get("host")
     if host is not None:
-        if not isinstance(host, dict) or not host or set(host) - set(MODES):
-            raise ProfileError(f"{where}: \"host\" must map executor modes ({', '.join(MODES)}) "
+        if not isinstance(host, dict) or not host or set(host) - set(HOST_MODES):
+            raise ProfileError(f"{where}: \"host\" must map executor modes "
+                               f"({', '.join(HOST_MODES)}) "
                                f"to the seconds of host time per task, got {host!r}")
         host = {k: _number(v, f"host[{k!r}]", where, zero_ok=True) for k, v in host.items()}
     points = doc.get("collective_points")

@@ -11,6 +11,7 @@ from hidup.strategy import Strategy
 
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 MODES = ("graph", "compile", "cuda-graphs")  # how the executor runs a rank's step (hidup.execute)
+HOST_MODES = ("eager", *MODES)  # whose host cost a profile can give: plain PyTorch's, or a mode's
 
 
 @dataclass(frozen=True)

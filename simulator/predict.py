@@ -16,7 +16,7 @@ from hidup.cli import Parser
 from hidup.memory import MemoryReport, peak_memory
 from hidup.models import capture_model
 from hidup.profile import Profile, load_profile
-from hidup.program import MODES, lower
+from hidup.program import HOST_MODES, lower
 from hidup.strategy import Strategy, resolve_strategy, save_plan
 from simulator.engine import Result
 from simulator.montecarlo import Interval, expected_step, step_time_interval
@@ -169,10 +169,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="global batch size (default: the model's own)")
     p.add_argument("--micro-batches", metavar="K", type=_positive, default=2,
                    help="Duplex micro-batches per rank, k (default: %(default)s)")
-    p.add_argument("--mode", choices=MODES, default="graph",
-                   help="executor mode to predict: its host time per task, where the profile has "
-                        "host figures (GPU profiles; on a CPU cluster the host runs the kernels "
-                        "and this changes nothing) (default: %(default)s)")
+    p.add_argument("--mode", choices=HOST_MODES, default="graph",
+                   help="executor mode to predict ('eager': plain PyTorch): its host time per "
+                        "task, where the profile has host figures (GPU profiles; on a CPU cluster "
+                        "the host runs the kernels and this changes nothing) "
+                        "(default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a report")
     p.add_argument("--trace", metavar="PATH", type=Path, default=None,
                    help="write the Duplex run's simulated Chrome trace to this file (a track per "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,43 @@ def test_bad_traces_are_one_line_errors(tmp_path, capsys):
     with pytest.raises(TraceError, match="does not record the collective's sizes"):
         derive_plan(load_trace(no_copies), capture_model(*(lambda s: (s, s.batch))(
             get_model("switch-trace:tiny", gpus=2))), 2)
+
+
+H100 = TRACES / "h100-1x1"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_h100_traces_refit_the_shipped_profile_and_read_the_host_time(tmp_path, capsys, precision):
+    """PyTorch 2.x eager traces (no 'forward' range, 'External id'): both models' kernels fitted
+    to one roofline that reproduces the shipped h100 profile; with --host-mode the host's busy
+    time per step, less the profiler's 2.94 us per recorded event (fitted on bert-sgmoe bf16
+    against its untimed 28.0 ms step), matches the untimed host-bound steps of the traces'
+    README (bert-sgmoe bf16 28.0 ms; switch-trace bf16 100.5 ms, not fitted on)."""
+    out = tmp_path / "h100.json"
+    traces = [f"{H100 / f'{m}-paper-{precision}.json.gz'}=ddp@{m}:paper"
+              for m in ("bert-sgmoe", "switch-trace")]
+    assert from_trace.main([*traces, "--gpus", "1", "--batch", "32", "--base", "v100-1x4-nvlink",
+                            "--host-mode", "eager", "--profiler-overhead-us", "2.94",
+                            "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    fitted = load_profile(out)
+    shipped = load_profile("h100" if precision == "fp32" else "h100-bf16")
+    assert fitted.flops == pytest.approx(shipped.flops, rel=1e-6)
+    assert fitted.mem_bandwidth == pytest.approx(shipped.mem_bandwidth, rel=1e-6)
+    assert (4e13 if precision == "fp32" else 2e14) < fitted.flops < 1e15
+    assert 2e12 < fitted.mem_bandwidth < 5e12  # an H100's HBM3: 3.35 TB/s
+    host = dict((m.group(1), float(m.group(2))) for m in
+                re.finditer(r"check: (\S+): .*; host ([\d.]+) ms per step", text))
+    assert len(host) == 2
+    if precision == "bf16":
+        assert host["bert-sgmoe-paper-bf16.json.gz"] == pytest.approx(28.0, rel=0.02)
+        assert host["switch-trace-paper-bf16.json.gz"] == pytest.approx(100.5, rel=0.02)
+    assert set(fitted.host) == {"eager"} and fitted.host["eager"] > 1e-5
+    assert fitted.provenance["models"] == ["bert-sgmoe:paper", "switch-trace:paper"]
+
+
+def test_a_trace_without_its_model_is_a_one_line_error(capsys):
+    trace = H100 / "bert-sgmoe-paper-fp32.json.gz"
+    assert from_trace.main([f"{trace}=ddp", "--gpus", "1", "--out", "/tmp/x.json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "@NAME:SIZE or --model" in err[0]
