@@ -1,15 +1,17 @@
 """The simulator against real runs on an emulated cluster: `python -m experiments.accuracy`.
 
-For each ranks-per-host setting an emulated cluster (hidup.cluster: hosts as network namespaces,
-links limited with tc) is brought up; for each link bandwidth it is calibrated as a real cluster
-would be (calibration.profile: microbenchmarks of kernels and collectives), the searched plan is
-made with that profile and the models' kernels (calibration.ops, collectives stood in locally),
-and every configuration (model x strategy x Duplex on/off) is, in each of --rounds rounds:
-calibrated (calibration.ops times its kernels), predicted by the simulator and trained for real
-(hidup.train, median step after warm-up), one right after the other, so that calibration and run
-see the machine at the same speed. The medians over rounds count. Reports each error, the median
-and maximum absolute error, Kendall's tau per model and the regret of taking the simulator's best
-per model and cluster; writes a CSV, a JSON summary and a predicted-vs-measured plot. Needs root and iproute2 (as hidup.cluster)."""
+For each cluster shape (--hosts x --ranks-per-host) an emulated cluster (hidup.cluster: hosts as
+network namespaces, links limited with tc) is brought up, and for each link bandwidth it is
+calibrated once, as a user would calibrate theirs: calibration.profile (microbenchmarks of
+kernels and collectives), then per model calibration.ops (every strategy's kernels at k = 1 and
+2, collectives stood in locally; the searched plan is made from it and its kernels added). Every
+configuration (model x strategy x Duplex on/off) is then predicted from that one profile and
+trained for real (hidup.train, median step after warm-up) in each of --rounds rounds; the
+medians over rounds count. --recalibrate-each times each configuration's own kernels right
+before its run instead (an easier test: the simulator adding up fresh kernel times). Reports
+each error, the median and maximum absolute error, Kendall's tau per model and the regret of
+taking the simulator's best per model and cluster; writes a CSV, a JSON summary and a
+predicted-vs-measured plot. Needs root and iproute2 (as hidup.cluster)."""
 from __future__ import annotations
 
 import argparse
@@ -69,18 +71,23 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help=f"of {STRATEGIES}; 'expert' only applies to mixture-of-experts models")
     ap.add_argument("--bandwidths", nargs="+", default=["100mbit", "1gbit", "10gbit"],
                     help="link rates to emulate, e.g. 100mbit 1gbit 10gbit")
-    ap.add_argument("--hosts", type=int, default=2, help="emulated machines")
+    ap.add_argument("--hosts", type=int, nargs="+", default=[2, 3],
+                    help="emulated machines, one cluster per count and --ranks-per-host "
+                         "(default 2 3)")
     ap.add_argument("--ranks-per-host", type=int, nargs="+", default=[1, 2],
                     help="ranks per machine, one cluster each (default 1 2)")
+    ap.add_argument("--recalibrate-each", action="store_true",
+                    help="time each configuration's kernels (calibration.ops) right before it "
+                         "runs, instead of once per cluster, bandwidth and model")
     ap.add_argument("--steps", type=int, default=10, help="training steps per real run")
     ap.add_argument("--warmup", type=int, default=4, help="steps left out of the median")
     ap.add_argument("--rounds", type=int, default=2,
-                    help="rounds over all configurations, each calibrating a configuration's "
-                         "kernels right before its run; the medians over rounds count (default 2)")
+                    help="rounds over all configurations; the medians over rounds count "
+                         "(default 2)")
     ap.add_argument("--max-bytes", default="32MB",
                     help="largest collective the calibration measures (calibration.profile)")
     ap.add_argument("--quick", action="store_true",
-                    help="CI size: gpt:small, ddp and megatron, 1gbit, 1 rank per host")
+                    help="CI size: gpt:small, ddp and megatron, 1gbit, 2 hosts of 1 rank")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/accuracy"),
                     help="folder for accuracy.csv, accuracy.json, accuracy.png and the profiles")
     ap.add_argument("--max-median-error", type=float, default=None,
@@ -88,7 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.quick:
         args.models, args.strategies = ["gpt:small"], ["ddp", "megatron"]
-        args.bandwidths, args.ranks_per_host = ["1gbit"], [1]
+        args.bandwidths, args.ranks_per_host, args.hosts = ["1gbit"], [1], [2]
         args.steps, args.warmup = 8, 3
     bad = sorted(set(args.strategies) - set(STRATEGIES))
     if bad:
@@ -158,11 +165,13 @@ def measure(cluster: Cluster, model: str, strategy: str, k: int, args) -> float:
     return json.loads(out.strip().splitlines()[-1])["median_step_ms"]
 
 
-def run_config(cluster: Cluster, model: str, arg: str, k: int, base: Path, world: int, args):
-    """One round of one configuration: its kernels timed (calibration.ops on `base`) right
-    before it is predicted and then run for real, so both see the machine at the same speed
-    (this VM's speed drifts by up to a quarter within a minute); (prediction, ms, coverage)."""
-    profile = measure_kernels(cluster, model, [arg], base, args.out, [k], tag="-run")
+def run_config(cluster: Cluster, model: str, arg: str, k: int, profile: Path, world: int, args):
+    """One round of one configuration, predicted from `profile` and run for real; with
+    --recalibrate-each its kernels are timed first (calibration.ops on `profile`), so that both
+    see the machine at the same speed (this VM's speed drifts by up to a quarter within a
+    minute); (prediction, ms, coverage)."""
+    if args.recalibrate_each:
+        profile = measure_kernels(cluster, model, [arg], profile, args.out, [k], tag="-run")
     result, coverage = predict(model, arg, k, profile, world)
     return result, measure(cluster, model, arg, k, args), coverage
 
@@ -251,6 +260,53 @@ def write_outputs(rows: list[Row], summary: dict, folder: Path, command: str) ->
     fig.savefig(folder / "accuracy.png", dpi=120)
 
 
+def model_profile(cluster: Cluster, model: str, strategies: list[str], base: Path,
+                  args) -> tuple[Path, dict[str, str]]:
+    """The profile to predict `model`'s configurations from, and each strategy's argument (the
+    searched one: the plan file). Calibrated once: the fixed strategies' kernels at k = 1 and 2
+    (calibration.ops on the cluster profile `base`), the plan searched with them, and its own
+    kernels added. With --recalibrate-each: `base` (each run times its kernels before it)."""
+    fixed = [s for s in strategies if s != "searched"]
+    world = cluster.world
+    profile = base
+    if fixed and not args.recalibrate_each:
+        profile = measure_kernels(cluster, model, fixed, base, args.out)
+    args_of = {s: s for s in fixed}
+    if "searched" in strategies:  # the search needs the model's kernels
+        kernels = profile if fixed and not args.recalibrate_each else \
+            measure_kernels(cluster, model, fixed or ["ddp"], base, args.out)
+        plan = plan_for(model, kernels, world, args.out)
+        args_of["searched"] = str(plan)
+        if not args.recalibrate_each:
+            profile = measure_kernels(cluster, model, [str(plan)], kernels, args.out,
+                                      tag="-searched")
+    return profile, args_of
+
+
+def run_model(cluster: Cluster, model: str, base: Path, args, started: float) -> list[Row]:
+    """Every configuration of `model` on the cluster as it is now, over --rounds rounds."""
+    strategies = [s for s in args.strategies if s != "expert" or is_moe(model)]
+    profile, args_of = model_profile(cluster, model, strategies, base, args)
+    configs = [(s, k) for s in strategies for k in (1, 2)]
+    seen: dict = {c: [] for c in configs}
+    for round_ in range(args.rounds):
+        for strategy, k in configs:
+            seen[(strategy, k)].append(run_config(cluster, model, args_of[strategy], k, profile,
+                                                  cluster.world, args))
+            pred, measured, _ = seen[(strategy, k)][-1]
+            log.info("[%.0f s] round %d/%d: %s %s k=%d on %s: predicted %.1f ms, measured "
+                     "%.1f ms", time.perf_counter() - started, round_ + 1, args.rounds, model,
+                     strategy, k, cluster.bandwidth, pred.step_time * 1e3, measured)
+    rows = []
+    for (strategy, k), runs in seen.items():
+        rows.append(Row(model, strategy, k, cluster.bandwidth, cluster.hosts,
+                        cluster.ranks_per_host, *_medians(runs)))
+        r = rows[-1]
+        log.info("%s %s k=%d on %s: predicted %.1f ms, measured %.1f ms, error %+.1f%%", model,
+                 strategy, k, r.cluster, r.predicted_ms, r.measured_ms, 100 * r.error)
+    return rows
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -258,41 +314,16 @@ def main(argv=None) -> int:
     rows: list[Row] = []
     started = time.perf_counter()
     try:
-        for rph in args.ranks_per_host:
-            world = args.hosts * rph
-            with emulated(args.hosts, rph, args.bandwidths[0]) as cluster:
-                for bandwidth in args.bandwidths:
-                    cluster.set_link(bandwidth)
-                    base = calibrate(cluster, args, args.out)
-                    log.info("[%.0f s] %d hosts x %d ranks, %s: calibrated (%s)",
-                             time.perf_counter() - started, args.hosts, rph, bandwidth, base)
-                    for model in args.models:
-                        strategies = [s for s in args.strategies
-                                      if s != "expert" or is_moe(model)]
-                        plan = None
-                        if "searched" in strategies:  # the search needs the model's kernels
-                            fixed = [s for s in strategies if s != "searched"] or ["ddp"]
-                            plan = plan_for(model, measure_kernels(cluster, model, fixed, base,
-                                                                   args.out), world, args.out)
-                        configs = [(s, k) for s in strategies for k in (1, 2)]
-                        args_of = {s: str(plan) if s == "searched" else s for s in strategies}
-                        seen: dict = {c: [] for c in configs}
-                        for round_ in range(args.rounds):
-                            for strategy, k in configs:
-                                seen[(strategy, k)].append(run_config(
-                                    cluster, model, args_of[strategy], k, base, world, args))
-                                pred, measured, _ = seen[(strategy, k)][-1]
-                                log.info("[%.0f s] round %d/%d: %s %s k=%d on %s: predicted "
-                                         "%.1f ms, measured %.1f ms", time.perf_counter() - started,
-                                         round_ + 1, args.rounds, model, strategy, k, bandwidth,
-                                         pred.step_time * 1e3, measured)
-                        for (strategy, k), runs in seen.items():
-                            rows.append(Row(model, strategy, k, bandwidth, args.hosts, rph,
-                                            *_medians(runs)))
-                            r = rows[-1]
-                            log.info("%s %s k=%d on %s: predicted %.1f ms, measured %.1f ms, "
-                                     "error %+.1f%%", model, strategy, k, r.cluster,
-                                     r.predicted_ms, r.measured_ms, 100 * r.error)
+        for hosts in args.hosts:
+            for rph in args.ranks_per_host:
+                with emulated(hosts, rph, args.bandwidths[0]) as cluster:
+                    for bandwidth in args.bandwidths:
+                        cluster.set_link(bandwidth)
+                        base = calibrate(cluster, args, args.out)
+                        log.info("[%.0f s] %d hosts x %d ranks, %s: calibrated (%s)",
+                                 time.perf_counter() - started, hosts, rph, bandwidth, base)
+                        for model in args.models:
+                            rows += run_model(cluster, model, base, args, started)
     except (ClusterError, RuntimeError, ValueError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
