@@ -260,4 +260,4 @@ def test_a_gpu_host_issues_every_task_and_a_kernel_waits_to_be_issued():
     doc = json.loads(host.to_json())
     assert from_dict(doc).host == {"graph": 1e-4, "cuda-graphs": 0.0}
     with pytest.raises(ProfileError, match="executor modes"):
-        from_dict(dict(doc, host={"eager": 1e-5}))
+        from_dict(dict(doc, host={"fast": 1e-5}))
