@@ -283,9 +283,29 @@ def model_profile(cluster: Cluster, model: str, strategies: list[str], base: Pat
     return profile, args_of
 
 
+def runnable(model: str, strategies: list[str], world: int) -> list[str]:
+    """The strategies that lower for `model` on `world` ranks at k = 1 and 2 (the others are
+    logged with the reason and left out, e.g. a batch that does not split into 3 ranks)."""
+    spec, graph = captured(model, world)
+    out = []
+    for s in strategies:
+        try:
+            if s != "searched":
+                for k in (1, 2):
+                    lower(graph, resolve_strategy(s, graph, world), world, k, spec.name)
+            out.append(s)
+        except ValueError as exc:
+            log.warning("%s %s on %d ranks left out: %s", model, s, world, exc)
+    return out
+
+
 def run_model(cluster: Cluster, model: str, base: Path, args, started: float) -> list[Row]:
     """Every configuration of `model` on the cluster as it is now, over --rounds rounds."""
-    strategies = [s for s in args.strategies if s != "expert" or is_moe(model)]
+    strategies = runnable(model, [s for s in args.strategies if s != "expert" or is_moe(model)],
+                          cluster.world)
+    if not [s for s in strategies if s != "searched"]:
+        log.warning("%s: no strategy runs on %d ranks; left out", model, cluster.world)
+        return []
     profile, args_of = model_profile(cluster, model, strategies, base, args)
     configs = [(s, k) for s in strategies for k in (1, 2)]
     seen: dict = {c: [] for c in configs}
@@ -313,6 +333,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[Row] = []
     started = time.perf_counter()
+    command = "python -m experiments.accuracy " + " ".join(sys.argv[1:] if argv is None else argv)
     try:
         for hosts in args.hosts:
             for rph in args.ranks_per_host:
@@ -324,11 +345,17 @@ def main(argv=None) -> int:
                                  time.perf_counter() - started, hosts, rph, bandwidth, base)
                         for model in args.models:
                             rows += run_model(cluster, model, base, args, started)
+                            if rows:  # what is measured so far is kept if a later run fails
+                                write_outputs(rows, summarize(rows), args.out, command)
     except (ClusterError, RuntimeError, ValueError) as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
+        print(f"{PROG}: {exc}" + (f" (the {len(rows)} configurations measured before it are in "
+                                  f"{args.out / 'accuracy.csv'})" if rows else ""),
+              file=sys.stderr)
+        return 2
+    if not rows:
+        print(f"{PROG}: no configuration could run", file=sys.stderr)
         return 2
     summary = summarize(rows)
-    command = "python -m experiments.accuracy " + " ".join(sys.argv[1:] if argv is None else argv)
     write_outputs(rows, summary, args.out, command)
     print("| model | strategy | Duplex | cluster | predicted (ms) | measured (ms) | error |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
