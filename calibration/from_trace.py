@@ -53,11 +53,11 @@ from calibration.trace import (
 from calibration.traced_plan import collective_kernels, derive_plan, nccl_kind, sized
 from hidup.capture import Graph
 from hidup.cli import Parser
-from simulator.intervals import covered, union
 from hidup.models import capture_model, get_model
-from hidup.profile import LinkCost, Profile, ProfileError, load_profile
-from hidup.program import COLLECTIVES, HOST_MODES, Compute, Convert, Program, kernel_tasks, lower
+from hidup.profile import LinkCost, Profile, ProfileError, issues, load_profile
+from hidup.program import COLLECTIVES, HOST_MODES, Compute, Program, kernel_tasks, lower
 from hidup.strategy import PlanError, resolve_strategy
+from simulator.intervals import covered, union
 
 # the trace's forward op (PyTorch 1.10 names) -> the captured graph's op of the same kind
 OP_KINDS = {"aten::linear": "aten.linear.default", "aten::einsum": "aten.einsum.default",
@@ -217,22 +217,23 @@ def host_seconds(events: list[dict], overhead: float = 0.0) -> float:
     host event recorded in the step (ops and CUDA calls: the profiler's own cost of recording
     each; for the H100 traces 2.94 us, see the README)."""
     ops = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "cpu_op"]
-    waits = [(e["ts"], e["ts"] + e["dur"]) for e in events
-             if e.get("cat") == "cuda_runtime" and "Synchronize" in e.get("name", "")]
+    waits = union([(e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("cat") == "cuda_runtime" and "Synchronize" in e.get("name", "")])
+    recorded = [e["ts"] for e in events if e.get("cat") in ("cpu_op", "cuda_runtime")]
     out = []
     for step in steps(events):
-        busy = union([(max(a, step["ts"]), min(b, step["ts"] + step["dur"])) for a, b in ops
-                      if a < step["ts"] + step["dur"] and b > step["ts"]])
-        waiting = sum(covered(a, b, busy) for a, b in union(waits))
-        recorded = sum(1 for e in events if e.get("cat") in ("cpu_op", "cuda_runtime")
-                       and step["ts"] <= e["ts"] < step["ts"] + step["dur"])
-        out.append(max(0.0, (sum(b - a for a, b in busy) - waiting) * 1e-6 - recorded * overhead))
+        begin, end = step["ts"], step["ts"] + step["dur"]
+        busy = union([(max(a, begin), min(b, end)) for a, b in ops if a < end and b > begin])
+        waiting = sum(covered(a, b, busy) for a, b in waits)
+        events_in_step = sum(begin <= t < end for t in recorded)
+        out.append(max(0.0, (sum(b - a for a, b in busy) - waiting) * 1e-6
+                        - events_in_step * overhead))
     return statistics.fmean(out)
 
 
 def issued_tasks(program: Program) -> int:
-    """The tasks a host issues in one step (an alias issues nothing: Profile.issue_time)."""
-    return sum(not (isinstance(t, Convert) and t.kind == "alias") for t in program.tasks)
+    """The tasks a host issues in one step (hidup.profile.issues)."""
+    return sum(map(issues, program.tasks))
 
 
 def kernel_seconds(per_step_events: list[list[dict]]) -> float:
@@ -396,8 +397,8 @@ def _run(args) -> int:
         print(f"[{i}/{len(pairs)}] {path} = {strategy} ({model})", file=sys.stderr, flush=True)
         if model not in graphs:
             spec = get_model(model, gpus=args.gpus)
-            graphs[model] = spec.name, args.batch or spec.batch
-            graphs[model] += (capture_model(spec, graphs[model][1]),)
+            batch = args.batch or spec.batch
+            graphs[model] = spec.name, batch, capture_model(spec, batch)
         name_, batch, graph = graphs[model]
         runs.append(read_run(path, strategy, graph, name_, args.gpus,
                              args.profiler_overhead_us * 1e-6))

@@ -9,8 +9,8 @@ is a sum of kernels, and a sum's expectation is the sum of means; occasional slo
 in a real step) on the slowest rank (ranks meet at every collective, so the slowest one sets
 the pace); the simulator then uses these instead of the roofline wherever a Program has the
 same kernel. It also writes each kernel's spread over every rank's runs (16 equally likely
-values): from it simulator.montecarlo draws each rank's kernel times, so that a collective waits for its
-slowest member as it does in a real step (the expected maximum at each rendezvous):
+values): from it simulator.montecarlo draws each rank's kernel times, so that a collective waits
+for its slowest member as it does in a real step (the expected maximum at each rendezvous):
 
     torchrun --nproc-per-node 2 -m calibration.ops --model gpt:tiny --strategy ddp megatron \\
         --micro-batches 1 2 --base PROFILE.json --out PROFILE-gpt.json

@@ -266,16 +266,14 @@ def model_profile(cluster: Cluster, model: str, strategies: list[str], base: Pat
     searched one: the plan file). Calibrated once: the fixed strategies' kernels at k = 1 and 2
     (calibration.ops on the cluster profile `base`), the plan searched with them, and its own
     kernels added. With --recalibrate-each: `base` (each run times its kernels before it)."""
-    fixed = [s for s in strategies if s != "searched"]
-    world = cluster.world
-    profile = base
-    if fixed and not args.recalibrate_each:
-        profile = measure_kernels(cluster, model, fixed, base, args.out)
+    fixed = [s for s in strategies if s != "searched"]  # never empty: run_model checks
     args_of = {s: s for s in fixed}
+    if args.recalibrate_each and "searched" not in strategies:
+        return base, args_of
+    kernels = measure_kernels(cluster, model, fixed, base, args.out)
+    profile = base if args.recalibrate_each else kernels
     if "searched" in strategies:  # the search needs the model's kernels
-        kernels = profile if fixed and not args.recalibrate_each else \
-            measure_kernels(cluster, model, fixed or ["ddp"], base, args.out)
-        plan = plan_for(model, kernels, world, args.out)
+        plan = plan_for(model, kernels, cluster.world, args.out)
         args_of["searched"] = str(plan)
         if not args.recalibrate_each:
             profile = measure_kernels(cluster, model, [str(plan)], kernels, args.out,

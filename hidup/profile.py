@@ -108,7 +108,7 @@ class Profile:
             raise ProfileError(f"profile {self.name} has host figures for executor modes "
                                f"{sorted(self.host)}, not {mode!r}; calibrate that mode on "
                                f"the GPU or pick one of those")
-        return 0.0 if isinstance(task, Convert) and task.kind == "alias" else self.host[mode]
+        return self.host[mode] if issues(task) else 0.0
 
     def compute_time(self, task: Compute | Convert) -> float:
         """Seconds of a kernel on a compute stream: a Compute, or a local slice / alias. A kernel
@@ -229,6 +229,11 @@ def kernel_key(task: Compute | Convert) -> str:
     if task.phase == "bwd":
         key += " grads " + "".join("1" if out else "0" for out in task.outputs)
     return key
+
+
+def issues(task: Compute | Convert | Wait) -> bool:
+    """Whether a host issues anything for the task (an alias only renames a tensor)."""
+    return not (isinstance(task, Convert) and task.kind == "alias")
 
 
 def timing_key(task: Compute | Convert | Wait, tasks) -> str:

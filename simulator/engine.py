@@ -122,7 +122,8 @@ def simulate(program: Program, profile: Profile, all_ranks: bool = False,
     for the slowest member. With `noise`, each rank's run of each measured kernel takes a time
     drawn from its measured spread (Profile.kernel_quantiles), every rank simulated: one sample of
     a step as ranks whose kernels vary meet at each collective (simulator.montecarlo). `mode` is
-    the executor mode (hidup.program.HOST_MODES; 'eager': plain PyTorch) whose host figures the profile gives, if it has any."""
+    the executor mode (hidup.program.HOST_MODES; 'eager': plain PyTorch) whose host figures the
+    profile gives, if it has any."""
     plan = _plan(program, profile, mode)
     env = simpy.Environment()
     slow = dict(slow_ranks or {})
