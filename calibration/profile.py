@@ -458,6 +458,13 @@ def versions() -> dict[str, str]:
     return out
 
 
+def device_memory(ranks: Ranks) -> float:
+    """Bytes of memory one rank may use: its GPU's, or on a CPU its share of the host's RAM."""
+    if ranks.device.type == "cuda":
+        return float(torch.cuda.get_device_properties(ranks.device).total_memory)
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks.local)
+
+
 def provenance(ranks: Ranks, command: str) -> dict:
     """Where and how the profile was measured (every rank takes part: hosts and devices)."""
     everyone: list = [None] * ranks.world
@@ -468,6 +475,7 @@ def provenance(ranks: Ranks, command: str) -> dict:
     return {"host": everyone[0][0], "hosts": list(dict.fromkeys(h for h, _ in everyone)),
             "devices": [f"{count} x {name}" for name, count in devices.items()],
             "world": ranks.world, "nnodes": ranks.nnodes, "ranks_per_node": ranks.local,
+            "device_memory": device_memory(ranks),
             "backend": ranks.backend,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "command": command, "versions": versions()}
@@ -497,7 +505,8 @@ def fit_profile(args, ranks: Ranks, kernel_points, link_points, factors, prov,
     inter = links["inter"] if ranks.nnodes > 1 else None
     profile = Profile(args.name, source, flops, mem, overhead, intra, ranks.local, inter,
                       factors[0], factors[1], prov,
-                      collective_points=[[t, kind, n, b, sec] for t, kind, n, b, sec in link_points])
+                      collective_points=[[t, kind, n, b, sec] for t, kind, n, b, sec in link_points],
+                      device_memory=prov.get("device_memory"))
     lines = [_roofline_line(flops, mem, overhead, roof)]
     summary = {"name": args.name, "out": str(args.out), "flops": flops, "mem_bandwidth": mem,
                "op_overhead": overhead, "roofline_fit": _fit_dict(roof), "collectives": {},
@@ -525,7 +534,8 @@ def _kernels_on_base(args, ranks: Ranks, base: Profile, prov, fit):
               f"calibration.fit: a roofline of {roof.points} kernels (rms error {roof.rms:.1%}). "
               f"Collectives and interference from profile {base.name} ({base.source})")
     profile = replace(base, name=args.name, source=source, flops=flops, mem_bandwidth=mem,
-                      op_overhead=overhead, provenance=prov, kernels=None, kernel_quantiles=None)
+                      op_overhead=overhead, provenance=prov, kernels=None, kernel_quantiles=None,
+                      device_memory=prov.get("device_memory", base.device_memory))
     lines = [_roofline_line(*fit), f"collectives and interference: profile {base.name}"]
     summary = {"name": args.name, "out": str(args.out), "flops": flops, "mem_bandwidth": mem,
                "op_overhead": overhead, "roofline_fit": _fit_dict(roof), "base": base.name}

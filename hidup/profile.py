@@ -40,8 +40,10 @@ _KEYS = {"format", "version", "name", "source", "collectives", "inter_node", "in
 # kernel_quantiles: each measured kernel's spread (calibration.ops): its seconds at evenly spaced
 # quantiles over every rank's runs, from which simulator.montecarlo draws per rank;
 # host: on a GPU, seconds the host spends issuing one task, per executor mode or plain PyTorch
-# ("eager"; hidup.program.HOST_MODES)
-_OPTIONAL = {"provenance", "kernels", "collective_points", "kernel_quantiles", "host"}
+# ("eager"; hidup.program.HOST_MODES);
+# device_memory: bytes of memory per device (a GPU's, or a CPU rank's share of its host's RAM)
+_OPTIONAL = {"provenance", "kernels", "collective_points", "kernel_quantiles", "host",
+             "device_memory"}
 TIERS = ("intra", "inter")
 
 
@@ -97,6 +99,22 @@ class Profile:
     host: dict[str, float] | None = field(default=None, hash=False, compare=False)  # mode ->
     #   seconds the host spends issuing one task on a GPU, where kernels run asynchronously
     #   after it; absent on a CPU cluster, whose host runs the kernels (their times include it)
+    device_memory: float | None = field(default=None, hash=False, compare=False)  # bytes
+
+    def check_world(self, gpus: int) -> None:
+        """Refuse a world size the profile cannot describe: GPUs beyond one machine where it has
+        no figures for the link between machines."""
+        if gpus > self.gpus_per_node and self.inter_node is None:
+            raise ProfileError(
+                f"cluster {self.name} describes machines of {self.gpus_per_node} GPU(s) and has "
+                f"no figures for a link between machines, so {gpus} GPUs cannot be placed on it; "
+                f"use --gpus {self.gpus_per_node} or fewer, a multi-machine profile (such as "
+                f"v100-2x4 or v100-8x8-10gbps), or derive one: python -m calibration.derive "
+                f"--base {self.name} --inter-bandwidth 10gbit --name NAME --out NAME.json")
+
+    def fits(self, peak_bytes: float) -> bool | None:
+        """Whether a rank's peak memory fits a device (None: the profile does not say)."""
+        return None if self.device_memory is None else peak_bytes <= self.device_memory
 
     def issue_time(self, task: Compute | Convert | Wait, mode: str) -> float | None:
         """Seconds the host spends issuing `task` in executor `mode`: None when the profile has
@@ -283,6 +301,10 @@ def _read(path: Path) -> Profile:
     except json.JSONDecodeError as exc:
         raise ProfileError(f"profile file {path}: not valid JSON ({exc}); fix or re-create "
                            f"it") from exc
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"profile file {path}: not UTF-8 text (byte {exc.start}: "
+                           f"{exc.reason}); give a profile JSON file, as calibration.profile "
+                           f"writes") from exc
     profile = from_dict(doc, f"profile file {path}")
     log.debug("loaded %s from %s", profile, path)
     return profile
@@ -327,6 +349,9 @@ def from_dict(doc, where: str = "profile") -> Profile:
                                f"({', '.join(HOST_MODES)}) "
                                f"to the seconds of host time per task, got {host!r}")
         host = {k: _number(v, f"host[{k!r}]", where, zero_ok=True) for k, v in host.items()}
+    memory = doc.get("device_memory")
+    if memory is not None:
+        memory = _number(memory, "device_memory", where)
     points = doc.get("collective_points")
     if points is not None:
         points = [_point(p, where) for p in (points if isinstance(points, list) else [points])]
@@ -345,7 +370,7 @@ def from_dict(doc, where: str = "profile") -> Profile:
                    values["mem_bandwidth"], values["op_overhead"],
                    _collectives(doc["collectives"], where), int(values["gpus_per_node"]), inter,
                    slow["compute"], slow["communication"], provenance, kernels, points,
-                   spreads, host)
+                   spreads, host, memory)
 
 
 def _point(p, where: str) -> list:

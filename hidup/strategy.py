@@ -24,6 +24,7 @@ class Strategy:
     name: str
     placements: dict[str, Placement] = field(hash=False)  # parameters, buffers, user inputs
     options: dict[str, ShardingOption] = field(hash=False)  # op nodes
+    notes: tuple[str, ...] = ()  # where it departs from what its name says, for the reports
 
     def home(self, name: str) -> Placement:
         """Where a tensor lives after it is produced (before any conversion for a consumer)."""
@@ -194,27 +195,80 @@ FIXED = {"ddp": data_parallel, "megatron": megatron, "expert": expert_parallel}
 
 
 def fixed_strategies(graph: Graph, world: int) -> dict[str, Strategy]:
-    """Every fixed strategy that applies to the model (expert needs expert weights)."""
+    """Every fixed strategy that applies to the model and world size (expert needs expert
+    weights; none may end up as a replicated run under its own name)."""
     out = {}
-    for name, make in FIXED.items():
+    for name in FIXED:
         try:
-            out[name] = make(graph, world)
+            out[name] = fixed_strategy(name, graph, world)
         except ValueError:
             continue
     return out
 
 
 def fixed_strategy(name: str, graph: Graph, world: int) -> Strategy:
+    """The fixed strategy `name` on `world` ranks; an error where it would not be what its name
+    says (a batch that does not split, nothing split at all), with notes where it departs in part
+    (tensor-parallel weights left whole because their dims do not divide)."""
     if name not in FIXED:
         raise ValueError(f"unknown strategy {name!r}; choose one of {sorted(FIXED)} or a plan file")
-    return FIXED[name](graph, world)
+    strategy = FIXED[name](graph, world)
+    return strategy if world == 1 else _as_named(name, graph, strategy, world)
 
 
-def resolve_strategy(arg: str, graph: Graph, world: int) -> Strategy:
-    """A fixed strategy by name, or the plan file at a path."""
+def _as_named(name: str, graph: Graph, strategy: Strategy, world: int) -> Strategy:
+    """`strategy` if it splits what `name` promises on `world` ranks, else a ValueError that says
+    which dims do not divide and what would."""
+    if name in ("ddp", "expert"):
+        for node in graph.user_inputs:
+            size = node.out.shape[0] if node.out.shape else 1
+            if size % world:
+                raise ValueError(
+                    f"strategy {name} on {world} GPUs: the batch of {size} (input {node.name}) "
+                    f"does not split into {world} equal parts; give a --batch that is a "
+                    f"multiple of {world}, or a GPU count that divides {size} "
+                    f"({_divisors(size)})")
+    weights = _tensor_parallel_weights(graph) if name == "megatron" else []
+    whole = [w for w in weights if strategy.placements.get(w) == R]
+    if weights and len(whole) == len(weights) or not _splits_anything(strategy):
+        dims = sorted({d for w in weights for d in graph.node(w).out.shape}) or \
+            sorted({n.out.shape[0] for n in graph.user_inputs if n.out.shape})
+        raise ValueError(
+            f"strategy {name} on {world} GPUs splits nothing: no dimension it would split "
+            f"({', '.join(map(str, dims))}) divides by {world}, so every op would run "
+            f"replicated; choose a GPU count among {_divisors(math.gcd(*dims))} or another "
+            f"strategy")
+    if whole:
+        shapes = ", ".join(f"{w} {list(graph.node(w).out.shape)}" for w in whole[:3])
+        more = f" and {len(whole) - 3} more" if len(whole) > 3 else ""
+        note = (f"{len(whole)} of {len(weights)} linear weights replicated (no dim divides by "
+                f"{world}): {shapes}{more}")
+        strategy = Strategy(strategy.name, strategy.placements, strategy.options, (note,))
+    return strategy
+
+
+def _tensor_parallel_weights(graph: Graph) -> list[str]:
+    """The 2-d parameters that linear layers read: what Megatron splits."""
+    return [t for node in graph.ops if node.op.startswith("aten.linear") for t in node.inputs
+            if graph.node(t).kind == "param" and len(graph.node(t).out.shape) == 2]
+
+
+def _splits_anything(strategy: Strategy) -> bool:
+    return any(p != R for o in strategy.options.values() for p in (*o.inputs, o.output))
+
+
+def _divisors(n: int) -> str:
+    found = [d for d in range(2, min(n, 64) + 1) if n % d == 0]
+    return ", ".join(map(str, found[:8])) if found else "none above 1"
+
+
+def resolve_strategy(arg: str, graph: Graph, world: int, cluster: str | None = None
+                     ) -> Strategy:
+    """A fixed strategy by name, or the plan file at a path (noted if searched for another
+    cluster than `cluster`)."""
     path = Path(arg)
     if path.is_file():
-        return load_plan(path, graph, world)
+        return load_plan(path, graph, world, cluster)
     if path.suffix == ".json" or "/" in arg:
         raise PlanError(f"plan file {arg} does not exist; give an existing plan file or a "
                         f"strategy name such as megatron")
@@ -232,17 +286,20 @@ def check(graph: Graph, strategy: Strategy) -> None:
             raise PlanError(f"{name}: parameters and inputs cannot be Partial")
 
 
-def save_plan(path: Path, graph: Graph, strategy: Strategy, world: int, model: str) -> None:
+def save_plan(path: Path, graph: Graph, strategy: Strategy, world: int, model: str,
+              cluster: str | None = None) -> None:
+    """Write the plan file: the strategy, and the model, world size and cluster it is for."""
     doc = {"format": PLAN_FORMAT, "version": PLAN_VERSION, "model": model,
-           "fingerprint": graph.fingerprint, "world": world, "mesh": [world],
+           "fingerprint": graph.fingerprint, "world": world, "mesh": [world], "cluster": cluster,
            "strategy": strategy.name,
            "placements": {n: str(p) for n, p in strategy.placements.items()},
            "options": {n: str(o) for n, o in strategy.options.items()}}
     Path(path).write_text(json.dumps(doc, indent=1) + "\n")
 
 
-def load_plan(path: Path, graph: Graph, world: int) -> Strategy:
-    """Read a plan file; refuse it, saying why, for another model, world size or format version."""
+def load_plan(path: Path, graph: Graph, world: int, cluster: str | None = None) -> Strategy:
+    """Read a plan file; refuse it, saying why, for another world size, model or format version.
+    A plan searched for another cluster than `cluster` is taken, with a note saying so."""
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -254,15 +311,64 @@ def load_plan(path: Path, graph: Graph, world: int) -> Strategy:
     if doc.get("version") != PLAN_VERSION:
         raise PlanError(f"plan file {path}: version {doc.get('version')}, this HiDup reads version "
                         f"{PLAN_VERSION}; re-create the plan")
+    if doc.get("world") != world:
+        raise PlanError(f"plan file {path} was made for {doc.get('world')} GPUs, this run has "
+                        f"{world}; give --gpus {doc.get('world')} or make a plan for {world} "
+                        f"GPUs with python -m hidup.plan --gpus {world} --out PLAN.json")
     if doc.get("fingerprint") != graph.fingerprint:
         raise PlanError(f"plan file {path} was made for model {doc.get('model')!r} with fingerprint "
                         f"{doc.get('fingerprint')}, but this model's fingerprint is "
                         f"{graph.fingerprint}; make a plan for this model (and batch size)")
-    if doc.get("world") != world:
-        raise PlanError(f"plan file {path} was made for world size {doc.get('world')}, this run has "
-                        f"{world} ranks; make a plan for {world} ranks")
+    made_for = doc.get("cluster")
+    notes = ()
+    if cluster is not None and made_for != cluster:
+        notes = (f"plan {Path(path).name} was searched for cluster "
+                 f"{made_for or '(not recorded)'}, not {cluster}: re-plan for {cluster} with "
+                 f"python -m hidup.plan --cluster {cluster} to get its best plan",)
     strategy = Strategy(doc.get("strategy", Path(path).stem),
                         {n: parse_placement(p) for n, p in doc["placements"].items()},
-                        {n: parse_option(o) for n, o in doc["options"].items()})
+                        {n: parse_option(o) for n, o in doc["options"].items()}, notes)
     check(graph, strategy)
     return strategy
+
+
+KEY_OPS = ("linear", "einsum", "embedding", "conv", "scaled_dot_product_attention")
+STYLES = ("data parallel", "tensor parallel", "expert parallel", "split otherwise", "replicated")
+
+
+def op_style(graph: Graph, node: Node, option: ShardingOption) -> str:
+    """What an op's option does, in the words of the fixed strategies: 'expert parallel' (it reads
+    experts split across the ranks: 3-d weights), 'tensor parallel' (other split weights), 'data
+    parallel' (whole weights, the batch dim split), 'split otherwise', or 'replicated'."""
+    split_weights = [graph.node(t) for t, p in zip(node.inputs, option.inputs)
+                     if graph.node(t).kind == "param" and p != R]
+    if split_weights:
+        return "expert parallel" if any(len(w.out.shape) == 3 for w in split_weights) \
+            else "tensor parallel"
+    placements = (*option.inputs, option.output)
+    if all(p == R for p in placements):
+        return "replicated"
+    if any(isinstance(p, Shard) and p.dim == 0 for p in placements):
+        return "data parallel"
+    return "split otherwise"
+
+
+def summarize(graph: Graph, strategy: Strategy) -> dict[str, int]:
+    """How many of the key ops (linear, einsum, embedding, convolution, attention) each style
+    (op_style) runs, in STYLES order, the styles used only."""
+    counts = {style: 0 for style in STYLES}
+    for node in graph.ops:
+        if any(key in node.op for key in KEY_OPS):
+            counts[op_style(graph, node, strategy.options[node.name])] += 1
+    return {style: n for style, n in counts.items() if n}
+
+
+def describe(graph: Graph, strategy: Strategy) -> str:
+    """One line a user can read: e.g. '16 key ops expert parallel, 41 data parallel'."""
+    counts = sorted(summarize(graph, strategy).items(), key=lambda kv: -kv[1])
+    if not counts:
+        return "no key ops"
+    (style, n), rest = counts[0], counts[1:]
+    if not rest:
+        return f"all {n} key ops {style}"
+    return ", ".join([f"{n} key ops {style}"] + [f"{m} {s}" for s, m in rest])

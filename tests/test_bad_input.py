@@ -38,6 +38,7 @@ def files(tmp_path_factory):
     from hidup.profile import load_profile
 
     (folder / "profile-cut.json").write_text(load_profile("v100-2x4").to_json()[:300])
+    (folder / "profile-latin1.json").write_bytes('{"name": "caf\xe9"}'.encode("latin-1"))
     (folder / "trace-cut.json").write_text('{"traceEvents": [{"ph": "X", "name": "aten::mm"')
     return folder
 
@@ -49,9 +50,10 @@ def files(tmp_path_factory):
     (["--gpus", "0"], "--gpus: 0 is not a positive whole number"),
     (["--gpus", "two"], "--gpus: two is not a positive whole number"),
     (["--model", "gpt:tiny", "--gpus", "2", "--batch", "5", "--strategy", "ddp"],
-     "dim 0 of size 5 (shape (5, 16)) does not split into 2 ranks; choose a batch or model "
-     "size divisible by it"),
-    (["--model", "gpt:tiny", "--gpus", "2", "--batch", "6", "--micro-batches", "4"],
+     "strategy ddp on 2 GPUs: the batch of 5 (input tokens) does not split into 2 equal parts; "
+     "give a --batch that is a multiple of 2"),
+    (["--model", "gpt:tiny", "--gpus", "2", "--batch", "6", "--micro-batches", "4",
+      "--strategy", "ddp"],
      "batch of 6 (dim 0 of (6, 16)) does not split into 4 micro-batches; choose a batch "
      "divisible by 4"),
     (["--strategy", "/no/such/plan.json"], "plan file /no/such/plan.json does not exist"),
@@ -67,10 +69,12 @@ def test_plans_and_profiles_for_something_else_or_damaged(files, capsys):
         (["--model", "mlp:tiny", "--gpus", "2", "--strategy", good],
          "was made for model 'gpt:tiny' with fingerprint"),
         (["--model", "gpt:tiny", "--gpus", "4", "--strategy", good],
-         "was made for world size 2, this run has 4 ranks; make a plan for 4 ranks"),
+         "was made for 2 GPUs, this run has 4; give --gpus 2 or make a plan for 4 GPUs"),
         (["--model", "gpt:tiny", "--gpus", "2", "--strategy", str(files / "plan-cut.json")],
          "cannot read it (Expecting"),
         (["--cluster", str(files / "profile-cut.json")], "not valid JSON"),
+        (["--cluster", str(files / "profile-latin1.json")],
+         "profile-latin1.json: not UTF-8 text (byte 13: invalid continuation byte); give a profile JSON"),
     ]
     for argv, said in cases:
         line = one_line(predict.main, argv, capsys)

@@ -43,24 +43,43 @@ def test_json_duplex_is_not_slower_without_fixed_costs(capsys, free_profile):
 
 def test_report_and_trace_with_the_shipped_profile(capsys, tmp_path):
     trace = tmp_path / "duplex.trace.json"
-    assert main(["--model", "mlp:tiny", "--gpus", "2", "--trace", str(trace)]) == 0
+    assert main(["--model", "mlp:tiny", "--gpus", "2", "--cluster", "v100-1x4-nvlink",
+                 "--strategy", "megatron", "--trace", str(trace), "--show-plan"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("model mlp:tiny (batch 8), cluster v100-1x4-nvlink, 2 GPUs, strategy "
-                          "megatron")
+    assert out.startswith("model mlp:tiny (batch 8), cluster v100-1x4-nvlink: 2 GPUs, 1 machine "
+                          "of 2, 32 GiB each, strategy megatron")
     assert "SPMD (k=1)" in out and "Duplex (k=2)" in out
-    assert "  linear: (R, S(0), S(0)) -> S(1)" in out
+    assert "  linear: (R, S(0), S(0)) -> S(1)" in out  # --show-plan: every op
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["pid"] for e in events} == {0}  # identical ranks: one is simulated
     assert any(e["name"] == "all_reduce linear_1 mb1" for e in events)
 
 
+def test_the_plan_is_summarised_unless_asked_for_in_full(capsys):
+    assert main(["--model", "mlp:tiny", "--gpus", "2", "--strategy", "megatron"]) == 0
+    out = capsys.readouterr().out
+    assert "plan megatron: all 4 key ops tensor parallel (every op's placements: --show-plan)" \
+        in out
+    assert "linear: (R" not in out
+
+
 def test_a_plan_file_gives_the_same_prediction_as_its_strategy(capsys, tmp_path):
     graph = capture_model(models.get_model("mlp:tiny"), 8)
-    save_plan(tmp_path / "plan.json", graph, megatron(graph, 2), 2, "mlp:tiny")
-    by_name = run_json(capsys, "--model", "mlp:tiny", "--gpus", "2")
+    save_plan(tmp_path / "plan.json", graph, megatron(graph, 2), 2, "mlp:tiny", "v100-2x4")
+    by_name = run_json(capsys, "--model", "mlp:tiny", "--gpus", "2", "--strategy", "megatron")
     by_file = run_json(capsys, "--model", "mlp:tiny", "--gpus", "2",
                        "--strategy", str(tmp_path / "plan.json"))
     assert by_file == by_name
+
+
+def test_a_plan_searched_for_another_cluster_says_so(capsys, tmp_path):
+    graph = capture_model(models.get_model("mlp:tiny"), 8)
+    save_plan(tmp_path / "plan.json", graph, megatron(graph, 2), 2, "mlp:tiny", "v100-8x8-10gbps")
+    assert main(["--model", "mlp:tiny", "--gpus", "2", "--cluster", "cpu-gloo-loopback",
+                 "--strategy", str(tmp_path / "plan.json")]) == 0
+    out = capsys.readouterr().out
+    assert "note: plan plan.json was searched for cluster v100-8x8-10gbps, not cpu-gloo-loopback" \
+        in out
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -79,22 +98,54 @@ def test_bad_input_exits_2_with_one_line(capsys, argv, message):
     assert re.search(message, err)
 
 
-def test_a_plan_for_another_world_size_is_refused(capsys, tmp_path):
-    graph = capture_model(models.get_model("mlp:tiny"), 8)
+def test_a_plan_for_another_world_size_is_refused_naming_the_count(capsys, tmp_path):
+    graph = capture_model(models.get_model("mlp:tiny", gpus=4), 8)
     save_plan(tmp_path / "plan.json", graph, megatron(graph, 4), 4, "mlp:tiny")
     with pytest.raises(SystemExit) as exc:
         main(["--model", "mlp:tiny", "--gpus", "2", "--strategy", str(tmp_path / "plan.json")])
     assert exc.value.code == 2
-    assert "was made for world size 4, this run has 2 ranks" in capsys.readouterr().err
+    assert "was made for 4 GPUs, this run has 2; give --gpus 4" in capsys.readouterr().err
 
 
-def test_default_run(capsys):
-    started = time.perf_counter()
-    assert main([]) == 0
+@pytest.mark.parametrize("argv, message", [
+    # a strategy that would split nothing is not run as full replication under its name
+    (["--model", "gpt:small", "--gpus", "3", "--strategy", "megatron", "--cluster",
+      "v100-1x4-nvlink"], "strategy megatron on 3 GPUs splits nothing: no dimension it would "
+     "split (256, 1024, 4096) divides by 3"),
+    (["--model", "gpt:tiny", "--gpus", "100000", "--strategy", "ddp"],
+     "strategy ddp on 100000 GPUs: the batch of 8 (input tokens) does not split"),
+    # a one-machine profile is not stretched over machines it has no link figures for
+    (["--model", "bert-sgmoe:tiny", "--gpus", "8", "--cluster", "v100-1x4-nvlink"],
+     "cluster v100-1x4-nvlink describes machines of 4 GPU(s) and has no figures for a link "
+     "between machines"),
+])
+def test_what_a_strategy_or_cluster_cannot_be_is_refused(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_memory_beyond_the_device_is_said_in_gib(capsys):
+    assert main(["--model", "bert-sgmoe:paper", "--gpus", "8", "--strategy", "megatron"]) == 0
     out = capsys.readouterr().out
-    assert "model gpt:small (batch 16), cluster v100-1x4-nvlink, 4 GPUs" in out
-    assert "Duplex (k=2)" in out and "speedup of Duplex over SPMD" in out
-    assert time.perf_counter() - started < 10
+    assert re.search(r"does not fit a device's 32 GiB: SPMD \(k=1\) needs 3\d\.?\d* GiB per "
+                     r"rank", out), out
+    assert "note: 1 of 41 linear weights replicated (no dim divides by 8): p_head_weight" in out
+
+
+def test_default_run_compares_the_searched_plan_with_the_baselines(capsys):
+    assert main(["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["model"], out["cluster"], out["gpus"]) == ("bert-sgmoe:paper", "v100-2x4", 8)
+    names = [p["strategy"] for p in out["plans"]]
+    assert names == ["hidup", "ddp", "megatron", "expert"]
+    best = {p["strategy"]: min(p[run]["step_time_ms"] for run in ("spmd", "duplex")
+                               if p[run]["fits"]) for p in out["plans"]}
+    assert out["chosen"]["strategy"] == min(best, key=best.get)
+    assert out["chosen"]["why"].startswith(f"chose {out['chosen']['strategy']} ")
+    megatron_run = next(p for p in out["plans"] if p["strategy"] == "megatron")
+    assert megatron_run["spmd"]["fits"] is False  # 35 GiB on a 32 GiB V100
 
 
 def test_bucket_mb_zero_reduces_each_parameter_on_its_own():

@@ -42,7 +42,7 @@ def test_plan_file_refused_for_another_model_or_world(tmp_path, tiny_graphs):
     with pytest.raises(PlanError, match=r"made for model 'gpt:tiny' with fingerprint "
                                         r"\w+, but this model's fingerprint is \w+"):
         load_plan(tmp_path / "plan.json", mlp, 2)
-    with pytest.raises(PlanError, match="made for world size 2, this run has 4 ranks"):
+    with pytest.raises(PlanError, match="made for 2 GPUs, this run has 4; give --gpus 2"):
         load_plan(tmp_path / "plan.json", lm, 4)
 
 

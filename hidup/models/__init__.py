@@ -3,11 +3,13 @@
 the number of GPUs (experts = 2 x GPUs, 4 x for switch-trace), so a spec is made for a world size."""
 from __future__ import annotations
 
-
-from dataclasses import dataclass
-from typing import Callable
-
+import hashlib
 import logging
+import os
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -27,6 +29,7 @@ class ModelSpec:
     task: str  # 'mlm' | 'lm' | 'image' | 'regression' | 'sum': what data it trains on
     seq: int = 0  # sequence length of text models
     vocab: int = 0
+    key: str = ""  # what made it (name, GPUs, vocabulary, overrides): names its cached capture
 
 
 BERT = {"tiny": dict(vocab=64, dim=32, heads=4, hidden=64, layers=2, seq=16, per_gpu=2,
@@ -118,11 +121,65 @@ def get_model(spec: str, gpus: int = 1, vocab: int | None = None, **overrides) -
     finally:
         sizes[size].clear()
         sizes[size].update(saved)
+    key = f"{name}:{size} gpus={gpus} vocab={vocab} overrides={sorted(overrides.items())}"
     return ModelSpec(f"{name}:{size}", build, inputs, batch, task, cfg.get("seq", 0),
-                     cfg.get("vocab", 0))
+                     cfg.get("vocab", 0), key)
 
 
 def capture_model(spec: ModelSpec, batch: int) -> Graph:
+    """The zoo model's graph at `batch`: from the capture cache where this model, batch, torch
+    and HiDup's capture code were captured before (torch.export takes seconds), else captured
+    and cached. HIDUP_CACHE names the cache folder (default ~/.cache/hidup; 'off': none)."""
+    path = _cache_path(spec, batch)
+    if path is not None and path.is_file():
+        try:
+            return pickle.loads(path.read_bytes())
+        except Exception as exc:  # a cache written by another version, or cut short: capture
+            log.info("capture cache %s unreadable (%s); capturing again", path, exc)
+    graph = _capture(spec, batch)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(f".{os.getpid()}.tmp")
+            with open(partial, "wb") as f:
+                _GraphPickler(f).dump(graph)
+            os.replace(partial, path)
+        except (OSError, pickle.PicklingError, TypeError) as exc:
+            log.info("cannot cache the capture in %s (%s)", path, exc)
+    return graph
+
+
+def _cache_path(spec: ModelSpec, batch: int) -> Path | None:
+    folder = os.environ.get("HIDUP_CACHE", str(Path.home() / ".cache" / "hidup"))
+    if folder == "off" or not spec.key:
+        return None
+    digest = hashlib.sha256(f"{spec.key} batch={batch} torch={torch.__version__}".encode())
+    for source in sorted(_CAPTURE_SOURCES):
+        digest.update(source.read_bytes())
+    return Path(folder) / "graphs" / f"{spec.name.replace(':', '-')}-{digest.hexdigest()[:16]}.pkl"
+
+
+_HERE = Path(__file__).parent
+_CAPTURE_SOURCES = [*_HERE.glob("*.py"), _HERE.parent / "capture.py", _HERE.parent / "flops.py"]
+
+
+class _GraphPickler(pickle.Pickler):
+    """Pickles a Graph: an ATen op by its name (an OpOverload does not pickle itself)."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch._ops.OpOverload):
+            return _aten_op, (obj.name(),)
+        return NotImplemented
+
+
+def _aten_op(name: str):
+    """The OpOverload named e.g. 'aten::linear' or 'aten::sum.dim_IntList'."""
+    namespace, _, rest = name.partition("::")
+    op, _, overload = rest.partition(".")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
+
+
+def _capture(spec: ModelSpec, batch: int) -> Graph:
     """Capture on the meta device (no weights allocated); on the CPU if an op needs real data."""
     inputs = spec.inputs(batch, torch.Generator().manual_seed(0))
     torch.manual_seed(0)
