@@ -1,7 +1,6 @@
 """`python -m simulator.predict`: the report, the JSON form, plan files and one-line errors."""
 import json
 import re
-import time
 
 import pytest
 
