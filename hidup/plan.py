@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import time
 from dataclasses import replace
@@ -13,11 +14,12 @@ from pathlib import Path
 
 from hidup.cli import Parser
 from hidup.estimate import estimate
+from hidup.memory import peak_memory
 from hidup.models import capture_model, get_model, names
 from hidup.profile import load_profile
 from hidup.program import LoweringError, lower
 from hidup.search import search
-from hidup.strategy import fixed_strategies, save_plan
+from hidup.strategy import describe, fixed_strategies, save_plan
 
 log = logging.getLogger(__name__)
 PROG = "python -m hidup.plan"
@@ -31,7 +33,9 @@ def parse_args(argv=None):
     ap.add_argument("--gpus", type=int, default=8, help="world size")
     ap.add_argument("--batch", type=int, default=None, help="global batch (default: the model's)")
     ap.add_argument("--micro-batches", type=int, default=2, help="Duplex micro-batches k")
-    ap.add_argument("--memory", type=float, default=32.0, help="device memory limit, GiB")
+    ap.add_argument("--memory", type=float, default=None,
+                    help="device memory limit, GiB (default: the cluster profile's, none if it "
+                         "does not say)")
     ap.add_argument("--beam", type=int, default=16, help="states kept per cut of the search")
     ap.add_argument("--out", type=Path, default=None, help="write the chosen plan to this file")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -40,31 +44,36 @@ def parse_args(argv=None):
     for flag in ("gpus", "micro_batches", "beam"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be at least 1")
-    if args.memory <= 0:
-        ap.error("--memory must be positive (GiB)")
+    if args.memory is not None and not 0 < args.memory < math.inf:
+        ap.error(f"--memory {args.memory}: must be a positive number of GiB")
     return args
 
 
 def plan(args) -> dict:
     profile = load_profile(args.cluster)
+    profile.check_world(args.gpus)
     spec = get_model(args.model, gpus=args.gpus)
     batch = args.batch or spec.batch
     graph = capture_model(spec, batch)
     baselines = fixed_strategies(graph, args.gpus)
-    memory = args.memory * 2**30
+    memory = args.memory * 2**30 if args.memory is not None else profile.device_memory
     started = time.perf_counter()
     mincomm = search(graph, args.gpus, profile, 1, memory, objective="comm", beam=args.beam)
     baselines["min-comm"] = mincomm.strategy
     log.info("min-comm search: %.2f s", time.perf_counter() - started)
     found = search(graph, args.gpus, profile, args.micro_batches, memory, beam=args.beam,
                    baselines=baselines)
-    chosen = replace(found.strategy, name=f"hidup({found.candidates[0][0].split()[0]})")
+    origin = found.candidates[0][0].split()[0]  # 'search#0', or a baseline the search kept
+    searched = origin.startswith("search#")
+    chosen = replace(found.strategy, name="hidup" if searched else origin)
     rows = {"hidup": _times(graph, chosen, args.gpus, args.micro_batches, profile)}
     rows["hidup"]["chosen_k"] = found.k
     rows.update({n: _times(graph, s, args.gpus, args.micro_batches, profile)
                  for n, s in baselines.items()})
     return {"model": spec.name, "batch": batch, "cluster": profile.name, "gpus": args.gpus,
-            "micro_batches": args.micro_batches, "chosen": found.candidates[0][0],
+            "micro_batches": args.micro_batches, "chosen": chosen.name,
+            "searched": searched, "description": describe(graph, chosen),
+            "memory_limit_gib": None if memory is None else memory / 2**30,
             "duplex": found.k > 1,
             "search_seconds": found.seconds, "labels": found.states,
             "dp_estimate_ms": found.dp_cost * 1e3, "plans": rows,
@@ -75,32 +84,48 @@ def _times(graph, strategy, world, k, profile) -> dict:
     out = {}
     for kk in (1, k):
         try:
-            out[f"k{kk}_ms"] = estimate(lower(graph, strategy, world, kk), profile).step_time * 1e3
+            program = lower(graph, strategy, world, kk)
         except (LoweringError, ValueError) as exc:
-            out[f"k{kk}_ms"] = None
+            out[f"k{kk}_ms"] = out[f"k{kk}_gib"] = None
             log.info("%s with k=%d cannot be lowered: %s", strategy.name, kk, exc)
+            continue
+        out[f"k{kk}_ms"] = estimate(program, profile).step_time * 1e3
+        out[f"k{kk}_gib"] = peak_memory(program).peak / 2**30
     return out
 
 
 def report(res: dict) -> list[str]:
     k, rows = res["micro_batches"], res["plans"]
-    best = rows["hidup"][f"k{rows['hidup']['chosen_k']}_ms"]
-    lines = [f"{res['model']} (batch {res['batch']}) on {res['cluster']}, {res['gpus']} GPUs: "
-             f"searched in {res['search_seconds']:.2f} s ({res['labels']} labels), chose "
-             f"{res['chosen']} ({'with' if res['duplex'] else 'without'} Duplex)", "",
-             "placements of the key ops:"]
+    chosen_k = rows["hidup"]["chosen_k"]
+    best = rows["hidup"][f"k{chosen_k}_ms"]
+    duplex = f"with Duplex (k={chosen_k})" if res["duplex"] else "without Duplex"
+    what = f"the searched plan ({res['description']})" if res["searched"] else \
+        f"the fixed strategy {res['chosen']}, which no searched plan beat ({res['description']})"
+    limit = res["memory_limit_gib"]
+    lines = [f"{res['model']} (batch {res['batch']}) on {res['cluster']}, {res['gpus']} GPUs"
+             f"{'' if limit is None else f', {limit:.3g} GiB each'}: searched in "
+             f"{res['search_seconds']:.2f} s ({res['labels']} labels)",
+             f"chose {what}, {duplex}", "", "placements of the key ops:"]
     graph, strategy = res["graph"], res["strategy"]
     for node in graph.ops:
         if any(key in node.op for key in KEY_OPS):
             lines.append(f"  {node.name} ({node.op.split('.')[1]}): {strategy.options[node.name]}")
-    lines += ["", f"{'plan':<10}{'SPMD k=1 (ms)':>15}{f'Duplex k={k} (ms)':>18}{'hidup speedup':>15}"]
+    head = ("SPMD k=1 (ms)", f"Duplex k={k} (ms)", "peak mem (GiB)", "hidup speedup")
+    lines += ["", f"{'plan':<10}" + "".join(f"  {h}" for h in head)]
     for name, t in rows.items():
-        cells = [f"{t[key]:.2f}" if t[key] is not None else "-" for key in ("k1_ms", f"k{k}_ms")]
         times = [t[key] for key in ("k1_ms", f"k{k}_ms") if t[key] is not None]
         fastest = min(times) if times else None
-        gain = f"{fastest / best:.3f}x" if fastest and best else "-"
-        lines.append(f"{name:<10}{cells[0]:>15}{cells[1]:>18}{gain:>15}")
-    lines.append("(hidup speedup: this plan's best time, with or without Duplex, over hidup's)")
+        memory = max((t[key] for key in ("k1_gib", f"k{k}_gib") if t[key] is not None),
+                     default=None)
+        cells = [f"{t['k1_ms']:.2f}" if t["k1_ms"] is not None else "-",
+                 f"{t[f'k{k}_ms']:.2f}" if t[f"k{k}_ms"] is not None else "-",
+                 "-" if memory is None else
+                 f"{memory:.3g}" + ("*" if limit is not None and memory > limit else ""),
+                 f"{fastest / best:.3f}x" if fastest and best else "-"]
+        lines.append(f"{name:<10}" + "".join(f"  {c:>{len(h)}}" for c, h in zip(cells, head)))
+    lines.append("(hidup speedup: this plan's best time, with or without Duplex, over hidup's; "
+                 "*: over the memory limit in one of its runs; the search keeps only runs that "
+                 "fit)")
     return lines
 
 
@@ -111,7 +136,8 @@ def main(argv=None) -> int:
     try:
         res = plan(args)
         if args.out:
-            save_plan(args.out, res["graph"], res["strategy"], args.gpus, res["model"])
+            save_plan(args.out, res["graph"], res["strategy"], args.gpus, res["model"],
+                      res["cluster"])
     except (ValueError, OSError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

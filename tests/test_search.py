@@ -3,6 +3,7 @@ expert strategies, it respects memory, and its plans train exactly like one devi
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -75,7 +76,17 @@ def test_plan_cli_writes_a_plan_that_loads(tmp_path, capsys):
                * (1 + 1e-9) for t in doc["plans"].values())
     spec = get_model("bert-switch:tiny", gpus=2)
     strategy = load_plan(out, capture_model(spec, spec.batch), 2)
-    assert strategy.options == {n: s for n, s in strategy.options.items()}
+    assert {n: str(o) for n, o in strategy.options.items()} == doc["options"]  # what it printed
+    assert json.loads(out.read_text())["cluster"] == doc["cluster"] == "v100-8x8-10gbps"
+    # the plan is named by what it does, with each plan's memory beside its times
+    assert doc["chosen"] in ("hidup", "ddp", "megatron", "expert", "min-comm")
+    assert "key ops" in doc["description"] and doc["memory_limit_gib"] == 32
+    assert all(t["k1_gib"] > 0 for t in doc["plans"].values())
+    assert plan_main(["--model", "bert-switch:tiny", "--gpus", "2"]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"\nchose (the searched plan|the fixed strategy \w+, which no searched plan "
+                     r"beat) \(.*key ops.*\), with(out)? Duplex", text), text
+    assert "peak mem (GiB)" in text and "search#" not in text
     assert plan_main(["--model", "nope:tiny"]) == 2
     assert "unknown model 'nope'" in capsys.readouterr().err
 
