@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import sys
 import textwrap
 import time
 from dataclasses import asdict, dataclass, replace
@@ -401,7 +403,10 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as exc:
             parser.exit(2, f"{PROG}: error: cannot write the plan to {args.save_plan} "
                            f"({exc.strerror or exc})\n")
-    print(json.dumps(report.to_dict(), indent=1) if args.json else report)
+    try:
+        print(json.dumps(report.to_dict(), indent=1) if args.json else report, flush=True)
+    except BrokenPipeError:  # piped into `head`: what was read is all that was wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
