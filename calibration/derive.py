@@ -17,6 +17,29 @@ from hidup.cli import Parser
 from hidup.cluster import parse_rate
 from hidup.profile import LinkCost, Profile, ProfileError, load_profile
 
+def _si(value: float, unit: str) -> str:
+    """'1.21 GB/s', '100 Mbit/s': three figures and an SI prefix."""
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+def readable_rate(bytes_per_s: float) -> str:
+    """'1.21 GB/s (9.71 Gbit/s)'."""
+    return f"{_si(bytes_per_s, 'B/s')} ({_si(bytes_per_s * 8, 'bit/s')})"
+
+
+def describe(profile: Profile) -> list[str]:
+    """The derived profile in readable figures: one line per collective kind and link tier."""
+    lines = [f"profile {profile.name}: {profile.gpus_per_node} GPUs per machine, "
+             f"{profile.flops / 1e12:.3g} TFLOP/s, {profile.op_overhead * 1e6:.2f} us per kernel"]
+    for tier, costs in (("intra-node", profile.collectives), ("inter-node", profile.inter_node)):
+        for kind, cost in costs.items():
+            lines.append(f"  {tier} {kind:<14} latency {cost.alpha * 1e6:7.2f} us per step, "
+                         f"bus bandwidth {readable_rate(cost.beta)}")
+    return lines
+
 
 def link_rate(profile: Profile) -> float:
     """The inter-node link's rate as a profile sees it: its fastest collective's bus bandwidth."""
@@ -44,17 +67,21 @@ def main(argv=None) -> int:
     ap.add_argument("--gpus-per-node", type=int, default=None,
                     help="GPUs per machine of the derived cluster (default: the base's)")
     ap.add_argument("--inter-bandwidth", required=True, metavar="RATE",
-                    help="the inter-node link's rate, e.g. 9.71gbit")
+                    help="the inter-node link's rate in bits per second with its unit, e.g. "
+                         "9.71gbit, 100mbit, 10gbps")
     ap.add_argument("--name", required=True, help="the derived profile's name")
     ap.add_argument("--out", type=Path, required=True, help="where to write it")
     args = ap.parse_args(argv)
+    if args.gpus_per_node is not None and args.gpus_per_node < 1:
+        ap.error(f"--gpus-per-node {args.gpus_per_node}: must be 1 or more")
+    if not args.out.parent.is_dir():
+        ap.error(f"--out {args.out}: folder {args.out.parent} does not exist; create it first")
     try:
-        if args.gpus_per_node is not None and args.gpus_per_node < 1:
-            raise ValueError(f"--gpus-per-node {args.gpus_per_node}: must be 1 or more")
-        if not args.out.parent.is_dir():
-            raise ValueError(f"--out {args.out}: folder {args.out.parent} does not exist")
-        base = load_profile(args.base)
         rate = parse_rate(args.inter_bandwidth)
+    except ValueError as exc:
+        ap.error(f"--inter-{exc}")  # "--inter-bandwidth '1': give a positive rate ..."
+    try:
+        base = load_profile(args.base)
         derived = with_inter_link(base, rate, args.gpus_per_node, args.name)
         derived = replace(derived, source=(
             f"Derived by calibration.derive from {base.name} ({base.source}) with "
@@ -69,7 +96,7 @@ def main(argv=None) -> int:
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(derived.to_json())
     os.replace(tmp, args.out)
-    print(f"{derived}\ninter-node: " + ", ".join(f"{k} {c}" for k, c in derived.inter_node.items()))
+    print("\n".join(describe(derived)))
     print(f"wrote {args.out}")
     return 0
 

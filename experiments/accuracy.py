@@ -11,7 +11,9 @@ medians over rounds count. --recalibrate-each times each configuration's own ker
 before its run instead (an easier test: the simulator adding up fresh kernel times). Reports
 each error, the median and maximum absolute error, Kendall's tau per model and the regret of
 taking the simulator's best per model and cluster; writes a CSV, a JSON summary and a
-predicted-vs-measured plot. Needs root and iproute2 (as hidup.cluster)."""
+predicted-vs-measured plot to --out (default out/accuracy/, git-ignored; the README's results are
+in experiments/results/accuracy/, which a --quick run may not write to). Needs root and iproute2
+(as hidup.cluster)."""
 from __future__ import annotations
 
 import argparse
@@ -19,12 +21,14 @@ import csv
 import functools
 import json
 import logging
+import math
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from experiments import outputs
 from hidup.cli import Parser
 from hidup.cluster import Cluster, ClusterError, emulated, parse_rate
 from hidup.models import capture_model, get_model
@@ -88,8 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="largest collective the calibration measures (calibration.profile)")
     ap.add_argument("--quick", action="store_true",
                     help="CI size: gpt:small, ddp and megatron, 1gbit, 2 hosts of 1 rank")
-    ap.add_argument("--out", type=Path, default=Path("experiments/results/accuracy"),
-                    help="folder for accuracy.csv, accuracy.json, accuracy.png and the profiles")
+    ap.add_argument("--out", type=Path, default=outputs.default_out("accuracy"),
+                    help="folder for accuracy.csv, accuracy.json, accuracy.png and the profiles "
+                         "(default out/accuracy, git-ignored)")
     ap.add_argument("--max-median-error", type=float, default=None,
                     help="exit 1 when the median absolute error exceeds this fraction (CI: 0.10)")
     args = ap.parse_args(argv)
@@ -109,6 +114,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.warmup >= args.steps:
         ap.error(f"--warmup ({args.warmup}) must be below --steps ({args.steps})")
+    gate = args.max_median_error
+    if gate is not None and not (math.isfinite(gate) and gate >= 0):
+        ap.error(f"--max-median-error {gate}: give a finite fraction >= 0, e.g. 0.10 for 10%")
+    outputs.refuse_quick_into_results(ap, args.out, args.quick, "accuracy")
     return args
 
 
@@ -134,9 +143,10 @@ def captured(model: str, world: int):
 def plan_for(model: str, profile_path: Path, world: int, folder: Path) -> Path:
     """The searched plan for this cluster (hidup.search with its profile): the plan file."""
     graph = captured(model, world)[1]
-    result = search(graph, world, load_profile(profile_path), k=2)
+    profile = load_profile(profile_path)
+    result = search(graph, world, profile, k=2)
     path = folder / f"plan-{model.replace(':', '-')}-{profile_path.stem}.json"
-    save_plan(path, graph, result.strategy, world, model)
+    save_plan(path, graph, result.strategy, world, model, profile.name)
     return path
 
 
@@ -367,6 +377,7 @@ def main(argv=None) -> int:
           ", ".join(f"{g} {v:.3f}" for g, v in summary["regret"].items()))
     print(f"wrote {args.out / 'accuracy.csv'}, accuracy.json, accuracy.png in "
           f"{time.perf_counter() - started:.0f} s")
+    print(outputs.note(args.out, "accuracy"))
     if args.max_median_error is not None and summary["median_abs_error"] > args.max_median_error:
         print(f"{PROG}: median |error| {summary['median_abs_error']:.1%} exceeds "
               f"{args.max_median_error:.0%}", file=sys.stderr)

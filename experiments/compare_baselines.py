@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -28,7 +29,11 @@ def parse_args(argv=None):
     ap.add_argument("--memory", type=float, default=32.0, help="device memory limit, GiB")
     ap.add_argument("--out", type=Path, default=Path("out/compare_baselines.json"),
                     help="also write the table as JSON here")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if not (math.isfinite(args.memory) and args.memory > 0):
+        ap.error(f"--memory {args.memory}: give the device memory in GiB, a positive finite "
+                 f"number, e.g. 32")
+    return args
 
 
 def simulated_ms(graph, strategy, gpus, k, profile) -> float | None:

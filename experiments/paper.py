@@ -1,5 +1,7 @@
 """The paper's evaluation (SoCC'22, Sec. VI) on the simulator, one command per figure or table;
-each prints its table and writes FIGURE.csv and FIGURE.png to --out:
+each prints its table and writes FIGURE.csv and FIGURE.png to --out (default out/paper/, a
+git-ignored scratch folder; the README's figures are refreshed with a full run and
+`--out experiments/results/paper`, which a --quick run may not use):
 
     python -m experiments.paper scaling        # Fig. 7: HiDup vs expert parallelism, 8-64 GPUs
     python -m experiments.paper one-machine    # Fig. 8: the same and ddp on 1-8 GPUs of a machine
@@ -36,9 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from calibration.derive import with_inter_link
+from calibration.derive import parse_rate, with_inter_link
+from experiments import outputs
 from hidup.cli import Parser
-from hidup.cluster import parse_rate
 from hidup.data import build_vocabulary
 from hidup.models import capture_model, get_model
 from hidup.profile import ProfileError, load_profile
@@ -276,7 +278,7 @@ def convergence(args) -> Figure:
         graph = capture_model(spec, CONVERGENCE_BATCH)  # as hidup.train builds it for this data
         found = search(graph, ranks, load_profile("cpu-gloo-loopback"), k=2)
         plan = Path(tmp) / "plan.json"
-        save_plan(plan, graph, found.strategy, ranks, model)
+        save_plan(plan, graph, found.strategy, ranks, model, "cpu-gloo-loopback")
         losses = {name: _train(model, strategy, k, ranks, steps, args)
                   for name, strategy, k in (("hidup", str(plan), 2), ("ddp", "ddp", 1))}
     for i, (a, b) in enumerate(zip(losses["hidup"], losses["ddp"])):
@@ -476,8 +478,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=0.3,
                     help="convergence: SGD learning rate (default 0.3: the loss falls visibly "
                          "within 300 steps)")
-    ap.add_argument("--out", type=Path, default=Path("experiments/results/paper"),
-                    help="folder for FIGURE.csv and FIGURE.png (default experiments/results/paper)")
+    ap.add_argument("--out", type=Path, default=outputs.default_out("paper"),
+                    help="folder for FIGURE.csv and FIGURE.png (default out/paper, git-ignored; "
+                         "experiments/results/paper holds the README's figures: refresh them "
+                         "with a full run, never --quick)")
     args = ap.parse_args(argv)
     args.models = args.models or list(QUICK_MODELS if args.quick else MODELS)
     for model in args.models:
@@ -493,15 +497,15 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"--gpus {max(args.gpus)}: one machine has 8 GPUs (for one-machine and all)")
     if args.steps is not None and args.steps < 1:
         ap.error(f"--steps must be at least 1, got {args.steps}")
-    if not args.lr > 0:
-        ap.error(f"--lr must be positive, got {args.lr}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        ap.error(f"--lr must be a positive finite number, got {args.lr}; e.g. --lr 0.3")
+    outputs.refuse_quick_into_results(ap, args.out, args.quick, "paper")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"{PROG}: %(message)s")
-    args.out.mkdir(parents=True, exist_ok=True)
     names = list(FIGURES) if args.figure == "all" else [args.figure]
     started = time.perf_counter()
     for i, name in enumerate(names, 1):
@@ -511,8 +515,10 @@ def main(argv=None) -> int:
         except (ValueError, ProfileError, RuntimeError) as exc:
             print(f"{PROG} {name}: {exc}", file=sys.stderr)
             return 2
+        args.out.mkdir(parents=True, exist_ok=True)  # only once there is a figure to write
         write(fig, args.out)
     log.info("done in %.0f s", time.perf_counter() - started)
+    print(outputs.note(args.out, "paper"))
     return 0
 
 

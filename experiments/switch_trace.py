@@ -75,7 +75,7 @@ def _run(args) -> int:
               for name in ("ddp", "hidup", "deepspeed", "fastmoe")}
     plan, lines = derive_plan(traces["hidup"], graph, GPUS)
     plan_path = args.out / "switch-trace-hidup-plan.json"
-    save_plan(plan_path, graph, plan, GPUS, spec.name)
+    save_plan(plan_path, graph, plan, GPUS, spec.name, "v100-1x4-nvlink")  # where it was traced
     print(f"The traced HiDup run's plan, read from its all-gathers ({plan_path}):")
     print("\n".join("  " + line for line in lines))
     print("  everything else: the `expert` strategy (experts split across the GPUs, reached by "

@@ -7,7 +7,8 @@ predict both step times (simulator); mark where Duplex pays off and where it sto
 The cluster is --base (a measured profile; default v100-2x4, two machines of 4 V100) with its
 machines regrouped to N/H GPUs each and its inter-machine bus bandwidths scaled to each rate
 (calibration.derive); the GPUs inside a machine keep the base's figures. Prints the table and
-writes whatif.csv and whatif.png to --out."""
+writes whatif.csv and whatif.png to --out (default out/whatif/, git-ignored; the README's figure
+is refreshed with `--out experiments/results/whatif`)."""
 from __future__ import annotations
 
 import argparse
@@ -18,10 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-from calibration.derive import with_inter_link
+from calibration.derive import parse_rate, with_inter_link
+from experiments import outputs
 from experiments.paper import hidup, log_ticks, ms, save_png
 from hidup.cli import Parser
-from hidup.cluster import parse_rate
 from hidup.models import capture_model, get_model
 from hidup.profile import ProfileError, load_profile
 
@@ -35,7 +36,10 @@ def parse_range(text: str) -> tuple[float, float]:
     parts = text.split(":")
     if len(parts) > 2:
         raise ValueError(f"--bandwidth {text!r}: give LOW:HIGH (e.g. 1gbit:100gbit) or one rate")
-    low, high = (parse_rate(p) for p in (parts * 2)[:2])
+    try:
+        low, high = (parse_rate(p) for p in (parts * 2)[:2])
+    except ValueError as exc:  # "bandwidth '1': give a positive rate ..."
+        raise ValueError(f"--{exc}") from None
     if low > high:
         raise ValueError(f"--bandwidth {text!r}: the low rate is above the high one; give "
                          f"LOW:HIGH, e.g. 1gbit:100gbit")
@@ -126,8 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threshold", type=float, default=1.05,
                     help="Duplex pays off while it makes the step at least this much faster "
                          "(default 1.05)")
-    ap.add_argument("--out", type=Path, default=Path("experiments/results/whatif"),
-                    help="folder for whatif.csv and whatif.png")
+    ap.add_argument("--out", type=Path, default=outputs.default_out("whatif"),
+                    help="folder for whatif.csv and whatif.png (default out/whatif, git-ignored; "
+                         "experiments/results/whatif holds the README's figure)")
     args = ap.parse_args(argv)
     if args.gpus < 2:
         ap.error(f"--gpus {args.gpus}: needs 2 or more (a link between machines)")
@@ -135,8 +140,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--hosts {args.hosts}: needs 2 or more machines that divide --gpus {args.gpus}")
     if args.points < 1:
         ap.error(f"--points must be at least 1, got {args.points}")
-    if args.threshold < 1.0:
-        ap.error(f"--threshold {args.threshold}: a gain below 1.0 is a loss; give >= 1.0")
+    if not (math.isfinite(args.threshold) and args.threshold >= 1.0):
+        ap.error(f"--threshold {args.threshold}: the gain must be a finite number, and below 1.0 "
+                 f"is a loss; give >= 1.0, e.g. 1.05")
     try:
         args.range = parse_range(args.bandwidth)
         get_model(args.model, gpus=args.gpus)
@@ -183,6 +189,7 @@ def main(argv=None) -> int:
                  if band[1] < high else ""))
     print(f"wrote {args.out / 'whatif.csv'} and {args.out / 'whatif.png'} in "
           f"{time.perf_counter() - started:.0f} s")
+    print(outputs.note(args.out, "whatif"))
     return 0
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -35,7 +36,6 @@ STATE_DIR = Path(os.environ.get("HIDUP_CLUSTER_DIR", "/run/hidup-cluster"))
 SUBNET = "10.87.0"  # host i is SUBNET.(i+1), inside the cluster's own namespaces only
 IFACE = "eth0"  # each host's link to the switch, as its namespace sees it
 MAX_HOSTS = 32
-_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 
 
 def ranks_on_this_machine() -> int:
@@ -54,14 +54,21 @@ class ClusterError(Exception):
     """Something the user can fix: bad flags, no root or iproute2, no such cluster."""
 
 
+_RATE = re.compile(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?)(?:bit(?:/s)?|bps)")
+_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
 def parse_rate(text: str) -> float:
-    """'9.71gbit' / '100mbit' / '1.2e9' (bits per second) -> bytes per second."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?)(?:bit)?(?:/s)?\s*",
-                     str(text).lower())
-    if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"bandwidth {text!r}: give a positive rate in bits per second, e.g. "
-                         f"100mbit, 9.71gbit, 1e9")
-    return float(m.group(1)) * _UNITS[m.group(2)] / 8
+    """A link rate in bits per second with its unit ('9.71gbit', '100mbit', '10gbps',
+    '1gbit/s') -> bytes per second. A bare number is refused: bits or bytes, per second or not,
+    it is ambiguous (every command that takes a rate reads it with this)."""
+    m = _RATE.fullmatch(str(text).strip().lower())
+    value = float(m.group(1)) * _PREFIX[m.group(2)] if m else math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"bandwidth {text!r}: give a positive rate in bits per second with its "
+                         f"unit: NUMBER then bit, kbit, mbit, gbit or tbit (or kbps ... tbps), "
+                         f"e.g. 100mbit, 10gbit, 9.71gbps")
+    return value / 8
 
 
 def parse_seconds(text: str) -> float:
