@@ -1,16 +1,73 @@
 """What every command line of HiDup shares: a bad flag is one line on stderr that names the value
-and the rule (argparse's message, or the command's own), then exit code 2."""
+and the rule (argparse's message, or the command's own), then exit code 2; Ctrl-C is one line,
+`PROG: interrupted`, then exit code 130."""
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+# Set by hidup.launch for each rank it starts: the file where the rank writes its one-line error
+# (the launcher prints the line of the rank that failed first, once).
+ERROR_FILE = "HIDUP_ERROR_FILE"
+
+
+def say(line: str, every_rank: bool = False) -> None:
+    """Print a command's one-line error on stderr: once, by rank 0, when torchrun started many
+    ranks (every rank meets the same error), unless `every_rank` (a rank's own trouble); a rank
+    started by hidup.launch writes it to its error file instead."""
+    path = os.environ.get(ERROR_FILE)
+    if path:
+        Path(path).write_text(line + "\n")
+    elif every_rank or os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+
+
+def end_on_interrupt(prog: str) -> None:
+    """From now on Ctrl-C (SIGINT) prints `PROG: interrupted` once and raises SystemExit(130):
+    no traceback, and `finally` blocks still run."""
+    said = []
+
+    def handler(signum, frame):
+        if not said:
+            said.append(True)
+            say(f"{prog}: interrupted")
+        raise SystemExit(130)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, handler)
+
+
+@contextmanager
+def interrupt_held():
+    """Ctrl-C within the block takes effect when the block is done (a file being written is
+    finished first)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got = []
+    old = signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if got and callable(old):
+            old(signal.SIGINT, None)
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (printed once: by rank 0 when torchrun started many)."""
+    """argparse with one-line errors (printed once: by rank 0 when torchrun started many); parsing
+    the process's own command line (args None) makes Ctrl-C end it in one line too."""
+
+    def parse_args(self, args=None, namespace=None):
+        if args is None:
+            end_on_interrupt(self.prog)
+        return super().parse_args(args, namespace)
 
     def error(self, message):
-        if os.environ.get("RANK", "0") == "0":
-            print(f"{self.prog}: error: {message}; see --help", file=sys.stderr)
+        say(f"{self.prog}: error: {message}; see --help")
         raise SystemExit(2)

@@ -1,27 +1,35 @@
-"""Real training with a strategy: `torchrun --nproc-per-node N -m hidup.train --model M --strategy S
-[--duplex]`. Reports the loss per step and the median step time after warm-up."""
+"""Real training with a strategy: `python -m hidup.train --nproc-per-node N --model M --strategy S
+[--duplex]` (or the same under torchrun, without --nproc-per-node). Reports the loss per step and
+the median step time after warm-up."""
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import math
 import os
 import statistics
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+
+from hidup.cli import Parser, end_on_interrupt, interrupt_held, say
+
+if __name__ == "__main__":  # Ctrl-C in the seconds the imports take is one line too
+    end_on_interrupt("python -m hidup.train")
 
 import torch
 import torch.distributed as dist
 
 from hidup import checkpoint
-from hidup.capture import capture
-from hidup.cli import Parser
+from hidup.capture import Graph, capture
 from hidup.cluster import default_threads
 from hidup.data import (
     DataError,
+    Vocabulary,
     build_vocabulary,
     eval_batches,
     load_tokens,
@@ -29,15 +37,27 @@ from hidup.data import (
     random_batch,
 )
 from hidup.execute import Executor
-from hidup.models import get_model, names
-from hidup.program import lower
-from hidup.strategy import resolve_strategy
+from hidup.launch import launch
+from hidup.models import ModelSpec, capture_model, get_model, names
+from hidup.program import Program, lower
+from hidup.strategy import Strategy, resolve_strategy
 
 log = logging.getLogger(__name__)
+PROG = "python -m hidup.train"
+EXIT_CODES = ("exit codes: 0 done; 2 bad input (one line names it); 3 a collective failed (a peer "
+              "lost or stuck past --timeout); 4 the loss became NaN or infinite; 130 interrupted "
+              "(Ctrl-C)")
+
+
+class Diverged(Exception):
+    """The loss became NaN or infinite: the run stops (exit code 4)."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = Parser(prog="python -m hidup.train", description=__doc__)
+    ap = Parser(prog=PROG, description=__doc__, epilog=EXIT_CODES)
+    ap.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                    help="start N ranks on this machine (gloo on the CPU), after checking every "
+                         "flag; leave it out under torchrun")
     ap.add_argument("--model", default="gpt:tiny", help=f"model NAME:SIZE, one of {names()}")
     ap.add_argument("--strategy", default="ddp",
                     help="'ddp', 'megatron', or the path of a plan file (python -m hidup.plan)")
@@ -52,10 +72,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     mode.add_argument("--cuda-graphs", action="store_true",
                       help="CUDA: capture the traced step once, NCCL collectives included, and "
                            "replay it every step")
-    ap.add_argument("--batch", type=int, default=None, help="global batch size (default: the model's)")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="global batch size (default: the model's)")
     ap.add_argument("--steps", type=int, default=10, help="training steps to run")
-    ap.add_argument("--warmup", type=int, default=3, help="steps left out of the step-time median")
-    ap.add_argument("--lr", type=float, default=0.01, help="SGD learning rate")
+    ap.add_argument("--warmup", type=int, default=3,
+                    help="first steps left out of the step-time median (0 or more, below --steps)")
+    ap.add_argument("--lr", type=float, default=0.01,
+                    help="SGD learning rate (a run whose loss becomes NaN or infinite stops, "
+                         "exit code 4)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data")
     ap.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
                     help="process-group backend (auto: nccl with CUDA, else gloo)")
@@ -63,9 +87,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="intra-op CPU threads per rank (default: cores / ranks on this machine, "
                          "all of an emulated cluster's)")
     ap.add_argument("--trace", type=Path, default=None,
-                    help="write a torch.profiler Chrome trace of the last step (rank r > 0 adds .rankR)")
+                    help="write a torch.profiler Chrome trace of the last step (rank r > 0 adds "
+                         ".rankR); its folder must exist")
     ap.add_argument("--data", type=Path, default=None,
-                    help="train a text model on this WikiText-format file (vocabulary built from it)")
+                    help="train a text model on this WikiText-format file (vocabulary built "
+                         "from it)")
     ap.add_argument("--eval", type=Path, default=None,
                     help="held-out WikiText-format file: print its perplexity after training")
     ap.add_argument("--eval-batches", type=int, default=20, help="batches of --eval to score")
@@ -89,19 +115,85 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--checkpoint-every and --resume need --checkpoint FOLDER")
     if args.eval is not None and args.data is None:
         ap.error("--eval needs --data (the vocabulary comes from the training file)")
-    for flag in ("steps", "batch", "micro_batches", "threads", "eval_batches", "checkpoint_every"):
+    for flag in ("steps", "batch", "micro_batches", "threads", "eval_batches", "checkpoint_every",
+                 "nproc_per_node"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
-    if not args.timeout > 0:
+    if not (args.timeout > 0 and math.isfinite(args.timeout)):
         ap.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if not (args.lr >= 0 and math.isfinite(args.lr)):
+        ap.error(f"--lr must be a finite number, 0 or more, got {args.lr}; e.g. --lr 0.01")
+    if args.warmup < 0:
+        ap.error(f"--warmup must be 0 or more, got {args.warmup} (steps left out of the median)")
     if args.warmup >= args.steps:
         ap.error(f"--warmup ({args.warmup}) must be below --steps ({args.steps}) to time any step")
+    if args.trace is not None:
+        folder = args.trace.parent
+        if args.trace.is_dir():
+            ap.error(f"--trace {args.trace} is a folder; give a file name such as "
+                     f"{args.trace / 'trace.json'}")
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            ap.error(f"--trace {args.trace}: folder {folder} does not exist or is not writable; "
+                     f"create it or choose another path")
+    if args.checkpoint_every is not None:  # the folder checkpoints will be written in
+        try:
+            args.checkpoint.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            ap.error(f"--checkpoint {args.checkpoint}: cannot make the folder ({exc.strerror}); "
+                     f"choose another path")
+        if not os.access(args.checkpoint, os.W_OK):
+            ap.error(f"--checkpoint {args.checkpoint}: the folder is not writable; choose "
+                     f"another path")
+    world = os.environ.get("WORLD_SIZE")
+    if args.nproc_per_node is not None and world is not None and \
+            args.nproc_per_node != int(world):
+        ap.error(f"--nproc-per-node {args.nproc_per_node} under torchrun's {world} ranks; leave "
+                 f"--nproc-per-node out under torchrun")
     return args
 
 
-def setup(args) -> tuple[int, int, torch.device]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+@dataclass(frozen=True)
+class Prepared:
+    """What a run needs before its ranks meet: the same on every rank, so a bad flag stops every
+    rank alike, and the launcher can check it before starting any."""
+
+    spec: ModelSpec
+    vocab: Vocabulary | None  # None without --data
+    tokens: torch.Tensor | None
+    batch: int
+    k: int
+    graph: Graph
+    strategy: Strategy
+    program: Program
+    model: torch.nn.Module | None  # None when only checking
+
+
+def prepare(args, world: int, check_only: bool = False) -> Prepared:
+    """Data, model, graph, strategy and Program for `world` ranks (raises ValueError naming what
+    is wrong); check_only: the graph from the meta-device capture, no weights built."""
+    vocab = build_vocabulary(args.data) if args.data else None
+    spec = get_model(args.model, gpus=world, vocab=len(vocab) if vocab else None)
+    if vocab is not None and spec.task not in ("lm", "mlm"):
+        raise DataError(f"--data is text; model {spec.name} trains on {spec.task} inputs")
+    tokens = load_tokens(args.data, vocab) if vocab else None
+    if args.eval is not None:
+        load_tokens(args.eval, vocab)  # readable, before any step is run
+    batch = args.batch or spec.batch
+    k = args.micro_batches or (2 if args.duplex else 1)
+    model = None
+    if check_only:
+        graph = capture_model(spec, batch)
+    else:
+        torch.manual_seed(args.seed)
+        model = spec.build()
+        graph = capture(model, spec.inputs(batch, torch.Generator().manual_seed(args.seed)))
+    strategy = resolve_strategy(args.strategy, graph, world)
+    program = lower(graph, strategy, world, k, args.model)
+    return Prepared(spec, vocab, tokens, batch, k, graph, strategy, program, model)
+
+
+def setup(args, world: int) -> tuple[int, torch.device]:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     backend = args.backend
     if backend == "auto":
@@ -112,28 +204,19 @@ def setup(args) -> tuple[int, int, torch.device]:
     if world > 1:  # a lost peer ends a collective with an error after --timeout, not a hang
         dist.init_process_group(backend, device_id=device if backend == "nccl" else None,
                                 timeout=timedelta(seconds=args.timeout))
-    torch.set_num_threads(args.threads or default_threads())
     rank = dist.get_rank() if world > 1 else 0
-    return rank, world, device
+    return rank, device
 
 
 def run(args) -> dict:
-    rank, world, device = setup(args)
-    vocab = build_vocabulary(args.data) if args.data else None
-    spec = get_model(args.model, gpus=world, vocab=len(vocab) if vocab else None)
-    if vocab is not None and spec.task not in ("lm", "mlm"):
-        raise DataError(f"--data is text; model {spec.name} trains on {spec.task} inputs")
-    tokens = load_tokens(args.data, vocab) if vocab else None
-    batch = args.batch or spec.batch
-    k = args.micro_batches or (2 if args.duplex else 1)
-    torch.manual_seed(args.seed)
-    model = spec.build()
-    graph = capture(model, spec.inputs(batch, torch.Generator().manual_seed(args.seed)))
-    strategy = resolve_strategy(args.strategy, graph, world)
-    program = lower(graph, strategy, world, k, args.model)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    torch.set_num_threads(args.threads or default_threads())
+    p = prepare(args, world)
+    rank, device = setup(args, world)
+    spec, vocab, batch, k, graph, strategy = p.spec, p.vocab, p.batch, p.k, p.graph, p.strategy
     mode = "compile" if args.compile else "cuda-graphs" if args.cuda_graphs else "graph"
-    executor = Executor(graph, strategy, program, dict(model.named_parameters()), args.lr, device,
-                        buffers=dict(model.named_buffers()),
+    executor = Executor(graph, strategy, p.program, dict(p.model.named_parameters()), args.lr,
+                        device, buffers=dict(p.model.named_buffers()),
                         autocast=torch.bfloat16 if args.precision == "bf16" else None, mode=mode)
     names_in = [n.source for n in graph.user_inputs]
     losses, times, rss, first = [], [], [], 0
@@ -142,9 +225,10 @@ def run(args) -> dict:
         first, losses = checkpoint.load(args.checkpoint, rank, executor, run_id)
         if rank == 0:
             log.info("resumed from %s after step %d", args.checkpoint, first)
+    saved = first if args.resume else None  # the last complete checkpoint's step
     for step in range(first, args.steps):
         gen = torch.Generator().manual_seed(args.seed + 1 + step)
-        data = random_batch(tokens, spec.task, batch, spec.seq, gen) if vocab else \
+        data = random_batch(p.tokens, spec.task, batch, spec.seq, gen) if vocab else \
             spec.inputs(batch, gen)
         tracing = args.trace is not None and step == args.steps - 1
         with _profiler(tracing, device) as prof:
@@ -154,21 +238,26 @@ def run(args) -> dict:
             _sync(world, device)
             times.append(time.perf_counter() - start)
         losses.append(float(loss))
+        if not math.isfinite(losses[-1]):
+            raise Diverged(_diverged(args, step + 1, losses[-1], saved))
         rss.append(_resident_mb())
         if tracing:
             out = args.trace if rank == 0 else args.trace.with_name(f"{args.trace.name}.rank{rank}")
-            prof.export_chrome_trace(str(out))
+            _write_trace(prof, out)
         if rank == 0:
             rate = batch * max(spec.seq, 1) / times[-1]
             log.info("step %d/%d  loss %.5f  %.1f ms  %.0f %s/s", step + 1, args.steps, losses[-1],
                      1e3 * times[-1], rate, "tokens" if spec.seq else "samples")
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-            checkpoint.save(args.checkpoint, step + 1, rank, executor, losses, run_id,
-                            lambda: _sync(world, device))
+            with interrupt_held():  # Ctrl-C waits for the checkpoint to be whole
+                checkpoint.save(args.checkpoint, step + 1, rank, executor, losses, run_id,
+                                lambda: _sync(world, device))
+            saved = step + 1
+    timed = times[args.warmup:] or times
     result = {"model": args.model, "strategy": strategy.name, "world": world, "micro_batches": k,
               "batch": batch, "losses": losses, "step_times_ms": [1e3 * t for t in times],
-              "median_step_ms": 1e3 * statistics.median(times[args.warmup:] or times or [0.0]),
-              "resumed_after": first, "resident_mb": rss}
+              "median_step_ms": 1e3 * statistics.median(timed or [0.0]),
+              "median_over_steps": len(timed), "resumed_after": first, "resident_mb": rss}
     if args.eval:
         held_out = load_tokens(args.eval, vocab)
         scores = [float(executor.step(dict(zip(names_in, b)), update=False))
@@ -179,6 +268,27 @@ def run(args) -> dict:
     if world > 1:
         dist.destroy_process_group()
     return result
+
+
+def _diverged(args, step: int, loss: float, saved: int | None) -> str:
+    kept = ""
+    if args.checkpoint is not None:
+        kept = f"; the last complete checkpoint (step {saved}) is in {args.checkpoint}" \
+            if saved else f"; no checkpoint was written in {args.checkpoint} yet"
+    return (f"hidup.train: step {step}: the loss is {loss} (--lr {args.lr:g}); training stopped; "
+            f"try a smaller --lr{kept}")
+
+
+def _write_trace(prof, out: Path) -> None:
+    """The profiler's Chrome trace, through a temporary file renamed when complete (the name
+    keeps its ending: .gz compresses)."""
+    tmp = out.with_name(f".{os.getpid()}.tmp.{out.name}")
+    with interrupt_held():
+        try:
+            prof.export_chrome_trace(str(tmp))
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def _peer_failure(exc: RuntimeError) -> bool:
@@ -193,7 +303,8 @@ def _peer_failure(exc: RuntimeError) -> bool:
 def _resident_mb() -> float:
     """This process's resident memory (MiB), from /proc (0 where there is none)."""
     try:
-        pages = int(open("/proc/self/statm").read().split()[1])
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
     except (OSError, IndexError, ValueError):
         return 0.0
     return pages * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
@@ -219,19 +330,26 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
+        if (args.nproc_per_node or 1) > 1 and "RANK" not in os.environ:  # start the ranks
+            prepare(args, args.nproc_per_node, check_only=True)  # bad flags stop here, in one line
+            argv = sys.argv[1:] if argv is None else list(argv)
+            return launch("hidup.train", argv, args.nproc_per_node, "hidup.train")
         result = run(args)
     except ValueError as exc:
-        print(f"hidup.train: {exc}", file=sys.stderr)
+        say(f"hidup.train: {exc}", every_rank=isinstance(exc, checkpoint.CheckpointError))
         return 2
+    except Diverged as exc:
+        say(str(exc))
+        return 4
     except RuntimeError as exc:  # a peer lost, stuck past --timeout, or its link cut
         if not _peer_failure(exc):
             raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         kept = f"; the last complete checkpoint is in {args.checkpoint} (--resume)" \
             if args.checkpoint else ""
-        print(f"hidup.train: rank {os.environ.get('RANK', '0')}: a collective failed, a peer is "
-              f"lost or did not answer within --timeout {args.timeout:g} s ({first}){kept}",
-              file=sys.stderr)
+        say(f"hidup.train: rank {os.environ.get('RANK', '0')}: a collective failed, a peer is "
+            f"lost or did not answer within --timeout {args.timeout:g} s ({first}){kept}",
+            every_rank=True)
         return 3
     if int(os.environ.get("RANK", "0")) == 0:
         if args.json:
@@ -240,12 +358,14 @@ def main(argv=None) -> int:
             print(f"{result['model']} strategy={result['strategy']} world={result['world']} "
                   f"micro-batches={result['micro_batches']} batch={result['batch']}: "
                   f"final loss {result['losses'][-1]:.5f}, median step "
-                  f"{result['median_step_ms']:.2f} ms over {args.steps - args.warmup} steps")
+                  f"{result['median_step_ms']:.2f} ms over {result['median_over_steps']} steps")
             rss = result["resident_mb"]
-            if rss:
-                early = result["resumed_after"] + min(len(rss), 10)
-                print(f"resident memory (rank 0): {rss[min(len(rss) - 1, 9)]:.1f} MiB after step "
-                      f"{early}, {rss[-1]:.1f} MiB after step {args.steps}")
+            if rss:  # after step 10 (or the last, if fewer) and after the last step
+                early = min(len(rss), 10)
+                said = f"{rss[early - 1]:.1f} MiB after step {result['resumed_after'] + early}"
+                if early < len(rss):
+                    said += f", {rss[-1]:.1f} MiB after step {args.steps}"
+                print(f"resident memory of rank 0: {said}")
             if "eval_perplexity" in result:
                 print(f"evaluation on {args.eval}: loss {result['eval_loss']:.4f}, perplexity "
                       f"{result['eval_perplexity']:.2f} ({result['eval_batches']} batches)")
