@@ -364,7 +364,8 @@ def _read(file) -> str | None:
 
 @contextmanager
 def _deferred_signals():
-    """Hold SIGINT/SIGTERM while a step must finish (a half-made link); re-raise after."""
+    """Hold SIGINT/SIGTERM while a step must finish (a half-made link); after it, the signal
+    takes effect as it would have (the command's own handler: one line, exit 130)."""
     got = []
     old = {s: signal.signal(s, lambda n, f: got.append(n)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -373,6 +374,9 @@ def _deferred_signals():
         for s, h in old.items():
             signal.signal(s, h)
     if got:
+        handler = old[got[0]]
+        if callable(handler):
+            handler(got[0], None)
         raise KeyboardInterrupt
 
 

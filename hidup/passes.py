@@ -9,7 +9,6 @@ import copy
 import time
 
 import torch
-from torch._inductor.compile_fx import compile_fx
 from torch.fx.passes.split_module import split_module
 
 _aten = torch.ops.aten
@@ -153,5 +152,7 @@ class _Inductor(torch.nn.Module):
 
     def forward(self, *args):
         if self.run is None:
+            from torch._inductor.compile_fx import compile_fx  # seconds to import: on use
+
             self.run = compile_fx(self.gm, list(args))
         return self.run(*args)
