@@ -13,9 +13,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from hidup.cli import Parser
-from hidup.cluster import parse_rate
-from hidup.profile import LinkCost, Profile, ProfileError, load_profile
+from hidup.cli import Parser, parse_rate
+from hidup.planning.costs import LinkCost, Profile, ProfileError, load_profile
+
 
 def _si(value: float, unit: str) -> str:
     """'1.21 GB/s', '100 Mbit/s': three figures and an SI prefix."""

@@ -1,8 +1,8 @@
 """Fit a Profile's figures to measured times with scipy.optimize.least_squares on relative errors:
-per collective kind a latency per step and a bus bandwidth (hidup.profile.LinkCost's ring / tree
-formulas), and for kernels a roofline (peak FLOP/s, memory bandwidth, per-kernel overhead, as
-hidup.profile.Profile.kernel_time). Pure functions on plain numbers, no torch: the microbenchmark
-CLI (calibration.profile) and fits from profiler traces share them."""
+per collective kind a latency per step and a bus bandwidth (hidup.planning.costs.LinkCost's ring /
+tree formulas), and for kernels a roofline (peak FLOP/s, memory bandwidth, per-kernel overhead, as
+hidup.planning.costs.Profile.kernel_time). Pure functions on plain numbers, no torch: the
+microbenchmark CLI (calibration.profile) and fits from profiler traces share them."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import least_squares, nnls
 
-from hidup.profile import LinkCost
+from hidup.planning.costs import LinkCost
 from hidup.program import COLLECTIVES
 
 _US, _NS = 1e-6, 1e-9  # fit units: alpha in microseconds, 1/beta in nanoseconds per byte

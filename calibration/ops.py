@@ -1,16 +1,16 @@
 """Measure a model's kernels on this cluster and add them to a profile. Every rank, started by
-torchrun, runs the compiled step (hidup.step) of the given strategies and micro-batch counts,
-collectives stood in by local copies (same shapes, no communication), with a clock read between
-the graph nodes of consecutive tasks: a node's forward or backward, a local slice, the optimizer
-step, and the packing and unpacking of a collective's tensors (on a CPU the host does it: it is
-not hidden as on a GPU). Rank 0
-writes the base profile with the mean time of each kernel (by hidup.profile.kernel_key: a step
-is a sum of kernels, and a sum's expectation is the sum of means; occasional slow runs count as
-in a real step) on the slowest rank (ranks meet at every collective, so the slowest one sets
-the pace); the simulator then uses these instead of the roofline wherever a Program has the
-same kernel. It also writes each kernel's spread over every rank's runs (16 equally likely
-values): from it simulator.montecarlo draws each rank's kernel times, so that a collective waits
-for its slowest member as it does in a real step (the expected maximum at each rendezvous):
+torchrun, runs the compiled step (hidup.runtime.step) of the given strategies and micro-batch
+counts, collectives stood in by local copies (same shapes, no communication), with a clock read
+between the graph nodes of consecutive tasks: a node's forward or backward, a local slice, the
+optimizer step, and the packing and unpacking of a collective's tensors (on a CPU the host does it:
+it is not hidden as on a GPU). Rank 0 writes the base profile with the mean time of each kernel (by
+hidup.planning.costs.kernel_key: a step is a sum of kernels, and a sum's expectation is the sum of
+means; occasional slow runs count as in a real step) on the slowest rank (ranks meet at every
+collective, so the slowest one sets the pace); the simulator then uses these instead of the roofline
+wherever a Program has the same kernel. It also writes each kernel's spread over every rank's runs
+(16 equally likely values): from it simulator.montecarlo draws each rank's kernel times, so that a
+collective waits for its slowest member as it does in a real step (the expected maximum at each
+rendezvous):
 
     torchrun --nproc-per-node 2 -m calibration.ops --model gpt:tiny --strategy ddp megatron \\
         --micro-batches 1 2 --base PROFILE.json --out PROFILE-gpt.json
@@ -32,16 +32,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hidup.capture import capture
 from hidup.cli import Parser
-from hidup.cluster import default_threads
-from hidup.execute import Executor
+from hidup.graph.capture import capture
 from hidup.models import get_model, names
-from hidup.profile import ProfileError, load_profile, timing_key
+from hidup.planning.costs import ProfileError, load_profile, timing_key
+from hidup.planning.planfile import resolve_strategy
 from hidup.program import lower
-from hidup.passes import TaskClock, with_hooks
-from hidup.step import trace_step
-from hidup.strategy import resolve_strategy
+from hidup.runtime.execute import Executor
+from hidup.runtime.launch import default_threads
+from hidup.runtime.passes import TaskClock, with_hooks
+from hidup.runtime.step import trace_step
 
 log = logging.getLogger(__name__)
 PROG = "calibration.ops"

@@ -22,9 +22,10 @@ import collections
 from dataclasses import dataclass, replace
 
 from calibration.trace import TraceError, step_gpu_events
-from hidup.capture import Graph
-from hidup.placement import Shard
-from hidup.strategy import Strategy, check, expert_parallel
+from hidup.graph.capture import Graph
+from hidup.graph.placement import Shard
+from hidup.planning.planfile import check
+from hidup.planning.strategy import Strategy, expert_parallel
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The simulator against real runs on an emulated cluster: `python -m experiments.accuracy`.
 
-For each cluster shape (--hosts x --ranks-per-host) an emulated cluster (hidup.cluster: hosts as
+For each cluster shape (--hosts x --ranks-per-host) an emulated cluster (hidup.emulation: hosts as
 network namespaces, links limited with tc) is brought up, and for each link bandwidth it is
 calibrated once, as a user would calibrate theirs: calibration.profile (microbenchmarks of
 kernels and collectives), then per model calibration.ops (every strategy's kernels at k = 1 and
@@ -13,7 +13,7 @@ each error, the median and maximum absolute error, Kendall's tau per model and t
 taking the simulator's best per model and cluster; writes a CSV, a JSON summary and a
 predicted-vs-measured plot to --out (default out/accuracy/, git-ignored; the README's results are
 in experiments/results/accuracy/, which a --quick run may not write to). Needs root and iproute2
-(as hidup.cluster)."""
+(as hidup.emulation)."""
 from __future__ import annotations
 
 import argparse
@@ -29,13 +29,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from experiments import outputs
-from hidup.cli import Parser
-from hidup.cluster import Cluster, ClusterError, emulated, parse_rate
+from hidup.cli import Parser, parse_rate
+from hidup.emulation.netns import Cluster, ClusterError, emulated
 from hidup.models import capture_model, get_model
-from hidup.profile import kernel_coverage, load_profile
+from hidup.planning.costs import kernel_coverage, load_profile
+from hidup.planning.planfile import resolve_strategy, save_plan
+from hidup.planning.search import search
 from hidup.program import lower
-from hidup.search import search
-from hidup.strategy import resolve_strategy, save_plan
 from simulator.montecarlo import expected_step
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,8 @@ def captured(model: str, world: int):
 
 
 def plan_for(model: str, profile_path: Path, world: int, folder: Path) -> Path:
-    """The searched plan for this cluster (hidup.search with its profile): the plan file."""
+    """The searched plan for this cluster (hidup.planning.search with its profile): the plan
+    file."""
     graph = captured(model, world)[1]
     profile = load_profile(profile_path)
     result = search(graph, world, profile, k=2)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from hidup.cli import Parser
 from hidup.models import capture_model, get_model
-from hidup.profile import load_profile
+from hidup.planning.costs import load_profile
+from hidup.planning.strategy import fixed_strategy
 from hidup.program import lower
-from hidup.strategy import fixed_strategy
 from simulator.engine import simulate
 
 log = logging.getLogger(__name__)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from hidup.cli import Parser
 from hidup.models import capture_model, get_model
-from hidup.profile import load_profile
+from hidup.planning.costs import load_profile
+from hidup.planning.search import search
+from hidup.planning.strategy import fixed_strategies
 from hidup.program import LoweringError, lower
-from hidup.search import search
-from hidup.strategy import fixed_strategies
 from simulator import simulate
 
 log = logging.getLogger(__name__)

@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hidup.capture import capture
 from hidup.cli import Parser
-from hidup.execute import Executor
+from hidup.graph.capture import capture
 from hidup.models import get_model
+from hidup.planning.strategy import fixed_strategy
 from hidup.program import lower
-from hidup.strategy import fixed_strategy
+from hidup.runtime.execute import Executor
 
 log = logging.getLogger(__name__)
 PROG = "python -m experiments.executor_overhead"

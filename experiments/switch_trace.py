@@ -13,18 +13,11 @@ import csv
 import sys
 from pathlib import Path
 
-from calibration.trace import (
-    TraceError,
-    breakdown,
-    gpu_events,
-    is_communication,
-    load_trace,
-    steps,
-)
+from calibration.trace import TraceError, breakdown, gpu_events, is_communication, load_trace, steps
 from calibration.traced_plan import derive_plan
 from hidup.cli import Parser
 from hidup.models import capture_model, get_model
-from hidup.strategy import PlanError, save_plan
+from hidup.planning.planfile import PlanError, save_plan
 from simulator.predict import predict
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces" / "v100-1x4-nvlink"

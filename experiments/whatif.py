@@ -21,10 +21,11 @@ from pathlib import Path
 
 from calibration.derive import parse_rate, with_inter_link
 from experiments import outputs
-from experiments.paper import hidup, log_ticks, ms, save_png
+from experiments.paper_figures import hidup, ms
+from experiments.paper_plots import log_ticks, save_png
 from hidup.cli import Parser
 from hidup.models import capture_model, get_model
-from hidup.profile import ProfileError, load_profile
+from hidup.planning.costs import ProfileError, load_profile
 
 log = logging.getLogger(__name__)
 PROG = "python -m experiments.whatif"

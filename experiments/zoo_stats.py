@@ -4,8 +4,8 @@ from __future__ import annotations
 import sys
 import time
 
-from hidup import ops
 from hidup.cli import Parser
+from hidup.graph import ops
 from hidup.models import capture_model, get_model, names
 
 

@@ -1,25 +1,28 @@
 """What every command line of HiDup shares: a bad flag is one line on stderr that names the value
 and the rule (argparse's message, or the command's own), then exit code 2; Ctrl-C is one line,
-`PROG: interrupted`, then exit code 130."""
+`PROG: interrupted`, then exit code 130. Rates and times on a command line are read by
+`parse_rate` and `parse_seconds`, the same for every command."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import signal
 import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
 
-# Set by hidup.launch for each rank it starts: the file where the rank writes its one-line error
-# (the launcher prints the line of the rank that failed first, once).
+# Set by hidup.runtime.launch for each rank it starts: the file where the rank writes its one-line
+# error (the launcher prints the line of the rank that failed first, once).
 ERROR_FILE = "HIDUP_ERROR_FILE"
 
 
 def say(line: str, every_rank: bool = False) -> None:
     """Print a command's one-line error on stderr: once, by rank 0, when torchrun started many
     ranks (every rank meets the same error), unless `every_rank` (a rank's own trouble); a rank
-    started by hidup.launch writes it to its error file instead."""
+    started by hidup.runtime.launch writes it to its error file instead."""
     path = os.environ.get(ERROR_FILE)
     if path:
         Path(path).write_text(line + "\n")
@@ -71,3 +74,28 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         say(f"{self.prog}: error: {message}; see --help")
         raise SystemExit(2)
+
+
+_RATE = re.compile(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?)(?:bit(?:/s)?|bps)")
+_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def parse_rate(text: str) -> float:
+    """A link rate in bits per second with its unit ('9.71gbit', '100mbit', '10gbps',
+    '1gbit/s') -> bytes per second. A bare number is refused: bits or bytes, per second or not,
+    it is ambiguous (every command that takes a rate reads it with this)."""
+    m = _RATE.fullmatch(str(text).strip().lower())
+    value = float(m.group(1)) * _PREFIX[m.group(2)] if m else math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"bandwidth {text!r}: give a positive rate in bits per second with its "
+                         f"unit: NUMBER then bit, kbit, mbit, gbit or tbit (or kbps ... tbps), "
+                         f"e.g. 100mbit, 10gbit, 9.71gbps")
+    return value / 8
+
+
+def parse_seconds(text: str) -> float:
+    """'1ms' / '200us' / '0' / '0.5s' -> seconds."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(s|ms|us)?\s*", str(text).lower())
+    if not m:
+        raise ValueError(f"latency {text!r}: give a time like 0, 200us, 1ms or 0.01s")
+    return float(m.group(1)) * {"s": 1, "ms": 1e-3, "us": 1e-6, None: 1}[m.group(2)]

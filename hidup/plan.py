@@ -1,7 +1,7 @@
 """Plan a model for a cluster: `python -m hidup.plan --model M --cluster C --gpus N [--out PLAN]`.
-Searches the Duplex-aware strategy (hidup.search), prints its placements, its predicted step time
-with and without Duplex beside the expert strategies (ddp, megatron, expert, min-comm), and the
-search time; --out writes the plan file that hidup.train and simulator.predict accept."""
+Searches the Duplex-aware strategy (hidup.planning.search), prints its placements, its predicted
+step time with and without Duplex beside the expert strategies (ddp, megatron, expert, min-comm),
+and the search time; --out writes the plan file that hidup.train and simulator.predict accept."""
 from __future__ import annotations
 
 import json
@@ -13,13 +13,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from hidup.cli import Parser
-from hidup.estimate import estimate
-from hidup.memory import peak_memory
 from hidup.models import capture_model, get_model, names
-from hidup.profile import load_profile
+from hidup.planning.costs import load_profile
+from hidup.planning.estimate import estimate
+from hidup.planning.memory import peak_memory
+from hidup.planning.planfile import save_plan
+from hidup.planning.search import search
+from hidup.planning.strategy import describe, fixed_strategies
 from hidup.program import LoweringError, lower
-from hidup.search import search
-from hidup.strategy import describe, fixed_strategies, save_plan
 
 log = logging.getLogger(__name__)
 PROG = "python -m hidup.plan"

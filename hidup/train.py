@@ -24,23 +24,16 @@ if __name__ == "__main__":  # Ctrl-C in the seconds the imports take is one line
 import torch
 import torch.distributed as dist
 
-from hidup import checkpoint
-from hidup.capture import Graph, capture
-from hidup.cluster import default_threads
-from hidup.data import (
-    DataError,
-    Vocabulary,
-    build_vocabulary,
-    eval_batches,
-    load_tokens,
-    perplexity,
-    random_batch,
-)
-from hidup.execute import Executor
-from hidup.launch import launch
+from hidup.graph.capture import Graph, capture
 from hidup.models import ModelSpec, capture_model, get_model, names
+from hidup.planning.planfile import resolve_strategy
+from hidup.planning.strategy import Strategy
 from hidup.program import Program, lower
-from hidup.strategy import Strategy, resolve_strategy
+from hidup.runtime import checkpoint
+from hidup.runtime.data import (DataError, Vocabulary, build_vocabulary, eval_batches, load_tokens,
+                                perplexity, random_batch)
+from hidup.runtime.execute import Executor
+from hidup.runtime.launch import default_threads, launch
 
 log = logging.getLogger(__name__)
 PROG = "python -m hidup.train"

@@ -31,8 +31,8 @@ from dataclasses import dataclass, replace
 
 import simpy
 
+from hidup.planning.costs import Profile, timing_key
 from hidup.program import Compute, Convert, Program, Wait
-from hidup.profile import Profile, timing_key
 from simulator.intervals import covered, union
 from simulator.resources import Device, Links
 

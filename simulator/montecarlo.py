@@ -8,9 +8,9 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from hidup.planning.costs import LinkCost, Profile
 from hidup.program import Program
 from simulator.engine import Result, simulate
-from hidup.profile import LinkCost, Profile
 
 
 @dataclass(frozen=True)

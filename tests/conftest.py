@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hidup.capture import capture
+from hidup.graph.capture import capture
 from hidup.models import get_model
 
 

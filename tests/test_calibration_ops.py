@@ -8,13 +8,12 @@ from dataclasses import replace
 
 import pytest
 
-from calibration.ops import main as ops_main
-from calibration.ops import measure_kernels, quantiles
-from hidup.estimate import estimate
+from calibration.ops import main as ops_main, measure_kernels, quantiles
 from hidup.models import capture_model, get_model
-from hidup.profile import from_dict, kernel_coverage, kernel_key, load_profile
+from hidup.planning.costs import from_dict, kernel_coverage, kernel_key, load_profile
+from hidup.planning.estimate import estimate
+from hidup.planning.planfile import resolve_strategy
 from hidup.program import Compute, Convert, lower
-from hidup.strategy import resolve_strategy
 from simulator import simulate
 
 

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from calibration.fit import FitError, Residuals, fit_links, fit_roofline, residuals
-from calibration.profile import byte_sizes, check_out, group_sizes, parse_args, parse_size
-from hidup.profile import LinkCost, Profile, load_profile
+from calibration.measure import byte_sizes, group_sizes
+from calibration.profile import check_out, parse_args, parse_size
+from hidup.planning.costs import LinkCost, Profile, load_profile
 from hidup.program import COLLECTIVES
 from conftest import free_port
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hidup.capture import CaptureError, capture
+from hidup.graph.capture import CaptureError, capture
 
 
 class TwoLinear(torch.nn.Module):
@@ -43,7 +43,7 @@ def test_failures_name_the_node_and_op(monkeypatch):
     def broken(op, *args):
         raise ValueError("no FLOP formula")
 
-    monkeypatch.setattr("hidup.capture.forward_flops", broken)
+    monkeypatch.setattr("hidup.graph.capture.forward_flops", broken)
     with pytest.raises(CaptureError, match=r"node linear \(aten.linear.default\): no FLOP formula"):
         capture(TwoLinear(), (torch.randn(2, 8),))
     monkeypatch.undo()

@@ -1,6 +1,6 @@
-"""hidup.cluster: clear errors without root or for bad flags; with root and iproute2, a real
-emulated cluster whose ranks meet across hosts over rate-limited links, a failing rank that
-ends the run in bounded time, and nothing left behind."""
+"""hidup.emulate and hidup.emulation.netns: clear errors without root or for bad flags; with root
+and iproute2, a real emulated cluster whose ranks meet across hosts over rate-limited links, a
+failing rank that ends the run in bounded time, and nothing left behind."""
 from __future__ import annotations
 
 import os
@@ -11,8 +11,10 @@ import time
 
 import pytest
 
-from hidup import cluster
-from hidup.cluster import Cluster, ClusterError, emulated, main, parse_rate, parse_seconds
+from hidup.cli import parse_rate, parse_seconds
+from hidup.emulate import main
+from hidup.emulation import netns
+from hidup.emulation.netns import Cluster, ClusterError, emulated
 
 ROOT = os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")
 needs_root = pytest.mark.skipif(not ROOT, reason="needs root and iproute2 (network namespaces)")
@@ -34,7 +36,7 @@ def test_rates_and_latencies_parse_or_say_how_to_write_them():
 
 
 def test_bad_flags_and_missing_clusters_are_one_line_errors(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr(cluster, "STATE_DIR", tmp_path)
+    monkeypatch.setattr(netns, "STATE_DIR", tmp_path)
     with pytest.raises(SystemExit):
         main(["up", "--name", "Bad Name"])
     assert "1 to 8 lower-case letters" in capsys.readouterr().err
@@ -50,7 +52,7 @@ def test_bad_flags_and_missing_clusters_are_one_line_errors(capsys, tmp_path, mo
 
 
 def test_without_root_it_stops_with_a_clear_message(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(cluster, "STATE_DIR", tmp_path)
+    monkeypatch.setattr(netns, "STATE_DIR", tmp_path)
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert main(["up", "--hosts", "2"]) == 2
     assert "needs root" in capsys.readouterr().err

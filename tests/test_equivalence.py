@@ -6,13 +6,13 @@ import pytest
 import torch
 from conftest import build_model, run_ranks
 
-from hidup.capture import capture
-from hidup.execute import Executor, full_tensor
+from hidup.graph.capture import capture
 from hidup.models import get_model
-from hidup.profile import load_profile
+from hidup.planning.costs import load_profile
+from hidup.planning.search import search
+from hidup.planning.strategy import fixed_strategy
 from hidup.program import lower
-from hidup.search import search
-from hidup.strategy import fixed_strategy
+from hidup.runtime.execute import Executor, full_tensor
 
 MODELS = ("mlp:tiny", "gpt:tiny")
 CASES = [(m, s, k) for m in MODELS for s in ("ddp", "megatron") for k in (1, 2)]

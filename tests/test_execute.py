@@ -6,13 +6,13 @@ import pytest
 import torch
 from conftest import build_model, run_ranks
 
-from hidup.capture import capture
-from hidup.execute import Executor
+from hidup.graph.capture import capture
 from hidup.models import get_model
+from hidup.planning.strategy import fixed_strategy
 from hidup.program import Convert, Wait, lower
-from hidup.passes import communication_order
-from hidup.step import issue
-from hidup.strategy import fixed_strategy
+from hidup.runtime.execute import Executor
+from hidup.runtime.passes import communication_order
+from hidup.runtime.step import issue
 
 FUNCTIONAL = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor",
               "reduce_scatter": "reduce_scatter_tensor", "all_to_all": "all_to_all_single"}

@@ -5,11 +5,11 @@ import math
 
 import pytest
 
+from hidup.graph.placement import Partial, R, Shard
 from hidup.models import capture_model, get_model
-from hidup.placement import Partial, R, Shard
+from hidup.planning.memory import peak_memory
+from hidup.planning.strategy import data_parallel, megatron
 from hidup.program import Compute, Convert, Program, Wait, lower
-from hidup.strategy import data_parallel, megatron
-from hidup.memory import peak_memory
 
 
 def _fwd(i, node, op, inputs, in_shapes, out_shape, output):

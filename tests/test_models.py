@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hidup import ops
-from hidup.data import build_vocabulary, eval_batches, load_tokens, random_batch
+from hidup.graph import ops
 from hidup.models import capture_model, get_model, names
 from hidup.models.moe import MoE, capacity
+from hidup.runtime.data import build_vocabulary, eval_batches, load_tokens, random_batch
 from hidup.train import main as train
 
 WIKI = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2"

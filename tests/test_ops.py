@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hidup import ops
-from hidup.capture import capture
-from hidup.placement import parse_option
+from hidup.graph import ops
+from hidup.graph.capture import capture
+from hidup.graph.placement import parse_option
 
 
 class Fn(torch.nn.Module):

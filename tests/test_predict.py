@@ -5,8 +5,9 @@ import re
 import pytest
 
 from hidup import models
+from hidup.planning.planfile import save_plan
+from hidup.planning.strategy import megatron
 from hidup.program import COLLECTIVES
-from hidup.strategy import megatron, save_plan
 from simulator import LinkCost, Profile, load_profile
 from simulator.predict import capture_model, main
 

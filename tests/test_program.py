@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from hidup import lowering
+from hidup.program import lowering
+from hidup.planning.strategy import data_parallel, megatron
 from hidup.program import Compute, Convert, LoweringError, Wait, lower
-from hidup.strategy import data_parallel, megatron
 
 
 def first(tasks, pred):

@@ -9,11 +9,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import build_model, run_ranks
-from hidup.capture import capture
-from hidup.execute import Executor, full_tensor
+from hidup.graph.capture import capture
 from hidup.models import get_model
+from hidup.planning.strategy import random_strategy
 from hidup.program import LoweringError, lower
-from hidup.strategy import random_strategy
+from hidup.runtime.execute import Executor, full_tensor
 from test_equivalence import batch_of, reference, rel_err
 
 MODELS = ("mlp:tiny", "gpt:tiny", "bert-sgmoe:tiny", "bert-switch:tiny", "vit-sgmoe:tiny",

@@ -126,7 +126,7 @@ def test_a_damaged_or_foreign_checkpoint_is_refused_in_one_line(tmp_path, capsys
 
 @needs_root
 def test_a_host_cut_off_stops_the_run_in_bounded_time_and_its_checkpoint_resumes(tmp_path):
-    from hidup.cluster import emulated
+    from hidup.emulation.netns import emulated
 
     ck = tmp_path / "ck"
     run = ["--checkpoint", str(ck), "--checkpoint-every", "2", "--timeout", "10"]
@@ -174,7 +174,7 @@ def test_soak_500_duplex_steps_keep_memory_flat_and_losses_finite():
 def test_a_rank_killed_mid_run_ends_its_peer_with_an_error_in_bounded_time(tmp_path):
     """Host 1's rank is SIGKILLed mid-run: host 0's rank must stop with the one-line error well
     within --timeout (the dead peer's connection closes), not hang."""
-    from hidup.cluster import emulated
+    from hidup.emulation.netns import emulated
 
     ck = tmp_path / "ck"
     with emulated(2, 1, "1gbit", name="t6") as c:

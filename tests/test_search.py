@@ -7,13 +7,14 @@ import re
 
 import pytest
 
-from hidup.estimate import estimate
 from hidup.models import capture_model, get_model, names
 from hidup.plan import main as plan_main
-from hidup.profile import load_profile
+from hidup.planning.costs import load_profile
+from hidup.planning.estimate import estimate
+from hidup.planning.planfile import load_plan
+from hidup.planning.search import search
+from hidup.planning.strategy import fixed_strategies
 from hidup.program import lower
-from hidup.search import search
-from hidup.strategy import fixed_strategies, load_plan
 from simulator import simulate
 
 PROFILE = "v100-8x8-10gbps"
@@ -92,7 +93,7 @@ def test_plan_cli_writes_a_plan_that_loads(tmp_path, capsys):
 
 
 def test_a_plan_that_does_not_fit_is_never_returned():
-    from hidup.memory import peak_memory
+    from hidup.planning.memory import peak_memory
     spec = get_model("bert-sgmoe:tiny", gpus=2)
     graph = capture_model(spec, spec.batch)
     profile = load_profile(PROFILE)

@@ -3,10 +3,10 @@ import json
 
 import pytest
 
-from hidup.placement import P, R, Shard
+from hidup.graph.placement import P, R, Shard
+from hidup.planning.costs import from_dict
 from hidup.program import COLLECTIVES, Compute, Convert, Program, Wait
 from simulator import LinkCost, Profile, ProfileError, SimulationError, load_profile, simulate
-from hidup.profile import from_dict
 
 OVERHEAD, ALPHA = 1e-6, 1e-5
 T_A = 1.0 + OVERHEAD  # 1e12 FLOPs at 1e12 FLOP/s
@@ -216,7 +216,7 @@ def test_ranks_with_varying_kernels_wait_for_the_slowest_at_each_collective():
     mean of 2 s; one rank alone has nothing to wait for."""
     from dataclasses import replace
 
-    from hidup.profile import kernel_key
+    from hidup.planning.costs import kernel_key
     from simulator.montecarlo import expected_step
     prog = program(A, AR, Wait(-1, 1))
     varying = replace(profile(), kernels={kernel_key(A): 2.0},
@@ -233,7 +233,7 @@ def test_ranks_with_varying_kernels_wait_for_the_slowest_at_each_collective():
 def test_a_gpu_host_issues_every_task_and_a_kernel_waits_to_be_issued():
     from dataclasses import replace
 
-    from hidup.estimate import estimate
+    from hidup.planning.estimate import estimate
     from simulator.engine import HOST
     from simulator.trace import chrome_trace
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hidup.models import capture_model, get_model
+from hidup.planning.strategy import data_parallel, megatron
 from hidup.program import COLLECTIVES, Wait, lower
-from hidup.strategy import data_parallel, megatron
 from simulator import LinkCost, Profile, load_profile, simulate
 from test_simulator import A, AR, B, C, program
 
@@ -161,7 +161,7 @@ def test_groups_that_do_not_split_the_world_are_refused():
 
 def test_the_executor_refuses_sub_groups(tiny_graphs):
     from dataclasses import replace as rep
-    from hidup.execute import Executor
+    from hidup.runtime.execute import Executor
     spec, model, graph = tiny_graphs["mlp:tiny"]
     prog = lower(graph, megatron(graph, 4), 4, 1)
     first = prog.collectives[0]

@@ -3,10 +3,9 @@ import json
 
 import pytest
 
-from hidup.placement import P, R
-from hidup.program import Compute, Convert, Program, Wait
+from hidup.graph.placement import P, R
+from hidup.program import Compute, Convert, Program, Wait, task_label
 from simulator import LinkCost, Profile, simulate
-from hidup.program import task_label
 from simulator.trace import chrome_trace, write_trace
 
 LINK = LinkCost(0.0, 1e9)

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from hidup.capture import CaptureError, Graph, capture
+from hidup.graph.capture import CaptureError, Graph, capture
 from hidup.models import basic, bert, switch_trace, vit
 from hidup.models.moe import capacity
 
@@ -160,7 +160,8 @@ def _cache_path(spec: ModelSpec, batch: int) -> Path | None:
 
 
 _HERE = Path(__file__).parent
-_CAPTURE_SOURCES = [*_HERE.glob("*.py"), _HERE.parent / "capture.py", _HERE.parent / "flops.py"]
+_GRAPH = _HERE.parent / "graph"
+_CAPTURE_SOURCES = [*_HERE.glob("*.py"), _GRAPH / "capture.py", _GRAPH / "flops.py"]
 
 
 class _GraphPickler(pickle.Pickler):

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from hidup.ops.registry import default_local, register, register_local
-from hidup.placement import P, R, Shard, ShardingOption
+from hidup.graph.ops.registry import default_local, register, register_local
+from hidup.graph.placement import P, R, Shard, ShardingOption
 
 aten = torch.ops.aten
 

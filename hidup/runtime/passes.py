@@ -1,8 +1,8 @@
-"""What is done to a traced step (hidup.step) before and around its runs: `simplify` drops what
-only the tracing needed; `with_hooks` calls a function between the graph nodes of consecutive
+"""What is done to a traced step (hidup.runtime.step) before and around its runs: `simplify` drops
+what only the tracing needed; `with_hooks` calls a function between the graph nodes of consecutive
 tasks (profiler labels, per-task clocks for calibration.ops); `inductor_segments` compiles the
-computation between communication calls with Inductor and leaves every collective and wait in
-the Program's order; `communication_order` reads that order back."""
+computation between communication calls with Inductor and leaves every collective and wait in the
+Program's order; `communication_order` reads that order back."""
 from __future__ import annotations
 
 import copy

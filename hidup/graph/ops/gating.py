@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from hidup.ops.pointwise import pointwise_options
-from hidup.ops.registry import arg, register
-from hidup.placement import R, Shard, ShardingOption
+from hidup.graph.ops.pointwise import pointwise_options
+from hidup.graph.ops.registry import arg, register
+from hidup.graph.placement import R, Shard, ShardingOption
 
 aten = torch.ops.aten
 

@@ -1,16 +1,17 @@
-"""The Program: one training step of one rank as ordered tasks (compute, conversions, waits), each
-tagged with its micro-batch. `lower` builds it; the executor runs it, the simulator times it."""
+"""The Program's data model: one training step of one rank as ordered tasks (compute, conversions,
+waits), each tagged with its micro-batch, and the local shapes and sizes of tensors on a rank.
+`hidup.program.lowering.lower` builds a Program; the executor runs it, the simulator times it."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-from hidup.capture import Graph
-from hidup.placement import Placement, Shard, ShardingOption
-from hidup.strategy import Strategy
+from hidup.graph.capture import Graph
+from hidup.graph.placement import Placement, Shard, ShardingOption
+from hidup.planning.strategy import Strategy
 
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
-MODES = ("graph", "compile", "cuda-graphs")  # how the executor runs a rank's step (hidup.execute)
+MODES = ("graph", "compile", "cuda-graphs")  # how hidup.runtime.execute runs a rank's step
 HOST_MODES = ("eager", *MODES)  # whose host cost a profile can give: plain PyTorch's, or a mode's
 
 
@@ -171,16 +172,3 @@ def tensor_nbytes(graph: Graph, mb_split: Strategy, t: str, p: Placement, world:
                   k: int) -> int:
     shape = tensor_shape(graph, mb_split, t, p, world, k)
     return math.prod(shape) * graph.node(t).out.itemsize
-
-
-def lower(graph: Graph, strategy: Strategy, world: int, k: int = 1, model: str = "",
-          bucket_bytes: int = BUCKET_BYTES) -> Program:
-    """Strategy + world size + k micro-batches -> the Program of one training step of any rank.
-    Replicated parameters' gradients are all-reduced in buckets of about `bucket_bytes`, as DDP
-    does (0: one all-reduce per parameter)."""
-    if k < 1 or world < 1:
-        raise LoweringError(f"world size ({world}) and micro-batches k ({k}) must be at least 1")
-    from hidup.lowering import Lowering  # the algorithm, beside this data model
-    return Lowering(graph, strategy, world, k, model, bucket_bytes).run()
-
-

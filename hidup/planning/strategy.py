@@ -1,22 +1,15 @@
 """Strategies: one sharding option per op node and a home placement per parameter and input;
-the fixed expert strategies (data parallel, Megatron tensor parallel); versioned plan files."""
+greedy propagation from seeds; the fixed expert strategies (data parallel, Megatron tensor
+parallel, expert parallel); how a strategy reads in a report (describe, summarize). Plan files
+are in hidup.planning.planfile."""
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from hidup import ops
-from hidup.capture import Graph, Node
-from hidup.placement import (R, Partial, Placement, Replicate, Shard, ShardingOption,
-                             parse_option, parse_placement)
-
-PLAN_FORMAT, PLAN_VERSION = "hidup-plan", 1
-
-
-class PlanError(ValueError):
-    """A plan file cannot be used for this model or world size."""
+from hidup.graph import ops
+from hidup.graph.capture import Graph, Node
+from hidup.graph.placement import R, Partial, Placement, Replicate, Shard, ShardingOption
 
 
 @dataclass(frozen=True)
@@ -260,76 +253,6 @@ def _splits_anything(strategy: Strategy) -> bool:
 def _divisors(n: int) -> str:
     found = [d for d in range(2, min(n, 64) + 1) if n % d == 0]
     return ", ".join(map(str, found[:8])) if found else "none above 1"
-
-
-def resolve_strategy(arg: str, graph: Graph, world: int, cluster: str | None = None
-                     ) -> Strategy:
-    """A fixed strategy by name, or the plan file at a path (noted if searched for another
-    cluster than `cluster`)."""
-    path = Path(arg)
-    if path.is_file():
-        return load_plan(path, graph, world, cluster)
-    if path.suffix == ".json" or "/" in arg:
-        raise PlanError(f"plan file {arg} does not exist; give an existing plan file or a "
-                        f"strategy name such as megatron")
-    return fixed_strategy(arg, graph, world)
-
-
-def check(graph: Graph, strategy: Strategy) -> None:
-    """Every op's option is one its rule offers, and no parameter or input is Partial."""
-    for node in graph.ops:
-        opt = strategy.options.get(node.name)
-        if opt is None or opt not in ops.options(node, node.in_metas(graph), True):
-            raise PlanError(f"node {node.name} ({node.op}): option {opt} is not one of its options")
-    for name, p in strategy.placements.items():
-        if isinstance(p, Partial):
-            raise PlanError(f"{name}: parameters and inputs cannot be Partial")
-
-
-def save_plan(path: Path, graph: Graph, strategy: Strategy, world: int, model: str,
-              cluster: str | None = None) -> None:
-    """Write the plan file: the strategy, and the model, world size and cluster it is for."""
-    doc = {"format": PLAN_FORMAT, "version": PLAN_VERSION, "model": model,
-           "fingerprint": graph.fingerprint, "world": world, "mesh": [world], "cluster": cluster,
-           "strategy": strategy.name,
-           "placements": {n: str(p) for n, p in strategy.placements.items()},
-           "options": {n: str(o) for n, o in strategy.options.items()}}
-    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
-
-
-def load_plan(path: Path, graph: Graph, world: int, cluster: str | None = None) -> Strategy:
-    """Read a plan file; refuse it, saying why, for another world size, model or format version.
-    A plan searched for another cluster than `cluster` is taken, with a note saying so."""
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise PlanError(f"plan file {path}: cannot read it ({exc}); make it again with "
-                        f"python -m hidup.plan --out") from exc
-    if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
-        raise PlanError(f"plan file {path}: not a HiDup plan (no \"format\": \"{PLAN_FORMAT}\"); "
-                        f"give a file written by python -m hidup.plan --out")
-    if doc.get("version") != PLAN_VERSION:
-        raise PlanError(f"plan file {path}: version {doc.get('version')}, this HiDup reads version "
-                        f"{PLAN_VERSION}; re-create the plan")
-    if doc.get("world") != world:
-        raise PlanError(f"plan file {path} was made for {doc.get('world')} GPUs, this run has "
-                        f"{world}; give --gpus {doc.get('world')} or make a plan for {world} "
-                        f"GPUs with python -m hidup.plan --gpus {world} --out PLAN.json")
-    if doc.get("fingerprint") != graph.fingerprint:
-        raise PlanError(f"plan file {path} was made for model {doc.get('model')!r} with fingerprint "
-                        f"{doc.get('fingerprint')}, but this model's fingerprint is "
-                        f"{graph.fingerprint}; make a plan for this model (and batch size)")
-    made_for = doc.get("cluster")
-    notes = ()
-    if cluster is not None and made_for != cluster:
-        notes = (f"plan {Path(path).name} was searched for cluster "
-                 f"{made_for or '(not recorded)'}, not {cluster}: re-plan for {cluster} with "
-                 f"python -m hidup.plan --cluster {cluster} to get its best plan",)
-    strategy = Strategy(doc.get("strategy", Path(path).stem),
-                        {n: parse_placement(p) for n, p in doc["placements"].items()},
-                        {n: parse_option(o) for n, o in doc["options"].items()}, notes)
-    check(graph, strategy)
-    return strategy
 
 
 KEY_OPS = ("linear", "einsum", "embedding", "conv", "scaled_dot_product_attention")

@@ -1,22 +1,18 @@
-"""An emulated cluster on one Linux machine: H hosts as network namespaces, each joined to a
+"""The emulated cluster on one Linux machine: H hosts as network namespaces, each joined to a
 switch (a bridge in a namespace of its own) by a veth link limited with `tc`, as the paper
 limited its links. Ranks of one host talk over loopback; ranks of different hosts over the
 limited links (both directions of a host's link run at the rate; a host receiving from several
 others shares its link, as at a real switch).
 
-    python -m hidup.cluster up --hosts 2 --ranks-per-host 1 --bandwidth 1gbit [--latency 1ms]
-    python -m hidup.cluster run -- -m hidup.train --model gpt:tiny --strategy megatron
-    python -m hidup.cluster down
-
-`run` starts torchrun in every host with the rendezvous at host 0 (its arguments after `--` are
-torchrun's: `-m MODULE ...` or `SCRIPT ...`). Needs root and iproute2 (`ip`, `tc`). Only
-namespaces named hidup-NAME-* are ever made or touched, and whatever `up` made is deleted again
-if it fails or is interrupted; `down` deletes them and stops what still runs in them."""
+`Cluster` makes, changes and deletes one (its namespaces, switch and links) and runs torchrun in
+every host with the rendezvous at host 0; `emulated` is a Cluster that is up inside a `with`
+block. The command `python -m hidup.emulate` drives it from the shell. Needs root and iproute2
+(`ip`, `tc`). Only namespaces named hidup-NAME-* are ever made or touched, and whatever `create`
+made is deleted again if it fails or is interrupted; `destroy` deletes them and stops what still
+runs in them."""
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import os
 import re
 import shutil
@@ -29,54 +25,17 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hidup.cli import Parser
+from hidup.cli import parse_rate, parse_seconds
 
-PROG = "python -m hidup.cluster"
+PROG = "python -m hidup.emulate"
 STATE_DIR = Path(os.environ.get("HIDUP_CLUSTER_DIR", "/run/hidup-cluster"))
 SUBNET = "10.87.0"  # host i is SUBNET.(i+1), inside the cluster's own namespaces only
 IFACE = "eth0"  # each host's link to the switch, as its namespace sees it
 MAX_HOSTS = 32
 
 
-def ranks_on_this_machine() -> int:
-    """Ranks sharing this machine's cores: all of an emulated cluster's (its hosts are one
-    machine), else torchrun's local ones."""
-    return int(os.environ.get("HIDUP_RANKS_PER_MACHINE") or os.environ.get("LOCAL_WORLD_SIZE")
-               or 1)
-
-
-def default_threads() -> int:
-    """Intra-op CPU threads per rank so that the ranks on this machine fill its cores once."""
-    return max(1, (os.cpu_count() or 1) // ranks_on_this_machine())
-
-
 class ClusterError(Exception):
     """Something the user can fix: bad flags, no root or iproute2, no such cluster."""
-
-
-_RATE = re.compile(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?)(?:bit(?:/s)?|bps)")
-_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-
-
-def parse_rate(text: str) -> float:
-    """A link rate in bits per second with its unit ('9.71gbit', '100mbit', '10gbps',
-    '1gbit/s') -> bytes per second. A bare number is refused: bits or bytes, per second or not,
-    it is ambiguous (every command that takes a rate reads it with this)."""
-    m = _RATE.fullmatch(str(text).strip().lower())
-    value = float(m.group(1)) * _PREFIX[m.group(2)] if m else math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"bandwidth {text!r}: give a positive rate in bits per second with its "
-                         f"unit: NUMBER then bit, kbit, mbit, gbit or tbit (or kbps ... tbps), "
-                         f"e.g. 100mbit, 10gbit, 9.71gbps")
-    return value / 8
-
-
-def parse_seconds(text: str) -> float:
-    """'1ms' / '200us' / '0' / '0.5s' -> seconds."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(s|ms|us)?\s*", str(text).lower())
-    if not m:
-        raise ValueError(f"latency {text!r}: give a time like 0, 200us, 1ms or 0.01s")
-    return float(m.group(1)) * {"s": 1, "ms": 1e-3, "us": 1e-6, None: 1}[m.group(2)]
 
 
 @dataclass
@@ -150,7 +109,7 @@ class Cluster:
         """Change every link's rate (and latency) in place; the hosts keep running."""
         self.bandwidth = bandwidth or self.bandwidth
         self.latency = latency if latency is not None else self.latency
-        _check_link(self.bandwidth, self.latency)
+        check_link(self.bandwidth, self.latency)
         for i in range(self.hosts):
             self._qdisc(self.host(i), IFACE, self.latency, "replace")
             self._qdisc(self.switch, f"h{i}", "0", "replace")
@@ -167,7 +126,7 @@ class Cluster:
     def create(self) -> None:
         """Make the namespaces, the switch and the links; on any failure (or Ctrl-C) delete
         whatever was made and raise."""
-        _require_tools()
+        require_tools()
         taken = [ns for ns in self.namespaces if ns in _namespaces()]
         if taken or self.state_file(self.name).exists():
             what = ", ".join(taken) or str(self.state_file(self.name))
@@ -287,8 +246,8 @@ def emulated(hosts: int, ranks_per_host: int, bandwidth: str, latency: str = "0"
              name: str | None = None):
     """A Cluster that is up inside the block and always deleted after it."""
     cluster = Cluster(name or f"x{os.getpid()}", hosts, ranks_per_host, bandwidth, latency)
-    _check_shape(hosts, ranks_per_host)
-    _check_link(bandwidth, latency)
+    check_shape(hosts, ranks_per_host)
+    check_link(bandwidth, latency)
     cluster.create()
     try:
         with _sigterm_as_interrupt():
@@ -315,7 +274,7 @@ def _namespaces() -> list[str]:
             if line.strip()]
 
 
-def _require_tools() -> None:
+def require_tools() -> None:
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         raise ClusterError(f"{' and '.join(missing)} not found: the emulated cluster needs "
@@ -325,14 +284,14 @@ def _require_tools() -> None:
                            "tc rate limits); run it as root, e.g. with sudo")
 
 
-def _check_shape(hosts: int, ranks_per_host: int) -> None:
+def check_shape(hosts: int, ranks_per_host: int) -> None:
     if not 1 <= hosts <= MAX_HOSTS:
         raise ClusterError(f"--hosts {hosts}: must be 1 to {MAX_HOSTS}")
     if ranks_per_host < 1:
         raise ClusterError(f"--ranks-per-host {ranks_per_host}: must be at least 1")
 
 
-def _check_link(bandwidth: str, latency: str) -> None:
+def check_link(bandwidth: str, latency: str) -> None:
     try:
         parse_rate(bandwidth)
         parse_seconds(latency)
@@ -390,95 +349,3 @@ def _sigterm_as_interrupt():
         yield
     finally:
         signal.signal(signal.SIGTERM, old)
-
-
-# -- command line ----------------------------------------------------------------------------
-
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = Parser(prog=PROG, description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    up = sub.add_parser("up", help="create the emulated cluster")
-    up.add_argument("--hosts", type=int, default=2, help="emulated machines (default 2)")
-    up.add_argument("--ranks-per-host", type=int, default=1,
-                    help="torchrun processes per machine (default 1)")
-    up.add_argument("--bandwidth", default="1gbit",
-                    help="each machine's link rate, each direction, e.g. 100mbit, 10gbit "
-                         "(default 1gbit)")
-    up.add_argument("--latency", default="0",
-                    help="one-way delay added on each machine's link, e.g. 200us (default 0)")
-    run = sub.add_parser("run", help="run torchrun on every host: run -- -m MODULE ARGS...")
-    run.add_argument("--port", type=int, default=29511, help="rendezvous port on host 0")
-    run.add_argument("command", nargs=argparse.REMAINDER,
-                     help="torchrun's arguments after --: -m MODULE ... or SCRIPT ...")
-    link = sub.add_parser("link", help="change the links' rate or latency of a running cluster")
-    link.add_argument("--bandwidth", help="new link rate, e.g. 100mbit")
-    link.add_argument("--latency", help="new one-way delay, e.g. 1ms")
-    link.add_argument("--down", type=int, metavar="HOST", default=None,
-                      help="cut host HOST off the switch (a lost machine)")
-    link.add_argument("--up", type=int, metavar="HOST", default=None,
-                      help="reconnect host HOST")
-    sub.add_parser("down", help="stop everything in the cluster and delete it")
-    sub.add_parser("status", help="print the cluster's shape and links")
-    for p in (up, run, link, sub.choices["down"], sub.choices["status"]):
-        p.add_argument("--name", default="default",
-                       help="which emulated cluster (letters and digits; default 'default')")
-    args = ap.parse_args(argv)
-    if not re.fullmatch(r"[a-z0-9]{1,8}", args.name):
-        ap.error(f"--name {args.name!r}: 1 to 8 lower-case letters or digits")
-    if args.cmd == "run":
-        args.command = args.command[1:] if args.command[:1] == ["--"] else args.command
-        if not args.command:
-            ap.error("run needs a command after --, e.g. run -- -m hidup.train --model gpt:tiny")
-    return args
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        if args.cmd == "up":
-            _check_shape(args.hosts, args.ranks_per_host)
-            _check_link(args.bandwidth, args.latency)
-            cluster = Cluster(args.name, args.hosts, args.ranks_per_host, args.bandwidth,
-                              args.latency)
-            cluster.create()
-            print(f"emulated cluster {args.name!r} up: {args.hosts} hosts x {args.ranks_per_host} "
-                  f"ranks, links {args.bandwidth} latency {args.latency} "
-                  f"(namespaces {', '.join(cluster.namespaces)}); `{PROG} down` removes it")
-        elif args.cmd == "down":
-            cluster = Cluster(args.name, 0, 1, "1gbit")
-            gone = cluster.destroy() if shutil.which("ip") else []
-            print(f"emulated cluster {args.name!r} down: deleted {', '.join(gone) or 'nothing'}")
-        elif args.cmd == "status":
-            c = Cluster.load(args.name)
-            print(f"emulated cluster {c.name!r}: {c.hosts} hosts x {c.ranks_per_host} ranks, "
-                  f"links {c.bandwidth} latency {c.latency}")
-        elif args.cmd == "link":
-            c = Cluster.load(args.name)
-            for host, up in ((args.down, False), (args.up, True)):
-                if host is not None:
-                    c.set_host_link(host, up)
-                    print(f"emulated cluster {c.name!r}: host {host} {'re' if up else 'cut off'}"
-                          f"{'connected' if up else ''}")
-            if args.bandwidth or args.latency or (args.down is None and args.up is None):
-                c.set_link(args.bandwidth, args.latency)
-                print(f"emulated cluster {c.name!r}: links now {c.bandwidth} latency {c.latency}")
-        else:
-            _require_tools()
-            c = Cluster.load(args.name)
-            try:
-                result = c.run(args.command, args.port)
-            except KeyboardInterrupt:
-                print(f"{PROG}: interrupted; every host's ranks were stopped", file=sys.stderr)
-                return 130
-            if not result.ok:
-                print(f"{PROG}: {result.failure()}", file=sys.stderr)
-                return next(code for code in result.codes if code != 0)
-    except ClusterError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

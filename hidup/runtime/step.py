@@ -8,7 +8,7 @@ for (`wait_tensor`) at its Wait. What is recorded is the graph: its node order i
 so Duplex's interleaving is the order of the code that runs, and no autograd graph, detach or
 per-task Python is left at run time. Every graph node carries its task's id
 (`node.meta['custom']['task']`), which the profiler labels and calibration.ops use
-(hidup.passes)."""
+(hidup.runtime.passes)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,12 +17,12 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from hidup import ops
-from hidup.capture import Graph
-from hidup.passes import simplify
-from hidup.placement import Partial, Placement, Shard
-from hidup.program import Compute, Convert, Program, Wait, vkey
-from hidup.strategy import Strategy, microbatch_split
+from hidup.graph import ops
+from hidup.graph.capture import Graph
+from hidup.graph.placement import Partial, Placement, Shard
+from hidup.planning.strategy import Strategy, microbatch_split
+from hidup.program.tasks import Compute, Convert, Program, Wait, vkey
+from hidup.runtime.passes import simplify
 
 _C = torch.ops._c10d_functional
 INPUT_TASK = -1  # the graph nodes that cut the global batch into this rank's shards

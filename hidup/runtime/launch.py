@@ -21,6 +21,18 @@ from hidup.cli import ERROR_FILE
 STOP_WAIT = 30.0  # seconds a stopped rank gets to end before SIGKILL (torchrun's figure)
 
 
+def ranks_on_this_machine() -> int:
+    """Ranks sharing this machine's cores: all of an emulated cluster's (its hosts are one
+    machine), else torchrun's local ones."""
+    return int(os.environ.get("HIDUP_RANKS_PER_MACHINE") or os.environ.get("LOCAL_WORLD_SIZE")
+               or 1)
+
+
+def default_threads() -> int:
+    """Intra-op CPU threads per rank so that the ranks on this machine fill its cores once."""
+    return max(1, (os.cpu_count() or 1) // ranks_on_this_machine())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hidup.profile import Profile
-from hidup.program import Convert, Program, Wait
+from hidup.planning.costs import Profile
+from hidup.program.tasks import Convert, Program, Wait
 
 
 @dataclass(frozen=True)

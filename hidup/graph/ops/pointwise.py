@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from hidup.capture import Ref
-from hidup.ops.registry import arg, register
-from hidup.placement import P, R, Shard, ShardingOption
+from hidup.graph.capture import Ref
+from hidup.graph.ops.registry import arg, register
+from hidup.graph.placement import P, R, Shard, ShardingOption
 
 aten = torch.ops.aten
 

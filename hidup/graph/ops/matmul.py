@@ -6,9 +6,9 @@ import string
 
 import torch
 
-from hidup.capture import Ref
-from hidup.ops.registry import arg, default_local, fill, register, register_local
-from hidup.placement import P, R, Shard, ShardingOption
+from hidup.graph.capture import Ref
+from hidup.graph.ops.registry import arg, default_local, fill, register, register_local
+from hidup.graph.placement import P, R, Shard, ShardingOption
 
 aten = torch.ops.aten
 

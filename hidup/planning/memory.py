@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from itertools import accumulate
 from operator import add, sub
 
-from hidup.placement import Shard
-from hidup.program import Compute, Convert, Program, Wait
+from hidup.graph.placement import Shard
+from hidup.program.tasks import Compute, Convert, Program, Wait
 
 _ACT, _GRAD = 0, 1  # the sweep's lists per kind, indexed by 'first written in backward'
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import math
 
-from hidup.capture import Graph
-from hidup.flops import backward_flops, forward_flops
-from hidup.placement import Partial, Placement, R, Replicate, Shard
-from hidup.program import (BUCKET_BYTES, FIRST_BUCKET_BYTES, COLLECTIVES, Compute, Convert, Program, Task, Wait,
-                           gkey, tensor_nbytes, tensor_shape, vkey)
-from hidup.strategy import Strategy, conversion, microbatch_split
+from hidup.graph.capture import Graph
+from hidup.graph.flops import backward_flops, forward_flops
+from hidup.graph.placement import Partial, Placement, R, Replicate, Shard
+from hidup.planning.strategy import Strategy, conversion, microbatch_split
+from hidup.program.tasks import (BUCKET_BYTES, COLLECTIVES, FIRST_BUCKET_BYTES, Compute, Convert,
+                                 LoweringError, Program, Task, Wait, gkey, tensor_nbytes,
+                                 tensor_shape, vkey)
 
 
 class Lowering:
@@ -320,3 +321,13 @@ class Lowering:
         self.update()
         return Program(self.model, self.g.fingerprint, self.s.name, self.world, self.k,
                        tuple(self.tasks), tuple(loss_keys), final)
+
+
+def lower(graph: Graph, strategy: Strategy, world: int, k: int = 1, model: str = "",
+          bucket_bytes: int = BUCKET_BYTES) -> Program:
+    """Strategy + world size + k micro-batches -> the Program of one training step of any rank.
+    Replicated parameters' gradients are all-reduced in buckets of about `bucket_bytes`, as DDP
+    does (0: one all-reduce per parameter)."""
+    if k < 1 or world < 1:
+        raise LoweringError(f"world size ({world}) and micro-batches k ({k}) must be at least 1")
+    return Lowering(graph, strategy, world, k, model, bucket_bytes).run()

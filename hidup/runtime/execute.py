@@ -1,6 +1,7 @@
-"""The executor: runs one rank's compiled step (hidup.step) with torch.distributed (gloo on CPU,
-nccl on GPU). The step is traced once per (update or not, input shapes) and then run as generated
-code, as an FX graph (default), through torch.compile (Inductor), or replayed as a CUDA graph."""
+"""The executor: runs one rank's compiled step (hidup.runtime.step) with torch.distributed (gloo on
+CPU, nccl on GPU). The step is traced once per (update or not, input shapes) and then run as
+generated code, as an FX graph (default), through torch.compile (Inductor), or replayed as a CUDA
+graph."""
 from __future__ import annotations
 
 import logging
@@ -8,12 +9,12 @@ import logging
 import torch
 import torch.distributed as dist
 
-from hidup.capture import Graph
-from hidup.placement import Partial, Placement, Shard
-from hidup.program import MODES, Program, task_label
-from hidup.passes import inductor_segments, with_hooks
-from hidup.step import INPUT_TASK, StepSpec, shard_of, trace_step
-from hidup.strategy import Strategy, microbatch_split
+from hidup.graph.capture import Graph
+from hidup.graph.placement import Partial, Placement, Shard
+from hidup.planning.strategy import Strategy, microbatch_split
+from hidup.program.tasks import MODES, Program, task_label
+from hidup.runtime.passes import inductor_segments, with_hooks
+from hidup.runtime.step import INPUT_TASK, StepSpec, shard_of, trace_step
 
 log = logging.getLogger(__name__)
 

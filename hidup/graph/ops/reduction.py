@@ -5,8 +5,8 @@ import math
 
 import torch
 
-from hidup.ops.registry import register, register_local
-from hidup.placement import P, R, Shard, ShardingOption
+from hidup.graph.ops.registry import register, register_local
+from hidup.graph.placement import P, R, Shard, ShardingOption
 
 aten = torch.ops.aten
 REDUCTIONS = [aten.sum.dim_IntList, aten.mean.dim, aten.sum.default, aten.mean.default]

@@ -12,7 +12,8 @@ micro-batch, plus its parameters' gradient reduction spread over the step):
   m = 0:  T += c,  D += (k-1) c            (micro-batch 0 runs on; the others owe it)
   m > 0:  T += max(D, m) + c,  D = (k-1) c + max(0, m - c)
 and the plan costs T + D. With k = 1 it is plain SPMD: T += m + c. The few best plans, with the
-expert strategies beside them, are then lowered and ranked by the fast estimate (hidup.estimate)."""
+expert strategies beside them, are then lowered and ranked by the fast estimate
+(hidup.planning.estimate)."""
 from __future__ import annotations
 
 import logging
@@ -21,14 +22,16 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from hidup.capture import Graph, Node
-from hidup.estimate import Estimate, estimate
-from hidup.flops import backward_flops, forward_flops
-from hidup.memory import peak_memory
-from hidup.placement import Partial, Placement, R, Replicate, ShardingOption
-from hidup.profile import Profile
-from hidup.program import LoweringError, lower, tensor_nbytes, tensor_shape
-from hidup.strategy import (Strategy, check, conversion, fitting_options, microbatch_split)
+from hidup.graph.capture import Graph, Node
+from hidup.graph.flops import backward_flops, forward_flops
+from hidup.graph.placement import Partial, Placement, R, Replicate, ShardingOption
+from hidup.planning.costs import Profile
+from hidup.planning.estimate import Estimate, estimate
+from hidup.planning.memory import peak_memory
+from hidup.planning.planfile import check
+from hidup.planning.strategy import Strategy, conversion, fitting_options, microbatch_split
+from hidup.program.lowering import lower
+from hidup.program.tasks import LoweringError, tensor_nbytes, tensor_shape
 
 log = logging.getLogger(__name__)
 _DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all",

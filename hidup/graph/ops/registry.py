@@ -6,8 +6,8 @@ from typing import Callable, Iterable
 
 from torch.utils import _pytree as pytree
 
-from hidup.capture import Node, Ref, TensorMeta
-from hidup.placement import ShardingOption
+from hidup.graph.capture import Node, Ref, TensorMeta
+from hidup.graph.placement import R, ShardingOption
 
 RuleFn = Callable[[Node, tuple[TensorMeta, ...]], list[ShardingOption]]
 _RULES: dict[str, RuleFn] = {}
@@ -56,7 +56,7 @@ def options(node: Node, in_metas: tuple[TensorMeta, ...], replicate_fallback: bo
         if replicate_fallback:
             return [replicated(len(in_metas))]
         raise NoRuleError(f"node {node.name}: op {node.op} has no sharding rule; add one in "
-                          f"hidup/ops/ or opt in to replication (replicate_fallback=True)")
+                          f"hidup/graph/ops/ or opt in to replication (replicate_fallback=True)")
     try:
         opts = rule(node, in_metas)
     except Exception as exc:
@@ -65,7 +65,7 @@ def options(node: Node, in_metas: tuple[TensorMeta, ...], replicate_fallback: bo
 
 
 def replicated(n_inputs: int) -> ShardingOption:
-    from hidup.placement import R
+
     return ShardingOption((R,) * n_inputs, R)
 
 

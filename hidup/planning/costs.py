@@ -25,7 +25,7 @@ from functools import cached_property
 from importlib import resources
 from pathlib import Path
 
-from hidup.program import COLLECTIVES, HOST_MODES, Compute, Convert, Wait, kernel_tasks
+from hidup.program.tasks import COLLECTIVES, HOST_MODES, Compute, Convert, Wait, kernel_tasks
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import torch
 from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
-from hidup.flops import forward_flops
+from hidup.graph.flops import forward_flops
 
 
 class CaptureError(ValueError):
