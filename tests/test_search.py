@@ -32,8 +32,41 @@ def test_search_estimate_agrees_with_the_simulator(name):
     found = search(graph, 2, profile, k=2, baselines=baselines(graph, 2))
     simulated = simulate(lower(graph, found.strategy, 2, found.k), profile).step_time
     assert found.estimate.step_time == pytest.approx(simulated, rel=0.05)
-    for base, t in found.candidates:  # never worse than an expert strategy
-        assert found.estimate.step_time <= t * (1 + 1e-12), base
+
+
+def _best_fixed(graph, world, profile) -> tuple[float, str]:
+    """The fastest fixed strategy's estimated step, with Duplex or without, and its name."""
+    times = []
+    for name, strategy in fixed_strategies(graph, world).items():
+        for k in (1, 2):
+            try:
+                times.append((estimate(lower(graph, strategy, world, k), profile).step_time,
+                              f"{name} k={k}"))
+            except ValueError:
+                continue
+    return min(times)
+
+
+_BEAM_MISSES = pytest.mark.xfail(strict=True, reason="issue 19: the search is a beam (4 labels a "
+                                  "state, 16 states a cut) and misses this plan by 3-5%")
+
+
+@pytest.mark.parametrize("model, world, cluster, best", [
+    ("bert-sgmoe:paper", 8, "v100-2x4", "expert"),  # 2 machines: the experts split
+    pytest.param("bert-sgmoe:tiny", 2, "v100-1x4-nvlink", "expert", marks=_BEAM_MISSES),
+    pytest.param("gpt:small", 4, "v100-1x4-nvlink", "ddp", marks=_BEAM_MISSES),
+])
+def test_the_search_alone_matches_or_beats_the_best_fixed_strategy(model, world, cluster, best):
+    """The dynamic programme with no fixed strategy among its candidates finds a plan at least
+    as fast as the best of them (each fixed strategy is a plan in its space). Where it does not
+    yet, the case is marked; it must start to pass when the search is made exact."""
+    graph = capture_model(get_model(model, gpus=world), get_model(model, gpus=world).batch)
+    profile = load_profile(cluster)
+    fixed_time, fixed_name = _best_fixed(graph, world, profile)
+    assert fixed_name.startswith(best)
+    found = search(graph, world, profile, k=2)  # no baselines
+    assert all(name.startswith("search#") for name, _ in found.candidates)
+    assert found.estimate.step_time <= fixed_time * (1 + 1e-9), (found.candidates, fixed_name)
 
 
 def test_paper_size_search_beats_or_matches_every_baseline():
@@ -43,7 +76,6 @@ def test_paper_size_search_beats_or_matches_every_baseline():
     found = search(graph, 8, profile, k=2, baselines=baselines(graph, 8))
     assert {n.split()[0] for n, _ in found.candidates} >= {"ddp", "megatron", "expert"}
     assert found.candidates[0][1] == found.estimate.step_time
-    assert found.seconds < 10
     sim = simulate(lower(graph, found.strategy, 8, found.k), profile).step_time
     assert found.estimate.step_time == pytest.approx(sim, rel=1e-9)
 

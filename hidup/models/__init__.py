@@ -51,8 +51,8 @@ MLP = {"tiny": dict(dim=16, hidden=64, layers=2, batch=8),
 AUX_WEIGHT = 0.0  # the load-balancing loss needs whole-batch statistics: off for Duplex
 
 
-def _bert(size, gpus, top_k, vocab):
-    c = dict(BERT[size], vocab=vocab or BERT[size]["vocab"])
+def _bert(c, gpus, top_k, vocab):
+    c = dict(c, vocab=vocab or c["vocab"])
     experts = 2 * gpus
     cap = capacity(c["seq"], experts, top_k)
     build = lambda: bert.BertMoE(c["vocab"], c["dim"], c["heads"], c["hidden"], c["layers"],  # noqa: E731
@@ -60,8 +60,7 @@ def _bert(size, gpus, top_k, vocab):
     return build, bert.random_inputs(c["vocab"], c["seq"]), c["per_gpu"] * gpus, "mlm", c
 
 
-def _vit(size, gpus, top_k, vocab):
-    c = VIT[size]
+def _vit(c, gpus, top_k, vocab):
     experts, seq = 2 * gpus, (c["image"] // c["patch"]) ** 2 + 1
     cap = capacity(seq, experts, top_k)
     build = lambda: vit.VitMoE(c["image"], c["patch"], 3, 10, c["dim"], c["heads"], c["hidden"],  # noqa: E731
@@ -69,21 +68,19 @@ def _vit(size, gpus, top_k, vocab):
     return build, vit.random_inputs(c["image"], 3, 10), c["per_gpu"] * gpus, "image", {}
 
 
-def _trace(size, gpus, top_k, vocab):
-    c = TRACE[size]
+def _trace(c, gpus, top_k, vocab):
     build = lambda: switch_trace.SwitchTrace(c["dim"], c["heads"], c["hidden"], c["layers"],  # noqa: E731
                                              c["seq"], 4 * gpus, c["dropout"])
     return build, switch_trace.random_inputs(c["seq"], c["dim"]), c["per_gpu"] * gpus, "sum", {}
 
 
-def _gpt(size, gpus, top_k, vocab):
-    c = dict(GPT[size], vocab=vocab or GPT[size]["vocab"])
+def _gpt(c, gpus, top_k, vocab):
+    c = dict(c, vocab=vocab or c["vocab"])
     build = lambda: basic.TransformerLM(c["vocab"], c["dim"], c["heads"], c["layers"], c["seq"])  # noqa: E731
     return build, basic.lm_inputs(c["vocab"], c["seq"]), c["batch"], "lm", c
 
 
-def _mlp(size, gpus, top_k, vocab):
-    c = MLP[size]
+def _mlp(c, gpus, top_k, vocab):
     build = lambda: basic.MLP(c["dim"], c["hidden"], c["layers"])  # noqa: E731
     return build, basic.regression_inputs(c["dim"]), c["batch"], "regression", {}
 
@@ -114,13 +111,7 @@ def get_model(spec: str, gpus: int = 1, vocab: int | None = None, **overrides) -
     if unknown:
         raise ValueError(f"model {name} has no setting {unknown}; its settings are "
                          f"{sorted(sizes[size])}")
-    saved = dict(sizes[size])
-    sizes[size].update(overrides)
-    try:
-        build, inputs, batch, task, cfg = make(size, gpus, top_k, vocab)
-    finally:
-        sizes[size].clear()
-        sizes[size].update(saved)
+    build, inputs, batch, task, cfg = make(dict(sizes[size], **overrides), gpus, top_k, vocab)
     key = f"{name}:{size} gpus={gpus} vocab={vocab} overrides={sorted(overrides.items())}"
     return ModelSpec(f"{name}:{size}", build, inputs, batch, task, cfg.get("seq", 0),
                      cfg.get("vocab", 0), key)
