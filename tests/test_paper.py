@@ -56,13 +56,13 @@ def test_breakdown_is_what_the_simulated_timeline_shows(quick):
     mine = result.records[0]
     busy = sum(r.duration for r in mine if r.stream == COMPUTE_STREAM)
     comm = sum(r.duration for r in mine if r.stream == result.comm_stream)
-    assert float(row["computation_s"]) == pytest.approx(busy, rel=1e-6)
-    assert float(row["communication_s"]) == pytest.approx(comm, rel=1e-6)
+    assert float(row["computation_s"]) == pytest.approx(busy, rel=1e-5)  # the CSV: 6 figures
+    assert float(row["communication_s"]) == pytest.approx(comm, rel=1e-5)
     for r in rows:
         comp, comm, share = (float(r[k]) for k in ("computation_s", "communication_s",
                                                     "overlap_ratio"))
         assert 0.0 <= share <= 1.0
-        assert float(r["wall_s"]) >= (comp + comm * (1 - share)) * (1 - 1e-6), r
+        assert float(r["wall_s"]) >= (comp + comm * (1 - share)) * (1 - 1e-5), r
 
 
 def test_robustness_and_search_time_rows(quick):
