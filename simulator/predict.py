@@ -93,8 +93,8 @@ def compare(model: str, cluster: str, gpus: int, batch: int | None, k: int, samp
                          f"another GPU count")
     predictions = [_simulate(spec, profile, batch, graph, p, gpus, k, 0, noise, bucket_mb, mode,
                              show_plan) for p in plans]
-    fitting = [(p.best()[1].step_time, i, p.best()[0]) for i, p in enumerate(predictions)
-               if p.best() is not None]
+    bests = [(p.best(), i) for i, p in enumerate(predictions)]
+    fitting = [(best[1].step_time, i, best[0]) for best, i in bests if best is not None]
     if not fitting:
         peak = min(max(m.peak for _, _, m in p.runs()) for p in predictions)
         raise ValueError(f"no plan fits a device's {profile.device_memory / 2**30:.3g} GiB: the "

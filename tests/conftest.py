@@ -14,6 +14,20 @@ from hidup.graph.capture import capture
 from hidup.models import get_model
 
 
+def one_line(main, argv, capsys, code: int | None = None) -> str:
+    """Run a command's main; it must fail (with exit `code`, where given) and print exactly one
+    line on stderr: that line."""
+    capsys.readouterr()
+    try:
+        got = main(argv)
+    except SystemExit as stop:
+        got = stop.code
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert got not in (0, None) and (code is None or got == code), (argv, got, err)
+    assert len(err) == 1, (argv, err)
+    return err[0]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

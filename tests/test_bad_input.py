@@ -9,22 +9,10 @@ from __future__ import annotations
 import pytest
 
 from calibration import derive, ops, trace
+from conftest import one_line
 from experiments import whatif
 from hidup import plan, train
 from simulator import predict
-
-
-def one_line(main, argv, capsys) -> str:
-    """Run a command's main; it must fail with exactly one line on stderr: that line."""
-    capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as stop:
-        code = stop.code
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert code not in (0, None), (argv, err)
-    assert len(err) == 1, (argv, err)
-    return err[0]
 
 
 @pytest.fixture(scope="module")

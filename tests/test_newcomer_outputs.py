@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from calibration import derive
+from conftest import one_line
 from experiments import accuracy, outputs, paper, trace_overlap, whatif
 
 REPO = Path(__file__).resolve().parents[1]
@@ -19,15 +20,7 @@ DUPLEX_TRACE = REPO.parent / "shared" / "traces" / "v100-1x4-nvlink" / "hidup.js
 
 def refusal(main, argv, capsys) -> str:
     """Run a command's main; it must stop with exit 2 and one line on stderr: that line."""
-    capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as stop:
-        code = stop.code
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert code == 2, (argv, err)
-    assert len(err) == 1, (argv, err)
-    return err[0]
+    return one_line(main, argv, capsys, code=2)
 
 
 def snapshot(folder: Path) -> dict:

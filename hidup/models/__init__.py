@@ -3,6 +3,7 @@
 the number of GPUs (experts = 2 x GPUs, 4 x for switch-trace), so a spec is made for a world size."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -144,15 +145,19 @@ def _cache_path(spec: ModelSpec, batch: int) -> Path | None:
     folder = os.environ.get("HIDUP_CACHE", str(Path.home() / ".cache" / "hidup"))
     if folder == "off" or not spec.key:
         return None
-    digest = hashlib.sha256(f"{spec.key} batch={batch} torch={torch.__version__}".encode())
-    for source in sorted(_CAPTURE_SOURCES):
-        digest.update(source.read_bytes())
+    digest = hashlib.sha256(f"{spec.key} batch={batch} torch={torch.__version__} "
+                            f"code={_capture_code_digest()}".encode())
     return Path(folder) / "graphs" / f"{spec.name.replace(':', '-')}-{digest.hexdigest()[:16]}.pkl"
 
 
-_HERE = Path(__file__).parent
-_GRAPH = _HERE.parent / "graph"
-_CAPTURE_SOURCES = [*_HERE.glob("*.py"), _GRAPH / "capture.py", _GRAPH / "flops.py"]
+@functools.cache
+def _capture_code_digest() -> str:
+    """A digest of the code that makes a graph (the zoo, capture, FLOPs), read once a process."""
+    here, graph = Path(__file__).parent, Path(__file__).parent.parent / "graph"
+    digest = hashlib.sha256()
+    for source in sorted([*here.glob("*.py"), graph / "capture.py", graph / "flops.py"]):
+        digest.update(source.read_bytes())
+    return digest.hexdigest()
 
 
 class _GraphPickler(pickle.Pickler):
