@@ -44,13 +44,14 @@ def _setup(model: str, cluster: str, gpus: int, batch: int | None):
     return spec, profile, batch, graph
 
 
-def _simulate(spec, profile: Profile, batch: int, graph: Graph, plan: Strategy, gpus: int, k: int,
-              samples: int = 0, noise: float = 0.1, bucket_mb: float = 25.0,
-              mode: str = "graph", show_plan: bool = False) -> Prediction:
-    """Lower `plan` for k=1 and for k micro-batches and simulate both."""
+def simulate(name: str, profile: Profile, batch: int, graph: Graph, plan: Strategy, gpus: int,
+             k: int, samples: int = 0, noise: float = 0.1, bucket_mb: float = 25.0,
+             mode: str = "graph", show_plan: bool = False) -> Prediction:
+    """Lower `plan` for k=1 and for k micro-batches and simulate both (`name`: the model's, as
+    reported)."""
     results, intervals, memory = [], [], []
     bucket = int(bucket_mb * 2 ** 20)
-    for program in [lower(graph, plan, gpus, n, spec.name, bucket_bytes=bucket) for n in (1, k)]:
+    for program in [lower(graph, plan, gpus, n, name, bucket_bytes=bucket) for n in (1, k)]:
         started = time.perf_counter()
         results.append(expected_step(program, profile, mode=mode))  # simulate unless kernels vary
         log.info("%s k=%d: %d tasks simulated in %.3f s: %s", plan.name, program.k,
@@ -58,7 +59,7 @@ def _simulate(spec, profile: Profile, batch: int, graph: Graph, plan: Strategy, 
         memory.append(peak_memory(program))
         if samples:
             intervals.append(step_time_interval(program, profile, samples, noise, mode=mode))
-    return Prediction(spec.name, batch, profile, gpus, plan, k, *results, graph, tuple(memory),
+    return Prediction(name, batch, profile, gpus, plan, k, *results, graph, tuple(memory),
                       tuple(intervals) if samples else None, mode, show_plan)
 
 
@@ -69,8 +70,8 @@ def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | Non
     `mode`: what the host costs where the profile has host figures)."""
     spec, profile, batch, graph = _setup(model, cluster, gpus, batch)
     plan = resolve_strategy(strategy, graph, gpus, profile.name)
-    return _simulate(spec, profile, batch, graph, plan, gpus, k, samples, noise, bucket_mb, mode,
-                     show_plan)
+    return simulate(spec.name, profile, batch, graph, plan, gpus, k, samples, noise, bucket_mb,
+                    mode, show_plan)
 
 
 def compare(model: str, cluster: str, gpus: int, batch: int | None, k: int, samples: int = 0,
@@ -79,6 +80,14 @@ def compare(model: str, cluster: str, gpus: int, batch: int | None, k: int, samp
     """HiDup's Duplex-aware search (within a device's memory) and every fixed strategy that
     applies, each simulated with and without Duplex; the fastest that fits is chosen."""
     spec, profile, batch, graph = _setup(model, cluster, gpus, batch)
+    return choose(spec.name, profile, batch, graph, gpus, k, samples, noise, bucket_mb, mode,
+                  show_plan)
+
+
+def choose(name: str, profile: Profile, batch: int, graph: Graph, gpus: int, k: int,
+           samples: int = 0, noise: float = 0.1, bucket_mb: float = 25.0, mode: str = "graph",
+           show_plan: bool = False) -> Comparison:
+    """`compare` on a captured graph (of any module: hidup.plan's too)."""
     plans, note, seconds = [], "", 0.0
     try:
         found = search(graph, gpus, profile, k, profile.device_memory)
@@ -89,21 +98,21 @@ def compare(model: str, cluster: str, gpus: int, batch: int | None, k: int, samp
         note = f"no searched plan: {exc}"
     plans += fixed_strategies(graph, gpus).values()
     if not plans:
-        raise ValueError(f"no strategy applies to {spec.name} on {gpus} GPUs ({note}); try "
+        raise ValueError(f"no strategy applies to {name} on {gpus} GPUs ({note}); try "
                          f"another GPU count")
-    predictions = [_simulate(spec, profile, batch, graph, p, gpus, k, 0, noise, bucket_mb, mode,
-                             show_plan) for p in plans]
+    predictions = [simulate(name, profile, batch, graph, p, gpus, k, 0, noise, bucket_mb, mode,
+                            show_plan) for p in plans]
     bests = [(p.best(), i) for i, p in enumerate(predictions)]
     fitting = [(best[1].step_time, i, best[0]) for best, i in bests if best is not None]
     if not fitting:
         peak = min(max(m.peak for _, _, m in p.runs()) for p in predictions)
         raise ValueError(f"no plan fits a device's {profile.device_memory / 2**30:.3g} GiB: the "
                          f"smallest needs {peak / 2**30:.3g} GiB per rank; use more GPUs or a "
-                         f"smaller --batch")
+                         f"smaller batch")
     _, chosen, chosen_k = min(fitting)
     if samples:  # the interval of the chosen plan only: every plan's would take long
-        predictions[chosen] = _simulate(spec, profile, batch, graph, plans[chosen], gpus, k,
-                                        samples, noise, bucket_mb, mode, show_plan)
+        predictions[chosen] = simulate(name, profile, batch, graph, plans[chosen], gpus, k,
+                                       samples, noise, bucket_mb, mode, show_plan)
     return Comparison(tuple(predictions), chosen, chosen_k, seconds, note)
 
 

@@ -42,20 +42,30 @@ def check(graph: Graph, strategy: Strategy) -> None:
             raise PlanError(f"{name}: parameters and inputs cannot be Partial")
 
 
-def save_plan(path: Path, graph: Graph, strategy: Strategy, world: int, model: str,
-              cluster: str | None = None) -> None:
-    """Write the plan file: the strategy, and the model, world size and cluster it is for."""
+def save_plan(path: Path, graph: Graph | None, strategy: Strategy, world: int, model: str,
+              cluster: str | None = None, micro_batches: int | None = None,
+              inputs=None, fingerprint: str | None = None, optimizer: str | None = None) -> None:
+    """Write the plan file: the strategy, and the model (its fingerprint and the shapes of the
+    global batch), world size and cluster it is for; where known, the micro-batches and the
+    optimizer it was planned with. Without `graph`, `fingerprint` and `inputs` must be given."""
+    if graph is not None:
+        fingerprint = graph.fingerprint
+        inputs = inputs or tuple(n.out for n in graph.user_inputs)
     doc = {"format": PLAN_FORMAT, "version": PLAN_VERSION, "model": model,
-           "fingerprint": graph.fingerprint, "world": world, "mesh": [world], "cluster": cluster,
+           "fingerprint": fingerprint, "world": world, "mesh": [world], "cluster": cluster,
+           "micro_batches": micro_batches, "optimizer": optimizer,
+           "inputs": [{"shape": list(m.shape), "dtype": m.dtype} for m in inputs or ()],
            "strategy": strategy.name,
            "placements": {n: str(p) for n, p in strategy.placements.items()},
            "options": {n: str(o) for n, o in strategy.options.items()}}
     Path(path).write_text(json.dumps(doc, indent=1) + "\n")
 
 
-def load_plan(path: Path, graph: Graph, world: int, cluster: str | None = None) -> Strategy:
+def load_plan(path: Path, graph: Graph | None, world: int, cluster: str | None = None
+              ) -> Strategy:
     """Read a plan file; refuse it, saying why, for another world size, model or format version.
-    A plan searched for another cluster than `cluster` is taken, with a note saying so."""
+    A plan searched for another cluster than `cluster` is taken, with a note saying so. Without
+    `graph` the model is not checked (hidup.Plan.load: parallelize checks it)."""
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -71,7 +81,7 @@ def load_plan(path: Path, graph: Graph, world: int, cluster: str | None = None) 
         raise PlanError(f"plan file {path} was made for {doc.get('world')} GPUs, this run has "
                         f"{world}; give --gpus {doc.get('world')} or make a plan for {world} "
                         f"GPUs with python -m hidup.plan --gpus {world} --out PLAN.json")
-    if doc.get("fingerprint") != graph.fingerprint:
+    if graph is not None and doc.get("fingerprint") != graph.fingerprint:
         raise PlanError(f"plan file {path} was made for model {doc.get('model')!r} with fingerprint "
                         f"{doc.get('fingerprint')}, but this model's fingerprint is "
                         f"{graph.fingerprint}; make a plan for this model (and batch size)")
@@ -84,5 +94,6 @@ def load_plan(path: Path, graph: Graph, world: int, cluster: str | None = None) 
     strategy = Strategy(doc.get("strategy", Path(path).stem),
                         {n: parse_placement(p) for n, p in doc["placements"].items()},
                         {n: parse_option(o) for n, o in doc["options"].items()}, notes)
-    check(graph, strategy)
+    if graph is not None:
+        check(graph, strategy)
     return strategy

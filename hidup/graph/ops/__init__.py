@@ -2,4 +2,4 @@
 from hidup.graph.ops import (  # noqa: F401 (importing them registers their rules)
     conv, embedding, gating, loss, matmul, pointwise, reduction, shape)
 from hidup.graph.ops.registry import (  # noqa: F401
-    LocalContext, NoRuleError, local_callable, options, register, register_local)
+    LocalContext, NoRuleError, local_callable, options, register, register_local, require_rules)

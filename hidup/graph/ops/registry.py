@@ -48,6 +48,17 @@ def has_rule(op: str) -> bool:
     return op in _RULES
 
 
+def require_rules(graph) -> None:
+    """Refuse, in one line naming the first such op and the fix, a graph with an op that has no
+    sharding rule (a user's module: say so before any search or run)."""
+    for node in graph.ops:
+        if node.op not in _RULES:
+            raise NoRuleError(f"op {node.op} (graph node {node.name}) has no sharding rule in "
+                              f"HiDup, so it cannot be planned or run in parallel; write that "
+                              f"part of forward with other ops, or add a rule with "
+                              f"hidup.graph.ops.register (see hidup/graph/ops/*.py)")
+
+
 def options(node: Node, in_metas: tuple[TensorMeta, ...], replicate_fallback: bool = False
             ) -> list[ShardingOption]:
     """The node's sharding options; an op without a rule is an error unless the fallback is asked for."""
