@@ -20,7 +20,7 @@ from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import save_plan
 from hidup.planning.search import search
 from hidup.planning.strategy import describe, fixed_strategies
-from hidup.program import LoweringError, lower
+from hidup.program import OPTIMIZERS, LoweringError, lower
 
 log = logging.getLogger(__name__)
 PROG = "python -m hidup.plan"
@@ -37,6 +37,9 @@ def parse_args(argv=None):
     ap.add_argument("--memory", type=float, default=None,
                     help="device memory limit, GiB (default: the cluster profile's, none if it "
                          "does not say)")
+    ap.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw",
+                    help="the optimizer whose update time and state memory the plan is priced "
+                         "with: the one hidup.train runs by default (default: adamw)")
     ap.add_argument("--beam", type=int, default=16, help="states kept per cut of the search")
     ap.add_argument("--out", type=Path, default=None, help="write the chosen plan to this file")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -59,20 +62,23 @@ def plan(args) -> dict:
     baselines = fixed_strategies(graph, args.gpus)
     memory = args.memory * 2**30 if args.memory is not None else profile.device_memory
     started = time.perf_counter()
-    mincomm = search(graph, args.gpus, profile, 1, memory, objective="comm", beam=args.beam)
+    mincomm = search(graph, args.gpus, profile, 1, memory, objective="comm", beam=args.beam,
+                     optimizer=args.optimizer)
     baselines["min-comm"] = mincomm.strategy
     log.info("min-comm search: %.2f s", time.perf_counter() - started)
     found = search(graph, args.gpus, profile, args.micro_batches, memory, beam=args.beam,
-                   baselines=baselines)
+                   baselines=baselines, optimizer=args.optimizer)
     origin = found.candidates[0][0].split()[0]  # 'search#0', or a baseline the search kept
     searched = origin.startswith("search#")
     chosen = replace(found.strategy, name="hidup" if searched else origin)
-    rows = {"hidup": _times(graph, chosen, args.gpus, args.micro_batches, profile)}
+    rows = {"hidup": _times(graph, chosen, args.gpus, args.micro_batches, profile,
+                            args.optimizer)}
     rows["hidup"]["chosen_k"] = found.k
-    rows.update({n: _times(graph, s, args.gpus, args.micro_batches, profile)
+    rows.update({n: _times(graph, s, args.gpus, args.micro_batches, profile, args.optimizer)
                  for n, s in baselines.items()})
     return {"model": spec.name, "batch": batch, "cluster": profile.name, "gpus": args.gpus,
-            "micro_batches": args.micro_batches, "chosen": chosen.name,
+            "micro_batches": args.micro_batches, "optimizer": args.optimizer,
+            "chosen": chosen.name,
             "searched": searched, "description": describe(graph, chosen),
             "memory_limit_gib": None if memory is None else memory / 2**30,
             "duplex": found.k > 1,
@@ -81,11 +87,11 @@ def plan(args) -> dict:
             "strategy": chosen, "graph": graph}
 
 
-def _times(graph, strategy, world, k, profile) -> dict:
+def _times(graph, strategy, world, k, profile, optimizer: str) -> dict:
     out = {}
     for kk in (1, k):
         try:
-            program = lower(graph, strategy, world, kk)
+            program = lower(graph, strategy, world, kk, optimizer=optimizer)
         except (LoweringError, ValueError) as exc:
             out[f"k{kk}_ms"] = out[f"k{kk}_gib"] = None
             log.info("%s with k=%d cannot be lowered: %s", strategy.name, kk, exc)
@@ -104,7 +110,8 @@ def report(res: dict) -> list[str]:
         f"the fixed strategy {res['chosen']}, which no searched plan beat ({res['description']})"
     limit = res["memory_limit_gib"]
     lines = [f"{res['model']} (batch {res['batch']}) on {res['cluster']}, {res['gpus']} GPUs"
-             f"{'' if limit is None else f', {limit:.3g} GiB each'}: searched in "
+             f"{'' if limit is None else f', {limit:.3g} GiB each'}, optimizer "
+             f"{res['optimizer']}: searched in "
              f"{res['search_seconds']:.2f} s ({res['labels']} labels)",
              f"chose {what}, {duplex}", "", "placements of the key ops:"]
     graph, strategy = res["graph"], res["strategy"]

@@ -4,8 +4,10 @@ order, each value freed after its last use. One linear pass over the tasks, last
 Rules (all sizes are numel x `itemsize`; the Program has no dtypes, so integer and boolean
 tensors are counted at `itemsize` too: bool masks and int32 over, int64 indices under at fp32):
 - parameters: every local shard (a key `name@placement/*` of a `program.param_grads` name that no
-  task writes) lives the whole step; so does the optimizer state, `optimizer_bytes_per_param`
-  bytes per local parameter element (0 for SGD as the executor uses, 8 for Adam's fp32 moments).
+  task writes) lives the whole step; so does the optimizer state: `program.optimizer`'s state
+  tensors (hidup.program.OPTIMIZERS) x `itemsize` bytes per local parameter element (0 for
+  plain SGD, 8 at fp32 for Adam's and AdamW's two moments), unless the caller gives
+  `optimizer_bytes_per_param` itself.
 - inputs: every other value read but never written (user inputs, buffers) lives the whole step.
 - gradients: a key written by a backward Compute or Convert is one accumulated buffer, allocated at
   its first write and freed after its last read; a final parameter gradient lives until the
@@ -14,7 +16,8 @@ tensors are counted at `itemsize` too: bool masks and int32 over, int64 indices 
   is issued), is freed after its last read; autograd also keeps a forward node's inputs and output
   until that node's backward task for the same micro-batch has run. Loss values live all step.
 Not modelled: tensors autograd saves inside one op (softmax outputs, dropout masks), transient
-buffers of a task (an accumulation's sum, a gather's staging copy), views sharing storage with
+buffers of a task (an accumulation's sum, a gather's staging copy, the optimizer's temporaries:
+foreach Adam's sqrt(exp_avg_sq) of every shard at once), views sharing storage with
 their base (a view / transpose output is counted as a new tensor: an over-estimate), allocator
 caching and fragmentation.
 """
@@ -26,7 +29,7 @@ from itertools import accumulate
 from operator import add, sub
 
 from hidup.graph.placement import Shard
-from hidup.program.tasks import Compute, Convert, Program, Wait
+from hidup.program.tasks import Compute, Convert, Program, Wait, optimizer_cost
 
 _ACT, _GRAD = 0, 1  # the sweep's lists per kind, indexed by 'first written in backward'
 
@@ -55,8 +58,12 @@ def _fmt(nbytes: int) -> str:
 
 
 def peak_memory(program: Program, itemsize: int = 4,
-                optimizer_bytes_per_param: int = 0) -> MemoryReport:
-    """The peak bytes one rank holds while the executor runs `program`'s tasks in order."""
+                optimizer_bytes_per_param: int | None = None) -> MemoryReport:
+    """The peak bytes one rank holds while the executor runs `program`'s tasks in order, with
+    `program.optimizer`'s state (or `optimizer_bytes_per_param` bytes per local parameter
+    element, where given)."""
+    if optimizer_bytes_per_param is None:
+        optimizer_bytes_per_param = optimizer_cost(program.optimizer).states * itemsize
     tasks = program.tasks
     numel, first, last = _scan(program)
     end = len(tasks) - 1

@@ -11,7 +11,10 @@ micro-batch) and m of communication (its input conversions and their backward du
 micro-batch, plus its parameters' gradient reduction spread over the step):
   m = 0:  T += c,  D += (k-1) c            (micro-batch 0 runs on; the others owe it)
   m > 0:  T += max(D, m) + c,  D = (k-1) c + max(0, m - c)
-and the plan costs T + D. With k = 1 it is plain SPMD: T += m + c. The few best plans, with the
+and the plan costs T + D. The optimizer's update of the node's parameter shards (at the
+parameter's first consumer, where its placement is chosen) adds to T: it runs after the backward,
+hiding nothing and hidden by nothing. Memory counts each parameter, its gradient and the
+optimizer's state tensors (hidup.program.OPTIMIZERS). With k = 1 it is plain SPMD: T += m + c. The few best plans, with the
 expert strategies beside them, are then lowered and ranked by the fast estimate
 (hidup.planning.estimate)."""
 from __future__ import annotations
@@ -31,7 +34,7 @@ from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import check
 from hidup.planning.strategy import Strategy, conversion, fitting_options, microbatch_split
 from hidup.program.lowering import lower
-from hidup.program.tasks import LoweringError, tensor_nbytes, tensor_shape
+from hidup.program.tasks import LoweringError, optimizer_cost, tensor_nbytes, tensor_shape
 
 log = logging.getLogger(__name__)
 _DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all",
@@ -67,13 +70,15 @@ class SearchResult:
 
 
 class Search:
-    """One search: a graph, a world size, a profile, k micro-batches, an objective."""
+    """One search: a graph, a world size, a profile, k micro-batches, an objective, the
+    optimizer that will run (its update time and its state's memory)."""
 
     def __init__(self, graph: Graph, world: int, profile: Profile, k: int = 2,
                  memory: float | None = None, objective: str = "time", beam: int = 16,
-                 labels: int = 4):
+                 labels: int = 4, optimizer: str = "sgd"):
         if objective not in ("time", "comm"):
             raise ValueError(f"objective {objective!r}: choose 'time' or 'comm'")
+        self.optimizer = optimizer_cost(optimizer)
         self.g, self.world, self.profile, self.k = graph, world, profile, k
         self.memory, self.objective, self.beam = memory or math.inf, objective, beam
         self.per_state = labels
@@ -81,9 +86,11 @@ class Search:
         self.group = tuple(range(world))
         self.position = {n.name: i for i, n in enumerate(graph.ops)}
         self.last: dict[str, int] = {}  # tensor -> position of its last consumer
+        self.first: dict[str, int] = {}  # tensor -> position of its first consumer
         for node in graph.ops:
             for t in node.inputs:
                 self.last[t] = max(self.last.get(t, -1), self.position[node.name])
+                self.first.setdefault(t, self.position[node.name])
         self.placeholders = {n.name for n in graph.nodes if n.kind != "op"}
         self.labels = 0
         self._conversions: dict[tuple, float] = {}  # (tensor, src, dst) -> seconds
@@ -117,8 +124,9 @@ class Search:
             if self.g.node(t).out.is_float else 0.0
         return (fwd + bwd) * self.per_mb(t)
 
-    def node_cost(self, node: Node, opt: ShardingOption) -> tuple[float, float, float]:
-        """(computation per micro-batch, gradient-reduction time per step, memory) of an option."""
+    def node_cost(self, node: Node, opt: ShardingOption) -> tuple[float, float, float, float]:
+        """(computation per micro-batch, gradient-reduction time per step, memory, optimizer
+        update time per step) of an option."""
         ins = [self.shape(t, p) for t, p in zip(node.inputs, opt.inputs)]
         out = self.shape(node.name, opt.output)
         fwd = forward_flops(node.op, ins, out, node.args)
@@ -128,14 +136,22 @@ class Search:
         if self.mbs.home(node.name) == R:
             compute /= self.k  # runs once per step
         grads, memory = 0.0, math.prod(out) * node.out.itemsize * self.k
+        update = numel = 0
         for t, p in zip(node.inputs, opt.inputs):
-            if self.g.node(t).kind == "param":
+            param = self.g.node(t)
+            if param.kind == "param":
                 size = self.nbytes(t, p)
-                memory += 2 * size  # parameter and gradient (SGD keeps no state)
+                memory += (2 + self.optimizer.states) * size  # parameter, gradient, state
                 if p == R and opt.output != R:  # its gradient is a Partial sum: all-reduced
                     grads += size if self.objective == "comm" else \
                         self.profile.collective_time("all_reduce", size, self.group)
-        return (0.0 if self.objective == "comm" else compute), grads, memory
+                if self.first[t] == self.position[node.name] and param.out.is_float:
+                    numel += math.prod(self.shape(t, p))  # its home: the shard it updates
+        if numel and self.objective == "time":  # a share of the one update kernel, no launch
+            update = self.profile.kernel_time(self.optimizer.flops * numel,
+                                              self.optimizer.bytes * numel) \
+                - self.profile.op_overhead
+        return (0.0 if self.objective == "comm" else compute), grads, memory, update
 
     # -- the dynamic programme ----------------------------------------------------------------
     def run(self) -> list[_Label]:
@@ -159,14 +175,15 @@ class Search:
         out: dict[tuple, list[_Label]] = {}
         for key, labels in states.items():
             placed = dict(key)
-            for opt, (compute, grads, memory) in options:
+            for opt, (compute, grads, memory, update) in options:
                 step = self.transition(placed, node, opt)
                 if step is None:
                     continue
                 comm, new_key = step
                 comm += grads / self.k
                 for label in labels:
-                    self.add(out, new_key, self.advance(label, node, opt, comm, compute, memory))
+                    self.add(out, new_key, self.advance(label, node, opt, comm, compute, memory,
+                                                        update))
         return self.prune(out)
 
     def transition(self, placed: dict, node: Node, opt: ShardingOption):
@@ -191,7 +208,8 @@ class Search:
         new = {t: p for t, p in new.items() if self.last.get(t, -1) > i}
         return comm, tuple(sorted(new.items(), key=lambda kv: kv[0]))
 
-    def advance(self, label: _Label, node, opt, comm: float, compute: float, memory: float) -> _Label:
+    def advance(self, label: _Label, node, opt, comm: float, compute: float, memory: float,
+                update: float = 0.0) -> _Label:
         if self.k == 1 or self.objective == "comm":
             t, d = label.time + comm + compute, 0.0
         elif comm == 0.0:
@@ -200,7 +218,7 @@ class Search:
             t = label.time + max(label.debt, comm) + compute
             d = (self.k - 1) * compute + max(0.0, comm - compute)
         self.labels += 1
-        return _Label(t, d, label.memory + memory, node.name, opt, label)
+        return _Label(t + update, d, label.memory + memory, node.name, opt, label)
 
     def add(self, out: dict, key: tuple, label: _Label) -> None:
         if label.memory > self.memory:
@@ -240,12 +258,12 @@ class Search:
 
 def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float | None = None,
            objective: str = "time", beam: int = 16, keep: int = 3,
-           baselines: dict[str, Strategy] | None = None) -> SearchResult:
+           baselines: dict[str, Strategy] | None = None, optimizer: str = "sgd") -> SearchResult:
     """The best plan: the dynamic programme's `keep` cheapest plans and the `baselines`, each lowered
     with k micro-batches and with one, ranked by the fast estimate (objective 'comm': by its own
-    count)."""
+    count). Every plan is priced and held to `memory` with `optimizer`'s update and state."""
     started = time.perf_counter()
-    dp = Search(graph, world, profile, k, memory, objective, beam)
+    dp = Search(graph, world, profile, k, memory, objective, beam, optimizer=optimizer)
     finals = dp.run()
     ranked: list[tuple[float, str, Strategy, float, Estimate, int]] = []
     seen: list[dict] = []
@@ -256,13 +274,14 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
         seen.append(strategy.options)
         check(graph, strategy)
         before = len(ranked)
-        _rank(ranked, graph, strategy, world, k, profile, f"search#{j}", label.cost, dp.memory)
+        _rank(ranked, graph, strategy, world, k, profile, f"search#{j}", label.cost, dp.memory,
+              optimizer)
         if len(ranked) > before:  # it fits: the DP's memory model is an estimate, this is not
             keep -= 1
         if keep == 0:
             break
     for name, strategy in (baselines or {}).items():
-        _rank(ranked, graph, strategy, world, k, profile, name, math.nan, dp.memory)
+        _rank(ranked, graph, strategy, world, k, profile, name, math.nan, dp.memory, optimizer)
     if not ranked:
         raise ValueError(f"search: no plan fits in {dp.memory / 2**30:.3g} GiB per device and "
                          f"lowers for this model and world size")
@@ -274,12 +293,14 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
                         time.perf_counter() - started, dp.labels)
 
 
-def _rank(ranked, graph, strategy, world, k, profile, name, dp_cost, memory) -> None:
+def _rank(ranked, graph, strategy, world, k, profile, name, dp_cost, memory,
+          optimizer: str = "sgd") -> None:
     """Estimate the plan with k micro-batches and without (Duplex pays only where it hides more
-    than it costs); add each variant that lowers and fits in `memory` bytes per device."""
+    than it costs), `optimizer` updating it; add each variant that lowers and fits in `memory`
+    bytes per device."""
     for kk in sorted({1, k}):
         try:
-            program = lower(graph, strategy, world, kk)
+            program = lower(graph, strategy, world, kk, optimizer=optimizer)
         except (LoweringError, ValueError) as exc:
             log.info("plan %s with k=%d cannot be lowered: %s", name, kk, exc)
             continue

@@ -3,11 +3,11 @@ each tagged with its micro-batch. `tasks` is the data model, `lowering` builds a
 strategy (`lower`); the executor (hidup.runtime) runs it, the simulator times it."""
 from hidup.program.lowering import Lowering, lower
 from hidup.program.tasks import (BUCKET_BYTES, COLLECTIVES, FIRST_BUCKET_BYTES, HOST_MODES, MODES,
-                                 Compute, Convert, LoweringError, Program, Task, Wait, gkey,
-                                 kernel_tasks, local_shape, task_label, tensor_nbytes,
-                                 tensor_shape, vkey)
+                                 OPTIMIZERS, Compute, Convert, LoweringError, OptimizerCost,
+                                 Program, Task, Wait, gkey, kernel_tasks, local_shape,
+                                 optimizer_cost, task_label, tensor_nbytes, tensor_shape, vkey)
 
-__all__ = ["BUCKET_BYTES", "COLLECTIVES", "FIRST_BUCKET_BYTES", "HOST_MODES", "MODES", "Compute",
-           "Convert", "Lowering", "LoweringError", "Program", "Task", "Wait", "gkey",
-           "kernel_tasks", "local_shape", "lower", "task_label", "tensor_nbytes", "tensor_shape",
-           "vkey"]
+__all__ = ["BUCKET_BYTES", "COLLECTIVES", "FIRST_BUCKET_BYTES", "HOST_MODES", "MODES",
+           "OPTIMIZERS", "Compute", "Convert", "Lowering", "LoweringError", "OptimizerCost",
+           "Program", "Task", "Wait", "gkey", "kernel_tasks", "local_shape", "lower",
+           "optimizer_cost", "task_label", "tensor_nbytes", "tensor_shape", "vkey"]

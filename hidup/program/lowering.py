@@ -13,8 +13,8 @@ from hidup.graph.flops import backward_flops, forward_flops
 from hidup.graph.placement import Partial, Placement, R, Replicate, Shard
 from hidup.planning.strategy import Strategy, conversion, microbatch_split
 from hidup.program.tasks import (BUCKET_BYTES, COLLECTIVES, FIRST_BUCKET_BYTES, Compute, Convert,
-                                 LoweringError, Program, Task, Wait, gkey, tensor_nbytes,
-                                 tensor_shape, vkey)
+                                 LoweringError, Program, Task, Wait, gkey, optimizer_cost,
+                                 tensor_nbytes, tensor_shape, vkey)
 
 
 class Lowering:
@@ -24,8 +24,9 @@ class Lowering:
     soon as its gradient is complete. Parameter gradients are reduced once per step."""
 
     def __init__(self, graph: Graph, strategy: Strategy, world: int, k: int, model: str,
-                 bucket_bytes: int = BUCKET_BYTES):
+                 bucket_bytes: int = BUCKET_BYTES, optimizer: str = "sgd"):
         self.g, self.s, self.world, self.k, self.model = graph, strategy, world, k, model
+        self.optimizer = optimizer_cost(optimizer)
         self.bucket_bytes, self.bucket, self.flushed = bucket_bytes, [], False
         self.mbs_split = microbatch_split(graph, k)
         self.group = tuple(range(world))
@@ -307,9 +308,10 @@ class Lowering:
         for key in self.final.values():
             self.wait_for(key)
         numel = sum(math.prod(self.shape(p, self.s.home(p))) for p in self.final)
-        self.tasks.append(Compute(len(self.tasks), "", "optimizer.step", "update", None,
-                                  2.0 * numel, 12.0 * numel, (), (), tuple(self.final.values()),
-                                  ()))
+        opt = self.optimizer  # one kernel over the local parameter shards, costed per element
+        self.tasks.append(Compute(len(self.tasks), "", opt.op, "update", None,
+                                  float(opt.flops * numel), float(opt.bytes * numel), (), (),
+                                  tuple(self.final.values()), ()))
         for task in list(self.tasks):
             if isinstance(task, Convert) and task.collective and task.id not in self.waited:
                 self.waited.add(task.id)
@@ -320,14 +322,15 @@ class Lowering:
         final = self.backward()
         self.update()
         return Program(self.model, self.g.fingerprint, self.s.name, self.world, self.k,
-                       tuple(self.tasks), tuple(loss_keys), final)
+                       tuple(self.tasks), tuple(loss_keys), final, self.optimizer.name)
 
 
 def lower(graph: Graph, strategy: Strategy, world: int, k: int = 1, model: str = "",
-          bucket_bytes: int = BUCKET_BYTES) -> Program:
+          bucket_bytes: int = BUCKET_BYTES, optimizer: str = "sgd") -> Program:
     """Strategy + world size + k micro-batches -> the Program of one training step of any rank.
     Replicated parameters' gradients are all-reduced in buckets of about `bucket_bytes`, as DDP
-    does (0: one all-reduce per parameter)."""
+    does (0: one all-reduce per parameter). The update task is costed as `optimizer` (a key of
+    hidup.program.OPTIMIZERS) runs, and the Program records it."""
     if k < 1 or world < 1:
         raise LoweringError(f"world size ({world}) and micro-batches k ({k}) must be at least 1")
-    return Lowering(graph, strategy, world, k, model, bucket_bytes).run()
+    return Lowering(graph, strategy, world, k, model, bucket_bytes, optimizer).run()

@@ -16,6 +16,54 @@ HOST_MODES = ("eager", *MODES)  # whose host cost a profile can give: plain PyTo
 
 
 @dataclass(frozen=True)
+class OptimizerCost:
+    """What one optimizer step costs per local parameter element (fp32): FLOPs, bytes moved, and
+    the state tensors the optimizer keeps, each the size of the parameter."""
+
+    name: str
+    flops: float
+    bytes: float
+    states: int
+
+    @property
+    def op(self) -> str:
+        """The update task's op: 'optimizer.step' for plain SGD (the key calibrated profiles
+        measured), 'optimizer.step.NAME' for the others."""
+        return "optimizer.step" if self.name == "sgd" else f"optimizer.step.{self.name}"
+
+
+# The optimizers HiDup knows, as torch.optim runs them with their defaults (foreach on a GPU; the
+# CPU's per-tensor loop does the same arithmetic): one element of a parameter per step. Bytes count
+# every pass's reads and writes of 4-byte elements (a fused kernel would move fewer: AdamW 28).
+OPTIMIZERS: dict[str, OptimizerCost] = {o.name: o for o in (
+    # SGD, no momentum: _foreach_add_(p, g, alpha=-lr): a multiply and an add; read p, g, write p
+    OptimizerCost("sgd", flops=2, bytes=12, states=0),
+    # SGD with momentum (no dampening, no Nesterov): buf.mul_(momentum) 1 flop, r/w buf 8 B;
+    # buf.add_(g) 2 flops, read buf, g, write buf 12 B; p.add_(buf, alpha=-lr) 2 flops, 12 B;
+    # one state tensor (momentum_buffer)
+    OptimizerCost("sgd-momentum", flops=5, bytes=32, states=1),
+    # Adam (weight_decay 0): m.lerp_(g, 1-b1) 3 flops, read m, g, write m 12 B;
+    # v.mul_(b2) 1 flop, 8 B; v.addcmul_(g, g, 1-b2) 3 flops, read v, g, write v 12 B;
+    # d = v.sqrt() 1 flop, 8 B; d.div_(bc2) 1 flop, 8 B; d.add_(eps) 1 flop, 8 B;
+    # p.addcdiv_(m, d, -lr/bc1) 3 flops, read p, m, d, write p 16 B: 13 flops, 72 B;
+    # two state tensors (exp_avg, exp_avg_sq)
+    OptimizerCost("adam", flops=13, bytes=72, states=2),
+    # AdamW (weight_decay 0.01, decoupled): Adam's passes, first p.mul_(1 - lr*wd), 1 flop,
+    # read and write p 8 B: 14 flops, 80 B; the same two state tensors
+    OptimizerCost("adamw", flops=14, bytes=80, states=2),
+)}
+
+
+def optimizer_cost(name: str) -> OptimizerCost:
+    """The table's entry for optimizer `name`; an unknown name is a one-line LoweringError."""
+    try:
+        return OPTIMIZERS[name]
+    except (KeyError, TypeError):
+        raise LoweringError(f"unknown optimizer {name!r}; choose one of "
+                            f"{', '.join(OPTIMIZERS)}") from None
+
+
+@dataclass(frozen=True)
 class Compute:
     """A kernel on the compute stream: a node's forward or backward, the optimizer update, or the
     seed gradient of the loss (op 'hidup.ones')."""
@@ -103,6 +151,7 @@ class Program:
     tasks: tuple[Task, ...]
     loss_keys: tuple[str, ...]  # replicated per-micro-batch losses (summed = the step's loss)
     param_grads: dict[str, str] = field(hash=False)  # parameter node -> final gradient key
+    optimizer: str = "sgd"  # the update's optimizer, a key of OPTIMIZERS
 
     @property
     def collectives(self) -> list[Convert]:
