@@ -65,7 +65,7 @@ class Plan:
         profile.check_world(self.gpus)
         batch = self.inputs[0].shape[0] if self.inputs and self.inputs[0].shape else 1
         return simulate(self.model, profile, batch, self.graph, self.strategy, self.gpus,
-                        max(2, self.micro_batches), mode=mode)
+                        max(2, self.micro_batches), mode=mode, optimizer=self.optimizer)
 
     def save(self, path: str | Path) -> None:
         """Write the plan file (as `python -m hidup.plan --out` does: hidup.train reads it)."""
@@ -135,7 +135,7 @@ def plan(model: torch.nn.Module, example_inputs: tuple | list, *, cluster: str, 
     batch = metas[0].shape[0] if metas and metas[0].shape else 1
     k = micro_batches or 2
     if strategy == "search":
-        comparison = choose(label, profile, batch, graph, gpus, k)
+        comparison = choose(label, profile, batch, graph, gpus, k, optimizer=optimizer)
         chosen = comparison.predictions[comparison.chosen]
         chosen_strategy = chosen.strategy
         chosen_k = micro_batches or comparison.chosen_k

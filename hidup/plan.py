@@ -9,6 +9,7 @@ import logging
 import math
 import sys
 import time
+import types
 from dataclasses import replace
 from pathlib import Path
 
@@ -159,6 +160,19 @@ def main(argv=None) -> int:
             print(f"wrote {args.out}")
     return 0
 
+
+class _CallableModule(types.ModuleType):
+    """`hidup.plan` names both this command's module and the API's function: calling the module
+    calls hidup.api.plan, so `hidup.plan(model, inputs, ...)` works whether or not this module
+    was imported (`from hidup import plan` imports it)."""
+
+    def __call__(self, *args, **kwargs):
+        from hidup.api import plan as plan_model
+
+        return plan_model(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())

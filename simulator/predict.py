@@ -22,7 +22,7 @@ from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import resolve_strategy, save_plan
 from hidup.planning.search import search
 from hidup.planning.strategy import Strategy, fixed_strategies
-from hidup.program import HOST_MODES, lower
+from hidup.program import HOST_MODES, OPTIMIZERS, lower
 from simulator.montecarlo import expected_step, step_time_interval
 from simulator.report import Comparison, Prediction
 from simulator.trace import write_trace
@@ -46,12 +46,13 @@ def _setup(model: str, cluster: str, gpus: int, batch: int | None):
 
 def simulate(name: str, profile: Profile, batch: int, graph: Graph, plan: Strategy, gpus: int,
              k: int, samples: int = 0, noise: float = 0.1, bucket_mb: float = 25.0,
-             mode: str = "graph", show_plan: bool = False) -> Prediction:
+             mode: str = "graph", show_plan: bool = False, optimizer: str = "sgd") -> Prediction:
     """Lower `plan` for k=1 and for k micro-batches and simulate both (`name`: the model's, as
-    reported)."""
+    reported), with `optimizer`'s update and state (hidup.program.OPTIMIZERS)."""
     results, intervals, memory = [], [], []
     bucket = int(bucket_mb * 2 ** 20)
-    for program in [lower(graph, plan, gpus, n, name, bucket_bytes=bucket) for n in (1, k)]:
+    for program in [lower(graph, plan, gpus, n, name, bucket_bytes=bucket,
+                                   optimizer=optimizer) for n in (1, k)]:
         started = time.perf_counter()
         results.append(expected_step(program, profile, mode=mode))  # simulate unless kernels vary
         log.info("%s k=%d: %d tasks simulated in %.3f s: %s", plan.name, program.k,
@@ -60,37 +61,38 @@ def simulate(name: str, profile: Profile, batch: int, graph: Graph, plan: Strate
         if samples:
             intervals.append(step_time_interval(program, profile, samples, noise, mode=mode))
     return Prediction(name, batch, profile, gpus, plan, k, *results, graph, tuple(memory),
-                      tuple(intervals) if samples else None, mode, show_plan)
+                      tuple(intervals) if samples else None, mode, show_plan, optimizer)
 
 
 def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | None,
             k: int, samples: int = 0, noise: float = 0.1,
-            bucket_mb: float = 25.0, mode: str = "graph", show_plan: bool = False) -> Prediction:
+            bucket_mb: float = 25.0, mode: str = "graph", show_plan: bool = False,
+            optimizer: str = "sgd") -> Prediction:
     """Capture, plan, lower for k=1 and for k micro-batches, and simulate both (the executor in
     `mode`: what the host costs where the profile has host figures)."""
     spec, profile, batch, graph = _setup(model, cluster, gpus, batch)
     plan = resolve_strategy(strategy, graph, gpus, profile.name)
     return simulate(spec.name, profile, batch, graph, plan, gpus, k, samples, noise, bucket_mb,
-                    mode, show_plan)
+                    mode, show_plan, optimizer)
 
 
 def compare(model: str, cluster: str, gpus: int, batch: int | None, k: int, samples: int = 0,
             noise: float = 0.1, bucket_mb: float = 25.0, mode: str = "graph",
-            show_plan: bool = False) -> Comparison:
+            show_plan: bool = False, optimizer: str = "sgd") -> Comparison:
     """HiDup's Duplex-aware search (within a device's memory) and every fixed strategy that
     applies, each simulated with and without Duplex; the fastest that fits is chosen."""
     spec, profile, batch, graph = _setup(model, cluster, gpus, batch)
     return choose(spec.name, profile, batch, graph, gpus, k, samples, noise, bucket_mb, mode,
-                  show_plan)
+                  show_plan, optimizer)
 
 
 def choose(name: str, profile: Profile, batch: int, graph: Graph, gpus: int, k: int,
            samples: int = 0, noise: float = 0.1, bucket_mb: float = 25.0, mode: str = "graph",
-           show_plan: bool = False) -> Comparison:
+           show_plan: bool = False, optimizer: str = "sgd") -> Comparison:
     """`compare` on a captured graph (of any module: hidup.plan's too)."""
     plans, note, seconds = [], "", 0.0
     try:
-        found = search(graph, gpus, profile, k, profile.device_memory)
+        found = search(graph, gpus, profile, k, profile.device_memory, optimizer=optimizer)
         seconds = found.seconds
         plans.append(replace(found.strategy, name="hidup"))
         log.info("searched in %.2f s (%d labels)", found.seconds, found.states)
@@ -101,7 +103,7 @@ def choose(name: str, profile: Profile, batch: int, graph: Graph, gpus: int, k: 
         raise ValueError(f"no strategy applies to {name} on {gpus} GPUs ({note}); try "
                          f"another GPU count")
     predictions = [simulate(name, profile, batch, graph, p, gpus, k, 0, noise, bucket_mb, mode,
-                            show_plan) for p in plans]
+                            show_plan, optimizer) for p in plans]
     bests = [(p.best(), i) for i, p in enumerate(predictions)]
     fitting = [(best[1].step_time, i, best[0]) for best, i in bests if best is not None]
     if not fitting:
@@ -112,7 +114,7 @@ def choose(name: str, profile: Profile, batch: int, graph: Graph, gpus: int, k: 
     _, chosen, chosen_k = min(fitting)
     if samples:  # the interval of the chosen plan only: every plan's would take long
         predictions[chosen] = simulate(name, profile, batch, graph, plans[chosen], gpus, k,
-                                       samples, noise, bucket_mb, mode, show_plan)
+                                       samples, noise, bucket_mb, mode, show_plan, optimizer)
     return Comparison(tuple(predictions), chosen, chosen_k, seconds, note)
 
 
@@ -149,6 +151,9 @@ def _parser() -> argparse.ArgumentParser:
                         "task, where the profile has host figures (GPU profiles; on a CPU cluster "
                         "the host runs the kernels and this changes nothing) "
                         "(default: %(default)s)")
+    p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw",
+                   help="the optimizer training runs (hidup.train's default: adamw): its update "
+                        "time and its state's memory count (default: %(default)s)")
     p.add_argument("--show-plan", action="store_true",
                    help="list every op's placements instead of the plan's one-line summary")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a report")
@@ -185,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     options = (args.batch, args.micro_batches, args.monte_carlo, args.noise, args.bucket_mb,
-               args.mode, args.show_plan)
+               args.mode, args.show_plan, args.optimizer)
     try:
         if args.strategy == SEARCH:
             report = compare(args.model, args.cluster, args.gpus, *options)
@@ -203,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.save_plan is not None:
         try:
             save_plan(args.save_plan, shown.graph, shown.strategy, args.gpus, shown.model,
-                      shown.profile.name)
+                      shown.profile.name, optimizer=args.optimizer)
         except OSError as exc:
             parser.exit(2, f"{PROG}: error: cannot write the plan to {args.save_plan} "
                            f"({exc.strerror or exc})\n")

@@ -34,6 +34,7 @@ class Prediction:
     intervals: tuple[Interval, Interval] | None = None  # Monte-Carlo step times: SPMD, Duplex
     mode: str = "graph"  # the executor mode whose host cost was simulated (GPU profiles)
     show_plan: bool = False  # print every op's placements, not the summary
+    optimizer: str = "sgd"  # whose update and state the runs count
 
     @property
     def speedup(self) -> float:
@@ -58,7 +59,8 @@ class Prediction:
     def to_dict(self) -> dict:
         return {"model": self.model, "batch": self.batch, "cluster": self.profile.name,
                 "gpus": self.gpus, "strategy": self.strategy.name, "micro_batches": self.k,
-                "mode": self.mode, "notes": list(self.strategy.notes),
+                "mode": self.mode, "optimizer": self.optimizer,
+                "notes": list(self.strategy.notes),
                 "device_memory_bytes": self.profile.device_memory,
                 "spmd": _result_dict(self.spmd, 1, self.memory[0], self.profile),
                 "duplex": _result_dict(self.duplex, self.k, self.memory[1], self.profile),
@@ -72,7 +74,7 @@ class Prediction:
                          "placements": {n: str(p) for n, p in self.strategy.placements.items()}}}
 
     def __str__(self) -> str:
-        head = f"{_setting(self.model, self.batch, self.profile, self.gpus)}, " \
+        head = f"{_setting(self.model, self.batch, self.profile, self.gpus, self.optimizer)}, " \
                f"strategy {self.strategy.name}"
         if self.profile.host is not None:
             head += (f", executor mode {self.mode} ({self.profile.host[self.mode] * 1e6:.3g} us "
@@ -114,7 +116,8 @@ class Comparison:
     def __str__(self) -> str:
         first = self.predictions[0]
         k = first.k
-        lines = [_setting(first.model, first.batch, first.profile, first.gpus), ""]
+        lines = [_setting(first.model, first.batch, first.profile, first.gpus,
+                          first.optimizer), ""]
         if self.search_note:
             lines += [self.search_note, ""]
         head = ("plan", "SPMD k=1 (ms)", f"Duplex k={k} (ms)", "Duplex gain", "peak mem (GiB)")
@@ -158,7 +161,7 @@ class Comparison:
     def to_dict(self) -> dict:
         chosen = self.predictions[self.chosen]
         return {"model": chosen.model, "batch": chosen.batch, "cluster": chosen.profile.name,
-                "gpus": chosen.gpus, "micro_batches": chosen.k,
+                "gpus": chosen.gpus, "micro_batches": chosen.k, "optimizer": chosen.optimizer,
                 "device_memory_bytes": chosen.profile.device_memory,
                 "chosen": {"strategy": chosen.strategy.name, "k": self.chosen_k,
                            "why": self.why()},
@@ -171,12 +174,13 @@ def _ms(p: Prediction, i: int) -> str:
     return f"{result.step_time * 1e3:.4g}" + ("" if p.fits(memory) else "*")
 
 
-def _setting(model: str, batch: int, profile: Profile, gpus: int) -> str:
+def _setting(model: str, batch: int, profile: Profile, gpus: int, optimizer: str) -> str:
     machines, per = -(-gpus // profile.gpus_per_node), min(gpus, profile.gpus_per_node)
     where = f"{machines} machine{'s' if machines > 1 else ''} of {per}"
     memory = "" if profile.device_memory is None else \
         f", {profile.device_memory / 2**30:.3g} GiB each"
-    return f"model {model} (batch {batch}), cluster {profile.name}: {gpus} GPUs, {where}{memory}"
+    return (f"model {model} (batch {batch}, {optimizer}), cluster {profile.name}: {gpus} GPUs, "
+            f"{where}{memory}")
 
 
 def _notes(strategy: Strategy) -> list[str]:

@@ -46,8 +46,8 @@ def test_report_and_trace_with_the_shipped_profile(capsys, tmp_path):
     assert main(["--model", "mlp:tiny", "--gpus", "2", "--cluster", "v100-1x4-nvlink",
                  "--strategy", "megatron", "--trace", str(trace), "--show-plan"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("model mlp:tiny (batch 8), cluster v100-1x4-nvlink: 2 GPUs, 1 machine "
-                          "of 2, 32 GiB each, strategy megatron")
+    assert out.startswith("model mlp:tiny (batch 8, adamw), cluster v100-1x4-nvlink: 2 GPUs, 1 "
+                          "machine of 2, 32 GiB each, strategy megatron")
     assert "SPMD (k=1)" in out and "Duplex (k=2)" in out
     assert "  linear: (R, S(0), S(0)) -> S(1)" in out  # --show-plan: every op
     events = json.loads(trace.read_text())["traceEvents"]
