@@ -20,3 +20,8 @@ def test_own_model_example_plans_predicts_and_learns():
     assert "SPMD (k=1)" in run.stdout and "Duplex (k=2)" in run.stdout  # plan.predict()
     losses = [float(x) for x in re.findall(r"step \d+: loss ([0-9.]+)", run.stdout)]
     assert len(losses) == 4 and losses[-1] < losses[0] / 10, run.stdout  # it learns
+
+
+def test_the_readme_shows_the_example_as_it_is():
+    readme = (ROOT / "README.md").read_text()
+    assert (ROOT / "examples" / "own_model.py").read_text().rstrip() in readme
