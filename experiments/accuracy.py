@@ -170,9 +170,11 @@ def predict(model: str, strategy: str, k: int, profile_path: Path, world: int):
 
 def measure(cluster: Cluster, model: str, strategy: str, k: int, args) -> float:
     """Median step time (ms) of a real run after warm-up."""
+    # the simulator costs the in-graph SGD update (calibration.ops measures it): run SGD
     out = _cluster_run(cluster, ["-m", "hidup.train", "--model", model, "--strategy", strategy,
                                  "--micro-batches", str(k), "--steps", str(args.steps),
-                                 "--warmup", str(args.warmup), "--json"], "hidup.train")
+                                 "--warmup", str(args.warmup), "--optimizer", "sgd", "--json"],
+                       "hidup.train")
     return json.loads(out.strip().splitlines()[-1])["median_step_ms"]
 
 

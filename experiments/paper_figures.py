@@ -268,8 +268,8 @@ def _train(model: str, strategy: str, k: int, ranks: int, steps: int, args) -> l
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(ranks), "-m", "hidup.train", "--model", model,
            "--strategy", strategy, "--micro-batches", str(k), "--steps", str(steps),
-           "--warmup", "0", "--data", str(args.data), "--lr", str(args.lr), "--batch",
-           str(CONVERGENCE_BATCH), "--json"]
+           "--warmup", "0", "--data", str(args.data), "--optimizer", "sgd", "--lr", str(args.lr),
+           "--batch", str(CONVERGENCE_BATCH), "--json"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     log.info("convergence: %s", " ".join(cmd[2:]))
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)

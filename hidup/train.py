@@ -1,9 +1,12 @@
 """Real training with a strategy: `python -m hidup.train --nproc-per-node N --model M --strategy S
-[--duplex]` (or the same under torchrun, without --nproc-per-node). Reports the loss per step and
-the median step time after warm-up."""
+[--duplex]` (or the same under torchrun, without --nproc-per-node). A zoo model (NAME:SIZE) or
+your own (package.module:factory) trains through hidup.parallelize's Trainer with a torch.optim
+optimizer and schedule; reports the loss, throughput, learning rate and memory per step and the
+median step time after --warmup."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import math
@@ -24,6 +27,7 @@ if __name__ == "__main__":  # Ctrl-C in the seconds the imports take is one line
 import torch
 import torch.distributed as dist
 
+from hidup.graph import ops
 from hidup.graph.capture import Graph, capture
 from hidup.models import ModelSpec, capture_model, get_model, names
 from hidup.planning.planfile import resolve_strategy
@@ -32,14 +36,16 @@ from hidup.program import Program, lower
 from hidup.runtime import checkpoint
 from hidup.runtime.data import (DataError, Vocabulary, build_vocabulary, eval_batches, load_tokens,
                                 perplexity, random_batch)
-from hidup.runtime.execute import Executor
 from hidup.runtime.launch import default_threads, launch
+from hidup.runtime.trainer import Trainer
 
 log = logging.getLogger(__name__)
 PROG = "python -m hidup.train"
 EXIT_CODES = ("exit codes: 0 done; 2 bad input (one line names it); 3 a collective failed (a peer "
               "lost or stuck past --timeout); 4 the loss became NaN or infinite; 130 interrupted "
               "(Ctrl-C)")
+DEFAULT_LR = {"adamw": 3e-4, "sgd": 0.01}
+USER_BATCH = 8  # global batch of a user's model without --batch
 
 
 class Diverged(Exception):
@@ -51,7 +57,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                     help="start N ranks on this machine (gloo on the CPU), after checking every "
                          "flag; leave it out under torchrun")
-    ap.add_argument("--model", default="gpt:tiny", help=f"model NAME:SIZE, one of {names()}")
+    ap.add_argument("--model", default="gpt:tiny",
+                    help=f"model NAME:SIZE, one of {names()}; or your own, package.module:factory "
+                         f"(importable from here): factory() returns (module, inputs), "
+                         f"module(*batch) returns the loss and inputs(batch_size, "
+                         f"torch.Generator) returns the global batch, a tuple of tensors")
     ap.add_argument("--strategy", default="ddp",
                     help="'ddp', 'megatron', or the path of a plan file (python -m hidup.plan)")
     ap.add_argument("--duplex", action="store_true", help="Duplex: two micro-batches per rank")
@@ -63,16 +73,29 @@ def parse_args(argv=None) -> argparse.Namespace:
                            "kept in the plan's order (default: the traced step as generated "
                            "Python, one call per ATen op)")
     mode.add_argument("--cuda-graphs", action="store_true",
-                      help="CUDA: capture the traced step once, NCCL collectives included, and "
-                           "replay it every step")
+                      help="CUDA: capture the traced step (forward, backward, NCCL collectives; "
+                           "not the optimizer's update) once and replay it every step")
     ap.add_argument("--batch", type=int, default=None,
-                    help="global batch size (default: the model's)")
-    ap.add_argument("--steps", type=int, default=10, help="training steps to run")
+                    help=f"global batch size (default: the zoo model's; {USER_BATCH} for your own)")
+    ap.add_argument("--steps", type=int, default=10,
+                    help="training steps in all (a resumed run counts the steps done before; "
+                         "--schedule cosine decays over them)")
     ap.add_argument("--warmup", type=int, default=3,
-                    help="first steps left out of the step-time median (0 or more, below --steps)")
-    ap.add_argument("--lr", type=float, default=0.01,
-                    help="SGD learning rate (a run whose loss becomes NaN or infinite stops, "
-                         "exit code 4)")
+                    help="timing only: first steps left out of the step-time median (0 or more, "
+                         "below --steps); for the learning rate's warm-up see --warmup-steps")
+    ap.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
+                    help="torch.optim.AdamW (its default betas, eps and weight decay) or plain "
+                         "torch.optim.SGD (no momentum: the update the simulator's profiles "
+                         "measure); default adamw")
+    ap.add_argument("--lr", type=float, default=None,
+                    help="peak learning rate (default: 3e-4 with adamw, 0.01 with sgd; a run "
+                         "whose loss becomes NaN or infinite stops, exit code 4)")
+    ap.add_argument("--warmup-steps", type=int, default=0, metavar="N",
+                    help="learning-rate warm-up: the rate rises linearly over the first N steps "
+                         "to --lr (step s of them at --lr * (s+1)/(N+1)); default 0")
+    ap.add_argument("--schedule", choices=["constant", "cosine"], default="constant",
+                    help="learning rate after the warm-up: constant --lr, or cosine from --lr "
+                         "down to 0 at --steps; default constant")
     ap.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data")
     ap.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
                     help="process-group backend (auto: nccl with CUDA, else gloo)")
@@ -90,18 +113,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--eval-batches", type=int, default=20, help="batches of --eval to score")
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                     help="bf16: mixed precision, each op under torch.autocast in bfloat16 "
-                         "(weights, gradients and communication stay float32)")
+                         "(weights, gradients, communication and the optimizer stay float32)")
     ap.add_argument("--timeout", type=float, default=300.0,
                     help="seconds a collective may wait for a lost or stuck peer before the run "
                          "stops with an error (default 300)")
     ap.add_argument("--checkpoint", type=Path, default=None,
-                    help="folder for checkpoints (each rank's shards; latest.json names the last "
-                         "complete one)")
+                    help="folder for checkpoints (torch.distributed.checkpoint, one step{S} "
+                         "folder; latest.json names the last complete one)")
     ap.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
                     help="write a checkpoint every N steps (needs --checkpoint)")
     ap.add_argument("--resume", action="store_true",
-                    help="go on from the last checkpoint in --checkpoint (same flags as the run "
-                         "that wrote it): the losses are those of an uninterrupted run")
+                    help="go on from the last checkpoint in --checkpoint: the same --model, "
+                         "--batch, --seed and --optimizer as the run that wrote it; --strategy, "
+                         "--micro-batches and the number of ranks may change. The losses are "
+                         "those of an uninterrupted run")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
     args = ap.parse_args(argv)
     if (args.checkpoint_every is not None or args.resume) and args.checkpoint is None:
@@ -115,8 +140,13 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     if not (args.timeout > 0 and math.isfinite(args.timeout)):
         ap.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.lr is None:
+        args.lr = DEFAULT_LR[args.optimizer]
     if not (args.lr >= 0 and math.isfinite(args.lr)):
         ap.error(f"--lr must be a finite number, 0 or more, got {args.lr}; e.g. --lr 0.01")
+    if args.warmup_steps < 0:
+        ap.error(f"--warmup-steps must be 0 or more, got {args.warmup_steps} (steps of "
+                 f"learning-rate warm-up)")
     if args.warmup < 0:
         ap.error(f"--warmup must be 0 or more, got {args.warmup} (steps left out of the median)")
     if args.warmup >= args.steps:
@@ -158,15 +188,102 @@ class Prepared:
     k: int
     graph: Graph
     strategy: Strategy
-    program: Program
-    model: torch.nn.Module | None  # None when only checking
+    program: Program | None  # lowered when only checking (the Trainer lowers its own)
+    model: torch.nn.Module | None  # None when only checking a zoo model
+
+
+def user_model(arg: str) -> ModelSpec | None:
+    """`--model package.module:factory`: the user's model as a ModelSpec (None where `arg` names
+    a zoo model); raises ValueError, in one line with the fix, where it cannot be had."""
+    module_name, colon, attr = arg.partition(":")
+    zoo = {n.partition(":")[0] for n in names()}
+    if module_name in zoo:
+        return None
+    if not colon or not attr or not module_name:
+        if "." not in module_name:
+            return None  # get_model says which zoo names there are
+        raise ValueError(f"--model {arg}: give package.module:factory (a function returning "
+                         f"(module, inputs)) or a zoo model NAME:SIZE")
+    fix = (f"give a zoo model NAME:SIZE (e.g. {names()[0]}) or package.module:factory "
+           f"importable from here (run from its folder or set PYTHONPATH)")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if "." not in module_name and exc.name == module_name:
+            return None  # a misspelt zoo name: get_model names the zoo
+        raise ValueError(f"--model {arg}: cannot import {module_name} ({exc}); {fix}") from None
+    except Exception as exc:  # the user's module failed while importing
+        raise ValueError(f"--model {arg}: importing {module_name} failed ({type(exc).__name__}: "
+                         f"{exc}); fix that module or {fix}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        what = "has no attribute" if factory is None else "has a non-callable"
+        raise ValueError(f"--model {arg}: module {module_name} {what} {attr!r}; give a function "
+                         f"of no arguments that returns (module, inputs), e.g. "
+                         f"{module_name}:make_model")
+    shape = ("it must return (module, inputs): an nn.Module whose module(*batch) returns the "
+             "loss, and inputs(batch_size, generator) returning the global batch as a tuple of "
+             "tensors")
+
+    def build() -> tuple[torch.nn.Module, object]:
+        try:
+            made = factory()
+        except Exception as exc:
+            raise ValueError(f"--model {arg}: {attr}() raised {type(exc).__name__}: {exc}; "
+                             f"{shape}") from None
+        if not (isinstance(made, (tuple, list)) and len(made) == 2 and
+                isinstance(made[0], torch.nn.Module) and callable(made[1])):
+            got = type(made).__name__ if not isinstance(made, (tuple, list)) else \
+                f"({', '.join(type(m).__name__ for m in made)})"
+            raise ValueError(f"--model {arg}: {attr}() returned {got}; {shape}")
+        return made[0], made[1]
+
+    made: dict = {}
+
+    def inputs(batch: int, gen: torch.Generator) -> tuple:
+        if "inputs" not in made:
+            made["inputs"] = build()[1]
+        try:
+            out = made["inputs"](batch, gen)
+        except Exception as exc:
+            raise ValueError(f"--model {arg}: inputs({batch}, generator) raised "
+                             f"{type(exc).__name__}: {exc}; {shape}") from None
+        if isinstance(out, torch.Tensor):
+            out = (out,)
+        if not (isinstance(out, (tuple, list)) and out and
+                all(isinstance(t, torch.Tensor) for t in out)):
+            raise ValueError(f"--model {arg}: inputs({batch}, generator) returned "
+                             f"{type(out).__name__}; {shape}")
+        return tuple(out)
+
+    def module() -> torch.nn.Module:
+        model, made["inputs"] = build()
+        return model
+
+    return ModelSpec(arg, module, inputs, USER_BATCH, "user")
+
+
+def model_spec(args, world: int, vocab: Vocabulary | None) -> ModelSpec:
+    spec = user_model(args.model)
+    if spec is None:
+        try:
+            return get_model(args.model, gpus=world, vocab=len(vocab) if vocab else None)
+        except ValueError as exc:
+            if not str(exc).startswith("unknown model"):
+                raise
+            raise ValueError(f"{exc}; or give your own model as package.module:factory") from None
+    if vocab is not None:
+        raise DataError(f"--data is text for the zoo's text models; {args.model} makes its own "
+                        f"batches (its inputs function)")
+    return spec
 
 
 def prepare(args, world: int, check_only: bool = False) -> Prepared:
-    """Data, model, graph, strategy and Program for `world` ranks (raises ValueError naming what
-    is wrong); check_only: the graph from the meta-device capture, no weights built."""
+    """Data, model, graph and strategy for `world` ranks (raises ValueError naming what is
+    wrong); check_only: a zoo model's graph from the meta-device capture, no weights built, and
+    the Program lowered (the Trainer lowers its own when running)."""
     vocab = build_vocabulary(args.data) if args.data else None
-    spec = get_model(args.model, gpus=world, vocab=len(vocab) if vocab else None)
+    spec = model_spec(args, world, vocab)
     if vocab is not None and spec.task not in ("lm", "mlm"):
         raise DataError(f"--data is text; model {spec.name} trains on {spec.task} inputs")
     tokens = load_tokens(args.data, vocab) if vocab else None
@@ -175,14 +292,21 @@ def prepare(args, world: int, check_only: bool = False) -> Prepared:
     batch = args.batch or spec.batch
     k = args.micro_batches or (2 if args.duplex else 1)
     model = None
-    if check_only:
+    if check_only and spec.task != "user":
         graph = capture_model(spec, batch)
     else:
         torch.manual_seed(args.seed)
         model = spec.build()
-        graph = capture(model, spec.inputs(batch, torch.Generator().manual_seed(args.seed)))
+        example = spec.inputs(batch, torch.Generator().manual_seed(args.seed))
+        graph = capture(model, example)
+        if spec.task == "user":  # text (integer batch x sequence first input): tokens/s
+            first = example[0]
+            seq = first.shape[1] if first.dim() == 2 and not first.is_floating_point() else 0
+            spec = ModelSpec(spec.name, spec.build, spec.inputs, spec.batch, spec.task, seq)
+    ops.require_rules(graph)  # an op without a rule: one line naming it, as hidup.plan says
     strategy = resolve_strategy(args.strategy, graph, world)
-    program = lower(graph, strategy, world, k, args.model)
+    program = lower(graph, strategy, world, k, args.model, optimizer=args.optimizer) \
+        if check_only else None
     return Prepared(spec, vocab, tokens, batch, k, graph, strategy, program, model)
 
 
@@ -201,33 +325,68 @@ def setup(args, world: int) -> tuple[int, torch.device]:
     return rank, device
 
 
+def optimizer_factory(args):
+    """A function of the parameters (this rank's shards) returning the torch.optim optimizer."""
+    if args.optimizer == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=args.lr)
+    return lambda params: torch.optim.AdamW(params, lr=args.lr)
+
+
+def lr_factor(step: int, warmup: int, steps: int, schedule: str) -> float:
+    """The learning rate of step `step` (0-based) over --lr: a linear warm-up over `warmup`
+    steps, then constant or a cosine decay to 0 at `steps`."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def schedule_factory(args):
+    """A function of the optimizer returning its torch.optim.lr_scheduler (LambdaLR)."""
+    warmup, steps, schedule = args.warmup_steps, args.steps, args.schedule
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, warmup, steps, schedule))
+
+
 def run(args) -> dict:
+    from hidup.api import Plan
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(args.threads or default_threads())
     p = prepare(args, world)
     rank, device = setup(args, world)
     spec, vocab, batch, k, graph, strategy = p.spec, p.vocab, p.batch, p.k, p.graph, p.strategy
-    mode = "compile" if args.compile else "cuda-graphs" if args.cuda_graphs else "graph"
-    executor = Executor(graph, strategy, p.program, dict(p.model.named_parameters()), args.lr,
-                        device, buffers=dict(p.model.named_buffers()),
-                        autocast=torch.bfloat16 if args.precision == "bf16" else None, mode=mode)
+    plan = Plan(strategy, world, k, None, tuple(n.out for n in graph.user_inputs),
+                graph.fingerprint, args.model, args.optimizer, graph)
+    trainer = Trainer(p.model, plan, optimizer_factory(args), schedule_factory(args),
+                      compile=args.compile, device=device, micro_batches=k,
+                      autocast=torch.bfloat16 if args.precision == "bf16" else None,
+                      cuda_graphs=args.cuda_graphs)
     names_in = [n.source for n in graph.user_inputs]
-    losses, times, rss, first = [], [], [], 0
-    run_id = checkpoint.RunId(args.model, strategy.name, world, k, batch, args.seed)
+    losses, times, rss, lrs, first = [], [], [], [], 0
+    run_id = checkpoint.RunId(args.model, batch, args.seed, args.optimizer)
+    about = {"strategy": strategy.name, "world": world, "micro_batches": k}
     if args.resume:
-        first, losses = checkpoint.load(args.checkpoint, rank, executor, run_id)
+        first, losses = checkpoint.load(args.checkpoint, trainer, run_id)
         if rank == 0:
-            log.info("resumed from %s after step %d", args.checkpoint, first)
+            log.info("resumed from %s after step %d (strategy %s, %d ranks, %d micro-batches)",
+                     args.checkpoint, first, strategy.name, world, k)
     saved = first if args.resume else None  # the last complete checkpoint's step
+    unit = "tokens" if spec.seq else "samples"
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     for step in range(first, args.steps):
         gen = torch.Generator().manual_seed(args.seed + 1 + step)
         data = random_batch(p.tokens, spec.task, batch, spec.seq, gen) if vocab else \
             spec.inputs(batch, gen)
         tracing = args.trace is not None and step == args.steps - 1
+        lrs.append(float(trainer.optimizer.param_groups[0]["lr"]))  # this step's
         with _profiler(tracing, device) as prof:
             _sync(world, device)
             start = time.perf_counter()
-            loss = executor.step(dict(zip(names_in, data)), labels=tracing)
+            loss = trainer.step(*data, labels=tracing)
             _sync(world, device)
             times.append(time.perf_counter() - start)
         losses.append(float(loss))
@@ -238,22 +397,27 @@ def run(args) -> dict:
             out = args.trace if rank == 0 else args.trace.with_name(f"{args.trace.name}.rank{rank}")
             _write_trace(prof, out)
         if rank == 0:
-            rate = batch * max(spec.seq, 1) / times[-1]
-            log.info("step %d/%d  loss %.5f  %.1f ms  %.0f %s/s", step + 1, args.steps, losses[-1],
-                     1e3 * times[-1], rate, "tokens" if spec.seq else "samples")
+            log.info("%s", _step_line(step + 1, args.steps, losses[-1], lrs[-1], times[-1],
+                                      batch * max(spec.seq, 1), unit, rss[-1], device))
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             with interrupt_held():  # Ctrl-C waits for the checkpoint to be whole
-                checkpoint.save(args.checkpoint, step + 1, rank, executor, losses, run_id,
-                                lambda: _sync(world, device))
+                checkpoint.save(args.checkpoint, step + 1, trainer, losses, run_id,
+                                lambda: _sync(world, device), about)
             saved = step + 1
     timed = times[args.warmup:] or times
+    median = statistics.median(timed or [0.0])
     result = {"model": args.model, "strategy": strategy.name, "world": world, "micro_batches": k,
               "batch": batch, "losses": losses, "step_times_ms": [1e3 * t for t in times],
-              "median_step_ms": 1e3 * statistics.median(timed or [0.0]),
-              "median_over_steps": len(timed), "resumed_after": first, "resident_mb": rss}
+              "median_step_ms": 1e3 * median,
+              "median_over_steps": len(timed), "resumed_after": first, "resident_mb": rss,
+              "optimizer": args.optimizer, "lr": args.lr, "warmup_steps": args.warmup_steps,
+              "schedule": args.schedule, "lrs": lrs, "unit": unit,
+              "median_per_s": batch * max(spec.seq, 1) / median if median else 0.0}
+    if device.type == "cuda":
+        result["max_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
     if args.eval:
         held_out = load_tokens(args.eval, vocab)
-        scores = [float(executor.step(dict(zip(names_in, b)), update=False))
+        scores = [float(trainer.executor.step(dict(zip(names_in, b)), update=False))
                   for b in eval_batches(held_out, spec.task, batch, spec.seq, args.eval_batches)]
         result["eval_loss"] = statistics.fmean(scores)
         result["eval_perplexity"] = perplexity(result["eval_loss"])
@@ -261,6 +425,19 @@ def run(args) -> dict:
     if world > 1:
         dist.destroy_process_group()
     return result
+
+
+def _step_line(step: int, steps: int, loss: float, lr: float, seconds: float, items: int,
+               unit: str, resident: float, device: torch.device) -> str:
+    """Rank 0's line for a step, as torchtitan's: loss, throughput, learning rate, memory."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        memory = f"memory {peak / 2 ** 30:.2f} GiB ({100 * peak / total:.1f}%)"
+    else:
+        memory = f"memory {resident:.1f} MiB resident"
+    return (f"step {step}/{steps}  loss {loss:.5f}  {items / seconds:,.0f} {unit}/s  "
+            f"lr {lr:.3e}  {memory}  {1e3 * seconds:.1f} ms")
 
 
 def _diverged(args, step: int, loss: float, saved: int | None) -> str:

@@ -109,11 +109,12 @@ def test_a_damaged_or_foreign_checkpoint_is_refused_in_one_line(tmp_path, capsys
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and message in err, err
 
-    refused(["--batch", "16"], "is of another run (model gpt:tiny, strategy ddp, world 1, "
-                               "micro_batches 1, batch 8, seed 0); this run is")
-    (ck / "step2-rank0.pt").write_bytes((ck / "step2-rank0.pt").read_bytes()[:100])
-    refused([], "step2-rank0.pt cannot be read")
-    (ck / "step2-rank0.pt").unlink()
+    refused(["--batch", "16"], "is of another run (model gpt:tiny, batch 8, seed 0, optimizer "
+                               "adamw); this run is")
+    shard = ck / "step2" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    refused([], f"{ck / 'step2'} cannot be read")
+    (ck / "step2" / ".metadata").unlink()
     refused([], "is missing (the checkpoint of step 2 is incomplete)")
     (ck / "latest.json").write_text("{not json")
     refused([], "latest.json is corrupt")

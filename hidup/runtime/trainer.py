@@ -39,9 +39,12 @@ class Trainer:
 
     def __init__(self, model: torch.nn.Module, plan, optimizer: Callable, lr_scheduler=None,
                  compile: bool = False, device: torch.device | str | None = None,
-                 micro_batches: int | None = None):
+                 micro_batches: int | None = None, autocast: torch.dtype | None = None,
+                 cuda_graphs: bool = False):
         from hidup.api import Plan, example_inputs
 
+        if compile and cuda_graphs:
+            raise ValueError("compile and cuda_graphs: choose one of them")
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
         self.device = torch.device(device) if device is not None else _default_device()
@@ -60,8 +63,12 @@ class Trainer:
         self._fixed, self._plan = (plan, None) if isinstance(plan, str) else (None, plan)
         self._micro_batches = micro_batches
         self._factories = (optimizer, lr_scheduler)
-        self._mode = "compile" if compile else "graph"
+        self._mode = "cuda-graphs" if cuda_graphs else "compile" if compile else "graph"
+        self._autocast = autocast
         self._model = model
+        # JSON-able values of the caller's own (e.g. hidup.train's losses and random state),
+        # saved in the state's "extra" and restored by load_state_dict
+        self.extra_state: dict = {}
         self.executor: Executor | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler = None
@@ -86,14 +93,18 @@ class Trainer:
             strategy, k = fixed_strategy(self._fixed, graph, self.world), self._micro_batches or 1
             name, optimizer_name = type(self._model).__name__, "adamw"
         program = lower(graph, strategy, self.world, k, name, optimizer=optimizer_name)
-        params = {n: p.detach().clone() for n, p in self._model.named_parameters()}
-        buffers = {n: b.detach().clone() for n, b in self._model.named_buffers()}
+        # on the run's device: NCCL broadcasts device tensors only
+        params = {n: p.detach().to(self.device, copy=True)
+                  for n, p in self._model.named_parameters()}
+        buffers = {n: b.detach().to(self.device, copy=True)
+                   for n, b in self._model.named_buffers()}
         if self.world > 1:  # every rank starts from rank 0's weights, as DDP does
             for t in [*params.values(), *buffers.values()]:
                 dist.broadcast(t, 0)
         self.graph, self.strategy, self.program = graph, strategy, program
         self.executor = Executor(graph, strategy, program, params, 0.0, self.device,
-                                 buffers=buffers, rank=self.rank, mode=self._mode)
+                                 buffers=buffers, rank=self.rank, autocast=self._autocast,
+                                 mode=self._mode)
         self._sources = {n.name: n.source for n in graph.params}
         self._inputs = [n.source for n in graph.user_inputs]
         self._buffers = [n.source for n in graph.nodes if n.kind == "buffer"]
@@ -107,16 +118,18 @@ class Trainer:
         self._model = None  # the weights now live in the shards
 
     # -- training ---------------------------------------------------------------------------
-    def step(self, *inputs: torch.Tensor) -> torch.Tensor:
+    def step(self, *inputs: torch.Tensor, labels: bool = False) -> torch.Tensor:
         """One training step on the global batch `inputs` (the same tensors on every rank, in
         the order of the model's forward; each rank takes its shard): forward, backward,
-        gradient reductions, the optimizer's step and the schedule's. Returns the loss."""
+        gradient reductions, the optimizer's step and the schedule's. Returns the loss. With
+        `labels` (no compile) each task runs under a torch.profiler label named as in simulated
+        traces."""
         if self.executor is None:  # a fixed strategy: captured at the first batch's shapes
             self._build(capture(self._model, tuple(inputs)))
         if len(inputs) != len(self._inputs):
             raise ValueError(f"step() takes the model's {len(self._inputs)} inputs "
                              f"({', '.join(self._inputs)}), got {len(inputs)}")
-        loss = self.executor.step(dict(zip(self._inputs, inputs)), update=False)
+        loss = self.executor.step(dict(zip(self._inputs, inputs)), update=False, labels=labels)
         for name, shard in self.executor.params.items():
             grad = self.executor.grads.get(name)
             shard.grad = None if grad is None else grad.reshape(shard.shape)
@@ -152,7 +165,8 @@ class Trainer:
                   {"params": [self._sources[names[index[id(p)]]] for p in g["params"]]}
                   for g in self.optimizer.param_groups]
         extra = {"param_groups": groups, "steps": self.steps,
-                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None}
+                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
+                 "user": self.extra_state}
         return {"model": model, "optim": optim, "extra": json.dumps(extra, default=_plain)}
 
     def load_state_dict(self, state: dict) -> None:
@@ -184,6 +198,7 @@ class Trainer:
         if self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         self.steps = extra["steps"]
+        self.extra_state = extra.get("user") or {}
 
     def save_checkpoint(self, path: str | Path) -> None:
         """Write the state to folder `path` with torch.distributed.checkpoint (every rank)."""
@@ -256,16 +271,21 @@ class Trainer:
 def parallelize(model: torch.nn.Module, plan, *, optimizer: Callable,
                 lr_scheduler: Callable | None = None, compile: bool = False,
                 device: torch.device | str | None = None,
-                micro_batches: int | None = None) -> Trainer:
+                micro_batches: int | None = None, autocast: torch.dtype | None = None,
+                cuda_graphs: bool = False) -> Trainer:
     """Run `plan` (a hidup.Plan, or "ddp" / "megatron" / "expert") for `model` on this rank (under
     torchrun with the process group initialized, or alone): returns the Trainer.
 
     optimizer: a function of the parameters that returns a torch.optim optimizer (it gets this
     rank's shards), e.g. `lambda params: torch.optim.AdamW(params, lr=3e-4)`; lr_scheduler
     likewise a function of the optimizer, e.g. `lambda opt: CosineAnnealingLR(opt, 1000)`.
-    compile: run the step through torch.compile (Inductor). micro_batches overrides the plan's
-    (1: plain SPMD, 2 or more: Duplex)."""
-    return Trainer(model, plan, optimizer, lr_scheduler, compile, device, micro_batches)
+    compile: run the step through torch.compile (Inductor); cuda_graphs (CUDA only): capture the
+    step (forward, backward and collectives; not the optimizer's update) once as a CUDA graph and
+    replay it. micro_batches overrides the plan's (1: plain SPMD, 2 or more: Duplex). autocast:
+    a dtype such as torch.bfloat16 runs each op under torch.autocast (weights, gradients and
+    communication stay in their own dtype)."""
+    return Trainer(model, plan, optimizer, lr_scheduler, compile, device, micro_batches,
+                   autocast, cuda_graphs)
 
 
 def _default_device() -> torch.device:
