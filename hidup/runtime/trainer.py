@@ -307,8 +307,10 @@ def _mesh(device: torch.device, world: int):
 
 
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Make the optimizer's state before its first step (a step with zero gradients at learning
-    rate 0: the parameters stay as they are), so that a checkpoint can be loaded into it."""
+    """Make the optimizer's state before its first step, so that a checkpoint can be loaded into
+    it: a step with zero gradients at learning rate 0 (the parameters stay as they are; SGD's
+    momentum, Adam's moments and Adagrad's sums stay zero), then its step counts set back to 0,
+    so that the first real step is as a fresh optimizer's."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if all(p in optimizer.state and optimizer.state[p] for p in params):
         return
@@ -324,6 +326,11 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
     for p in params:
         p.grad = None
+        for key, value in optimizer.state[p].items():  # no step has been taken
+            if key == "step" and isinstance(value, torch.Tensor):
+                value.zero_()
+            elif key == "step":
+                optimizer.state[p][key] = 0
     for group, lr in zip(optimizer.param_groups, saved):
         group["lr"] = lr
 
