@@ -70,19 +70,12 @@ def run(graph, strategy, gpus: int, k: int, profile):
 
 
 def hidup(graph, gpus: int, profile, k: int = 2):
-    """HiDup: the searched plan (the dynamic programme's best and the expert strategies, ranked
-    with Duplex and without), Duplex where it pays; (simulated Result, search result). With
-    k > 1 the plain search (k=1) runs too and the faster of the two plans counts: the
-    dynamic programme priced for Duplex sometimes misses a plan the plain one finds (seen on
-    tiny models at 10 Gbit/s: 1.78 ms against 1.43 ms)."""
-    best = None
-    for micro in sorted({k, 1}, reverse=True):
-        found = search(graph, gpus, profile, k=micro, memory=MEMORY,
-                       baselines=fixed_strategies(graph, gpus))
-        result = run(graph, found.strategy, gpus, found.k, profile)
-        if best is None or ms(result) < ms(best[0]):
-            best = result, found
-    return best
+    """HiDup: the searched plan (the dynamic programme's best, priced for Duplex and for plain
+    SPMD, and the expert strategies, ranked with Duplex and without), Duplex where it pays;
+    (simulated Result, search result)."""
+    found = search(graph, gpus, profile, k=k, memory=MEMORY,
+                   baselines=fixed_strategies(graph, gpus))
+    return run(graph, found.strategy, gpus, found.k, profile), found
 
 
 def systems(graph, gpus: int, profile, names=("expert", "ddp")) -> tuple[dict, str]:

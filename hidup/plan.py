@@ -70,7 +70,7 @@ def plan(args) -> dict:
     found = search(graph, args.gpus, profile, args.micro_batches, memory, beam=args.beam,
                    baselines=baselines, optimizer=args.optimizer)
     origin = found.candidates[0][0].split()[0]  # 'search#0', or a baseline the search kept
-    searched = origin.startswith("search#")
+    searched = origin.startswith(("search#", "search-k1#"))
     chosen = replace(found.strategy, name="hidup" if searched else origin)
     rows = {"hidup": _times(graph, chosen, args.gpus, args.micro_batches, profile,
                             args.optimizer)}

@@ -261,25 +261,19 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
            baselines: dict[str, Strategy] | None = None, optimizer: str = "sgd") -> SearchResult:
     """The best plan: the dynamic programme's `keep` cheapest plans and the `baselines`, each lowered
     with k micro-batches and with one, ranked by the fast estimate (objective 'comm': by its own
-    count). Every plan is priced and held to `memory` with `optimizer`'s update and state."""
+    count). With k > 1 the programme also runs priced for plain SPMD (k = 1) and its plans are
+    ranked too, so that a search for Duplex finds every plan the plain search finds. Every plan
+    is priced and held to `memory` with `optimizer`'s update and state."""
     started = time.perf_counter()
-    dp = Search(graph, world, profile, k, memory, objective, beam, optimizer=optimizer)
-    finals = dp.run()
     ranked: list[tuple[float, str, Strategy, float, Estimate, int]] = []
     seen: list[dict] = []
-    for j, label in enumerate(finals[:10 * keep]):
-        strategy = dp.strategy(label, "hidup" if objective == "time" else "min-comm")
-        if strategy.options in seen:
-            continue  # the same plan reached through another state
-        seen.append(strategy.options)
-        check(graph, strategy)
-        before = len(ranked)
-        _rank(ranked, graph, strategy, world, k, profile, f"search#{j}", label.cost, dp.memory,
-              optimizer)
-        if len(ranked) > before:  # it fits: the DP's memory model is an estimate, this is not
-            keep -= 1
-        if keep == 0:
-            break
+    labels = 0
+    for dp_k in ([k, 1] if k > 1 and objective == "time" else [k]):
+        dp = Search(graph, world, profile, dp_k, memory, objective, beam, optimizer=optimizer)
+        finals = dp.run()
+        labels += dp.labels
+        tag = "search" if dp_k == k else "search-k1"
+        _rank_finals(ranked, seen, dp, finals, keep, tag, graph, world, k, profile, optimizer)
     for name, strategy in (baselines or {}).items():
         _rank(ranked, graph, strategy, world, k, profile, name, math.nan, dp.memory, optimizer)
     if not ranked:
@@ -287,10 +281,28 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
                          f"lowers for this model and world size")
     ranked.sort(key=lambda r: r[0] if objective == "time" else r[3])
     _, _, best, dp_cost, est, best_k = ranked[0]
-    log.info("search: %d labels, %d plans ranked in %.2f s", dp.labels, len(ranked),
+    log.info("search: %d labels, %d plans ranked in %.2f s", labels, len(ranked),
              time.perf_counter() - started)
     return SearchResult(best, best_k, dp_cost, est, tuple((r[1], r[0]) for r in ranked),
-                        time.perf_counter() - started, dp.labels)
+                        time.perf_counter() - started, labels)
+
+
+def _rank_finals(ranked, seen, dp: Search, finals, keep: int, tag: str, graph, world, k,
+                 profile, optimizer) -> None:
+    """Rank the programme's `keep` cheapest distinct plans that fit (named TAG#j)."""
+    for j, label in enumerate(finals[:10 * keep]):
+        strategy = dp.strategy(label, "hidup" if dp.objective == "time" else "min-comm")
+        if strategy.options in seen:
+            continue  # the same plan reached through another state, or by the other programme
+        seen.append(strategy.options)
+        check(graph, strategy)
+        before = len(ranked)
+        _rank(ranked, graph, strategy, world, k, profile, f"{tag}#{j}", label.cost, dp.memory,
+              optimizer)
+        if len(ranked) > before:  # it fits: the DP's memory model is an estimate, this is not
+            keep -= 1
+        if keep == 0:
+            break
 
 
 def _rank(ranked, graph, strategy, world, k, profile, name, dp_cost, memory,
