@@ -21,7 +21,7 @@ from hidup.graph.capture import Graph, TensorMeta, capture
 from hidup.planning.costs import load_profile
 from hidup.planning.planfile import PlanError, load_plan, save_plan
 from hidup.planning.strategy import Strategy, describe, fixed_strategy
-from hidup.runtime.trainer import Trainer, parallelize
+from hidup.runtime.trainer import FIXED, Trainer, parallelize
 
 __all__ = ["Plan", "plan", "parallelize", "Trainer"]
 
@@ -40,6 +40,7 @@ class Plan:
     model: str = "model"  # a name for reports
     optimizer: str = "adamw"
     graph: Graph | None = field(default=None, repr=False)  # None when loaded from a file
+    memory: float | None = None  # the device memory limit it was planned within (bytes), if given
 
     def describe(self) -> str:
         """The plan in one line: what its ops do, and Duplex or not."""
@@ -63,15 +64,16 @@ class Plan:
             raise ValueError("this plan names no cluster: give predict(cluster=NAME_OR_PROFILE)")
         profile = load_profile(cluster)
         profile.check_world(self.gpus)
-        batch = self.inputs[0].shape[0] if self.inputs and self.inputs[0].shape else 1
-        return simulate(self.model, profile, batch, self.graph, self.strategy, self.gpus,
+        if self.memory is not None:
+            profile = replace(profile, device_memory=self.memory)
+        return simulate(self.model, profile, _batch(self.inputs), self.graph, self.strategy, self.gpus,
                         max(2, self.micro_batches), mode=mode, optimizer=self.optimizer)
 
     def save(self, path: str | Path) -> None:
         """Write the plan file (as `python -m hidup.plan --out` does: hidup.train reads it)."""
         save_plan(Path(path), self.graph, self.strategy, self.gpus, self.model, self.cluster,
                   micro_batches=self.micro_batches, inputs=self.inputs,
-                  fingerprint=self.fingerprint, optimizer=self.optimizer)
+                  fingerprint=self.fingerprint, optimizer=self.optimizer, memory=self.memory)
 
     @classmethod
     def load(cls, path: str | Path, model: torch.nn.Module | None = None) -> Plan:
@@ -79,20 +81,30 @@ class Plan:
         against the plan (so that `predict()` works); without, the check waits for
         `parallelize`."""
         path = Path(path)
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise PlanError(f"plan file {path}: cannot read it ({exc})") from None
-        if not isinstance(doc, dict) or not doc.get("inputs"):
+        load_plan(path, None, _recorded_world(path))  # a plan file of this version, or one line
+        doc = json.loads(path.read_text())
+        if not doc.get("inputs") or not doc.get("fingerprint"):
             raise PlanError(f"plan file {path} does not record the inputs it was made for; "
                             f"make it again with hidup.plan(...).save() or python -m hidup.plan "
                             f"--out")
         inputs = tuple(TensorMeta(tuple(i["shape"]), i["dtype"]) for i in doc["inputs"])
         graph = None if model is None else capture(model, example_inputs(inputs))
-        strategy = load_plan(path, graph, doc.get("world"))
+        strategy = load_plan(path, graph, doc["world"])
         return cls(strategy, doc["world"], int(doc.get("micro_batches") or 1),
                    doc.get("cluster"), inputs, doc["fingerprint"], doc.get("model") or "model",
-                   doc.get("optimizer") or "adamw", graph)
+                   doc.get("optimizer") or "adamw", graph, doc.get("memory"))
+
+
+def _recorded_world(path: Path):
+    try:
+        return json.loads(path.read_text()).get("world")
+    except (OSError, ValueError, AttributeError):
+        return None  # load_plan says what is wrong with the file
+
+
+def _batch(inputs: tuple[TensorMeta, ...]) -> int:
+    """The global batch size: the first input's first dimension."""
+    return inputs[0].shape[0] if inputs and inputs[0].shape else 1
 
 
 def example_inputs(metas: tuple[TensorMeta, ...]) -> tuple[torch.Tensor, ...]:
@@ -114,6 +126,8 @@ def plan(model: torch.nn.Module, example_inputs: tuple | list, *, cluster: str, 
     and its update in the step)."""
     from simulator.predict import choose
 
+    if strategy != "search" and strategy not in FIXED:
+        raise ValueError(f"strategy={strategy!r}: give 'search' or one of {list(FIXED)}")
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     example_inputs = tuple(example_inputs)
@@ -132,18 +146,22 @@ def plan(model: torch.nn.Module, example_inputs: tuple | list, *, cluster: str, 
     ops.require_rules(graph)
     label = name or type(model).__name__
     metas = tuple(n.out for n in graph.user_inputs)
-    batch = metas[0].shape[0] if metas and metas[0].shape else 1
-    k = micro_batches or 2
     if strategy == "search":
-        comparison = choose(label, profile, batch, graph, gpus, k, optimizer=optimizer)
-        chosen = comparison.predictions[comparison.chosen]
-        chosen_strategy = chosen.strategy
-        chosen_k = micro_batches or comparison.chosen_k
+        comparison = choose(label, profile, _batch(metas), graph, gpus, micro_batches or 2,
+                            optimizer=optimizer)
+        chosen, chosen_k = comparison.chosen, comparison.chosen_k
+        if micro_batches is not None:  # the fastest run at that k that fits, not the best of two
+            run = 0 if micro_batches == 1 else 1
+            fitting = [(p.runs()[run][1].step_time, i) for i, p in
+                       enumerate(comparison.predictions) if p.fits(p.runs()[run][2])]
+            if not fitting:
+                raise ValueError(f"no plan with micro_batches={micro_batches} fits a device's "
+                                 f"{profile.device_memory / 2**30:.3g} GiB; leave micro_batches "
+                                 f"out (None) or give more memory or GPUs")
+            chosen, chosen_k = min(fitting)[1], micro_batches
+        chosen_strategy = comparison.predictions[chosen].strategy
     else:
         chosen_strategy, chosen_k = fixed_strategy(strategy, graph, gpus), micro_batches or 1
-    return Plan(chosen_strategy, gpus, chosen_k, profile.name if _shipped(cluster) else
-                str(cluster), metas, graph.fingerprint, label, optimizer, graph)
-
-
-def _shipped(cluster: str) -> bool:
-    return not Path(cluster).suffix == ".json"
+    where = str(cluster) if Path(str(cluster)).is_file() else profile.name
+    return Plan(chosen_strategy, gpus, chosen_k, where, metas, graph.fingerprint, label,
+                optimizer, graph, None if memory is None else float(memory))

@@ -146,7 +146,8 @@ def main(argv=None) -> int:
         res = plan(args)
         if args.out:
             save_plan(args.out, res["graph"], res["strategy"], args.gpus, res["model"],
-                      res["cluster"])
+                      res["cluster"], micro_batches=res["plans"]["hidup"]["chosen_k"],
+                      optimizer=args.optimizer)
     except (ValueError, OSError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

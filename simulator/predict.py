@@ -207,8 +207,10 @@ def main(argv: list[str] | None = None) -> int:
                            f"({exc.strerror or exc})\n")
     if args.save_plan is not None:
         try:
+            chosen_k = report.chosen_k if args.strategy == SEARCH else \
+                (shown.best() or (shown.k, None))[0]
             save_plan(args.save_plan, shown.graph, shown.strategy, args.gpus, shown.model,
-                      shown.profile.name, optimizer=args.optimizer)
+                      shown.profile.name, micro_batches=chosen_k, optimizer=args.optimizer)
         except OSError as exc:
             parser.exit(2, f"{PROG}: error: cannot write the plan to {args.save_plan} "
                            f"({exc.strerror or exc})\n")

@@ -6,7 +6,7 @@ one-line error for an op with no sharding rule."""
 from __future__ import annotations
 
 import copy
-import os
+import json
 
 import pytest
 import torch
@@ -18,6 +18,10 @@ from tests.conftest import run_ranks
 
 STEPS, LR, DECAY = 5, 1e-2, 0.1
 CLUSTER = "v100-1x4-nvlink"  # planned for V100s, run here on gloo: the plan is what is tested
+# where the search's own plan wins (not a fixed strategy) and splits a weight: a memory limit
+# (bytes) that plain data parallelism exceeds
+SEARCHED = {2: dict(cluster="cpu-gloo-loopback", memory=1e5),
+            4: dict(cluster="v100-2x4", memory=6e4)}
 
 
 class TinyLM(nn.Module):
@@ -76,13 +80,22 @@ def eager(steps: int = STEPS) -> tuple[list[float], dict]:
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def searched_plan(model, world: int, micro_batches: int | None = None):
+    """hidup.plan's own searched plan, one that splits a weight."""
+    plan = hidup.plan(model, batches()[0], gpus=world, micro_batches=micro_batches,
+                      **SEARCHED[world])
+    assert plan.strategy.name == "hidup" and any(
+        "S(" in str(plan.strategy.home(n.name)) for n in plan.graph.params), plan.describe()
+    return plan
+
+
 def _train_all(rank, world):
-    """Every configuration on these ranks: (name, losses, full weights)."""
+    """Every configuration on these ranks: (name, losses, full weights). Ranks other than 0
+    build other initial weights: rank 0's must reach them all."""
     out = []
-    torch.manual_seed(0)
+    torch.manual_seed(0 if rank == 0 else 100 + rank)
     model = TinyLM()
-    searched = hidup.plan(model, batches()[0], cluster=CLUSTER, gpus=world, micro_batches=2)
-    for plan in ("ddp", "megatron", searched):
+    for plan in ("ddp", "megatron", searched_plan(model, world)):
         for k in (1, 2):
             trainer = hidup.parallelize(copy.deepcopy(model), plan, optimizer=adamw,
                                         lr_scheduler=cosine, micro_batches=k)
@@ -103,11 +116,15 @@ def test_own_model_with_adamw_trains_as_on_one_device(world):
         loaded.load_state_dict(weights)  # strict: every name of the user's module is there
 
 
-def _save_after(rank, world, folder, steps):
+def _plan_named(how: str, model, world: int):
+    return searched_plan(model, world) if how == "searched" else how
+
+
+def _save_after(rank, world, folder, steps, how):
     torch.manual_seed(0)
-    trainer = hidup.parallelize(TinyLM(), hidup.plan(TinyLM(), batches()[0], cluster=CLUSTER,
-                                                     gpus=world, strategy="ddp"),
-                                optimizer=adamw, lr_scheduler=cosine)
+    model = TinyLM()
+    trainer = hidup.parallelize(model, _plan_named(how, model, world), optimizer=adamw,
+                                lr_scheduler=cosine, example_inputs=batches()[0])
     losses = [float(trainer.step(*b)) for b in batches()[:steps]]
     trainer.save_checkpoint(folder)
     return losses
@@ -115,18 +132,19 @@ def _save_after(rank, world, folder, steps):
 
 def _resume(rank, world, folder, steps, how):
     model = TinyLM()  # other initial weights: all of them must come from the checkpoint
-    plan = hidup.plan(model, batches()[0], cluster=CLUSTER, gpus=world, micro_batches=2,
-                      strategy="search" if how == "searched" else how)
-    trainer = hidup.parallelize(model, plan, optimizer=adamw, lr_scheduler=cosine)
+    trainer = hidup.parallelize(model, _plan_named(how, model, world), optimizer=adamw,
+                                lr_scheduler=cosine, example_inputs=batches()[0])
     trainer.load_checkpoint(folder)
     return [float(trainer.step(*b)) for b in batches()[steps:]], trainer.full_state_dict()
 
 
-@pytest.mark.parametrize("how", ["megatron", "searched"])
-def test_checkpoint_written_on_2_ranks_resumes_on_4_under_another_plan(tmp_path, how):
+@pytest.mark.parametrize("saved, world_saved, resumed, world_resumed", [
+    ("ddp", 2, "megatron", 4), ("megatron", 2, "searched", 4), ("searched", 4, "ddp", 2)])
+def test_checkpoint_resumes_under_another_plan_and_world_size(tmp_path, saved, world_saved,
+                                                              resumed, world_resumed):
     want_losses, want_weights = eager()
-    before = run_ranks(2, _save_after, str(tmp_path), 3)[0]
-    after, weights = run_ranks(4, _resume, str(tmp_path), 3, how)[0]
+    before = run_ranks(world_saved, _save_after, str(tmp_path), 3, saved)[0]
+    after, weights = run_ranks(world_resumed, _resume, str(tmp_path), 3, resumed)[0]
     assert before + after == pytest.approx(want_losses, abs=1e-5)
     for key, value in want_weights.items():
         assert torch.allclose(weights[key], value, atol=1e-5), key
@@ -134,7 +152,7 @@ def test_checkpoint_written_on_2_ranks_resumes_on_4_under_another_plan(tmp_path,
 
 def test_plan_predicts_saves_and_loads(tmp_path):
     model = TinyLM()
-    plan = hidup.plan(model, batches()[0], cluster=CLUSTER, gpus=4)
+    plan = hidup.plan(model, batches()[0], cluster=CLUSTER, gpus=4, micro_batches=2)
     prediction = plan.predict()
     assert prediction.spmd.step_time > 0 and prediction.duplex.step_time > 0
     assert "SPMD (k=1)" in str(prediction)
@@ -166,16 +184,69 @@ def test_world_one_equals_eager_and_state_round_trips():
     model = TinyLM()
     trainer = hidup.parallelize(model, hidup.plan(model, batches()[0], cluster=CLUSTER, gpus=1),
                                 optimizer=adamw, lr_scheduler=cosine)
-    trainer.state_dict()  # before any step: makes the optimizer's state, which must not count
-    losses = [float(trainer.step(*b)) for b in batches()]
-    assert losses == pytest.approx(want_losses, abs=1e-5)
+    trainer.state_dict()  # before any step: it must change nothing
+    losses = [float(trainer.step(*b)) for b in batches()[:3]]
     state = trainer.state_dict()
     torch.manual_seed(5)
-    other = hidup.parallelize(TinyLM(), "ddp", optimizer=adamw, lr_scheduler=cosine)
-    other.step(*batches()[0])
+    other = hidup.parallelize(TinyLM(), "ddp", optimizer=adamw, lr_scheduler=cosine,
+                              example_inputs=batches()[0])
     other.load_state_dict(state)
-    assert other.steps == STEPS and other.lr_scheduler.last_epoch == STEPS
+    assert other.steps == 3 and other.lr_scheduler.last_epoch == 3
+    losses += [float(other.step(*b)) for b in batches()[3:]]  # the restored optimizer goes on
+    assert losses == pytest.approx(want_losses, abs=1e-5)
     full = other.full_state_dict()
     for key, value in want_weights.items():
         assert torch.allclose(full[key], value, atol=1e-5), key
-    assert os.environ.get("WORLD_SIZE") in (None, "1")
+
+
+def test_frozen_parameters_stay_as_in_eager():
+    torch.manual_seed(0)
+    model = TinyLM()
+    model.norm.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    opt = adamw([p for p in ref.parameters() if p.requires_grad])
+    trainer = hidup.parallelize(model, "ddp", optimizer=adamw)
+    for b in batches():
+        ref(*b).backward()
+        opt.step()
+        opt.zero_grad()
+        trainer.step(*b)
+    full = trainer.full_state_dict()
+    for key, value in ref.state_dict().items():
+        assert torch.allclose(full[key], value, atol=1e-5), key
+    assert torch.equal(full["norm.weight"], torch.ones(16))
+
+
+def test_what_the_trainer_cannot_do_is_one_line():
+    from hidup.planning.strategy import fixed_strategy
+    from hidup.runtime import trainer as trainer_module
+
+    class Tied(TinyLM):
+        def __init__(self):
+            super().__init__()
+            self.head.weight = self.emb.weight
+
+    with pytest.raises(ValueError, match=r"^parameters emb.weight and head.weight are one tensor"):
+        hidup.parallelize(Tied(), "ddp", optimizer=adamw)
+    trainer = hidup.parallelize(TinyLM(), "ddp", optimizer=adamw, example_inputs=batches()[0])
+    short = tuple(x[:7] for x in batches()[0])
+    with pytest.raises(ValueError, match=r"planned for: tokens int64\[8,6\], targets int64\[8,6\]; "
+                                         r"got int64\[7,6\], int64\[7,6\]"):
+        trainer.step(*short)
+    graph = trainer.graph
+    megatron = fixed_strategy("megatron", graph, 2)
+    with pytest.raises(ValueError, match=r"^optimizer Adafactor does not update element by element"):
+        trainer_module._check_optimizer(torch.optim.Adafactor([torch.zeros(2)]), megatron, graph,
+                                        None)
+
+
+def test_a_plan_file_from_the_command_keeps_its_micro_batches(tmp_path, capsys):
+    from hidup import plan as plan_command
+
+    out = tmp_path / "plan.json"
+    assert plan_command.main(["--model", "bert-sgmoe:paper", "--cluster", "v100-2x4", "--gpus",
+                              "8", "--optimizer", "sgd", "--out", str(out), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["plans"]["hidup"]["chosen_k"] == 2  # Duplex chosen: the file must say so
+    loaded = hidup.Plan.load(out)
+    assert loaded.micro_batches == 2 and loaded.optimizer == "sgd" and loaded.gpus == 8

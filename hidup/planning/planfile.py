@@ -44,7 +44,8 @@ def check(graph: Graph, strategy: Strategy) -> None:
 
 def save_plan(path: Path, graph: Graph | None, strategy: Strategy, world: int, model: str,
               cluster: str | None = None, micro_batches: int | None = None,
-              inputs=None, fingerprint: str | None = None, optimizer: str | None = None) -> None:
+              inputs=None, fingerprint: str | None = None, optimizer: str | None = None,
+              memory: float | None = None) -> None:
     """Write the plan file: the strategy, and the model (its fingerprint and the shapes of the
     global batch), world size and cluster it is for; where known, the micro-batches and the
     optimizer it was planned with. Without `graph`, `fingerprint` and `inputs` must be given."""
@@ -53,7 +54,7 @@ def save_plan(path: Path, graph: Graph | None, strategy: Strategy, world: int, m
         inputs = inputs or tuple(n.out for n in graph.user_inputs)
     doc = {"format": PLAN_FORMAT, "version": PLAN_VERSION, "model": model,
            "fingerprint": fingerprint, "world": world, "mesh": [world], "cluster": cluster,
-           "micro_batches": micro_batches, "optimizer": optimizer,
+           "micro_batches": micro_batches, "optimizer": optimizer, "memory": memory,
            "inputs": [{"shape": list(m.shape), "dtype": m.dtype} for m in inputs or ()],
            "strategy": strategy.name,
            "placements": {n: str(p) for n, p in strategy.placements.items()},

@@ -141,12 +141,13 @@ class Search:
             param = self.g.node(t)
             if param.kind == "param":
                 size = self.nbytes(t, p)
-                memory += (2 + self.optimizer.states) * size  # parameter, gradient, state
                 if p == R and opt.output != R:  # its gradient is a Partial sum: all-reduced
                     grads += size if self.objective == "comm" else \
                         self.profile.collective_time("all_reduce", size, self.group)
-                if self.first[t] == self.position[node.name] and param.out.is_float:
-                    numel += math.prod(self.shape(t, p))  # its home: the shard it updates
+                if self.first[t] == self.position[node.name]:  # its home: where it lives
+                    memory += (2 + self.optimizer.states) * size  # parameter, gradient, state
+                    if param.out.is_float:
+                        numel += math.prod(self.shape(t, p))  # the shard it updates
         if numel and self.objective == "time":  # a share of the one update kernel, no launch
             update = self.profile.kernel_time(self.optimizer.flops * numel,
                                               self.optimizer.bytes * numel) \

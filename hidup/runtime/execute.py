@@ -97,16 +97,6 @@ class Executor:
         """The learning rate of the next steps (a tensor the step reads: nothing is retraced)."""
         self.lr.fill_(float(lr))
 
-    def state_dict(self) -> dict:
-        return {"params": {n: p.detach().clone() for n, p in self.params.items()},
-                "lr": float(self.lr)}
-
-    def load_state_dict(self, state: dict) -> None:
-        with torch.no_grad():
-            for name, p in self.params.items():
-                p.copy_(state["params"][name])
-        self.set_lr(state["lr"])
-
 
 def _check(program: Program, mode: str, device: torch.device) -> None:
     split = next((t for t in program.collectives if t.groups), None)

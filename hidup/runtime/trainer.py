@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hidup.graph import ops
-from hidup.graph.capture import capture
+from hidup.graph.capture import TensorMeta, capture
 from hidup.graph.placement import Shard
 from hidup.planning.planfile import PlanError, check
 from hidup.planning.strategy import fixed_strategy
@@ -40,8 +40,9 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, plan, optimizer: Callable, lr_scheduler=None,
                  compile: bool = False, device: torch.device | str | None = None,
                  micro_batches: int | None = None, autocast: torch.dtype | None = None,
-                 cuda_graphs: bool = False):
-        from hidup.api import Plan, example_inputs
+                 cuda_graphs: bool = False, example_inputs: tuple | None = None):
+        from hidup.api import Plan
+        from hidup.api import example_inputs as zeros_like_inputs
 
         if compile and cuda_graphs:
             raise ValueError("compile and cuda_graphs: choose one of them")
@@ -59,6 +60,7 @@ class Trainer:
                              f"start {plan.gpus} ranks (torchrun --nproc-per-node "
                              f"{plan.gpus}) or make a plan for {self.world} with "
                              f"hidup.plan(..., gpus={self.world})")
+        _refuse_tied(model)
         self._model_keys = set(model.state_dict())
         self._fixed, self._plan = (plan, None) if isinstance(plan, str) else (None, plan)
         self._micro_batches = micro_batches
@@ -74,8 +76,10 @@ class Trainer:
         self.lr_scheduler = None
         self.steps = 0
         if self._plan is not None:  # the plan knows the inputs: build now (a resume needs it)
-            graph = self._plan.graph or capture(model, example_inputs(self._plan.inputs))
+            graph = self._plan.graph or capture(model, zeros_like_inputs(self._plan.inputs))
             self._build(graph)
+        elif example_inputs is not None:
+            self._build(capture(model, tuple(example_inputs)))
 
     # -- building ---------------------------------------------------------------------------
     def _build(self, graph) -> None:
@@ -91,8 +95,9 @@ class Trainer:
             name, optimizer_name = self._plan.model, self._plan.optimizer
         else:
             strategy, k = fixed_strategy(self._fixed, graph, self.world), self._micro_batches or 1
-            name, optimizer_name = type(self._model).__name__, "adamw"
-        program = lower(graph, strategy, self.world, k, name, optimizer=optimizer_name)
+            name, optimizer_name = type(self._model).__name__, None
+        program = lower(graph, strategy, self.world, k, name,
+                        optimizer=optimizer_name or _kind(self._factories[0]))
         # on the run's device: NCCL broadcasts device tensors only
         params = {n: p.detach().to(self.device, copy=True)
                   for n, p in self._model.named_parameters()}
@@ -108,12 +113,17 @@ class Trainer:
         self._sources = {n.name: n.source for n in graph.params}
         self._inputs = [n.source for n in graph.user_inputs]
         self._buffers = [n.source for n in graph.nodes if n.kind == "buffer"]
+        trainable = {n.name for n in graph.params
+                     if dict(self._model.named_parameters())[n.source].requires_grad}
+        self._trainable = [shard for name, shard in self.executor.params.items()
+                           if name in trainable]  # frozen parameters are not updated, as in eager
         make_optimizer, make_schedule = self._factories
-        self.optimizer = make_optimizer(list(self.executor.params.values()))
+        self.optimizer = make_optimizer(list(self._trainable))
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer: give a function of the parameters that returns a "
                             f"torch.optim optimizer, e.g. lambda params: torch.optim.AdamW("
                             f"params, lr=3e-4); it returned {type(self.optimizer).__name__}")
+        _check_optimizer(self.optimizer, strategy, graph, optimizer_name)
         self.lr_scheduler = make_schedule(self.optimizer) if make_schedule else None
         self._model = None  # the weights now live in the shards
 
@@ -126,15 +136,15 @@ class Trainer:
         traces."""
         if self.executor is None:  # a fixed strategy: captured at the first batch's shapes
             self._build(capture(self._model, tuple(inputs)))
-        if len(inputs) != len(self._inputs):
-            raise ValueError(f"step() takes the model's {len(self._inputs)} inputs "
-                             f"({', '.join(self._inputs)}), got {len(inputs)}")
+        self._check_inputs(inputs)
         loss = self.executor.step(dict(zip(self._inputs, inputs)), update=False, labels=labels)
+        trainable = {id(t) for t in self._trainable}
         for name, shard in self.executor.params.items():
             grad = self.executor.grads.get(name)
-            shard.grad = None if grad is None else grad.reshape(shard.shape)
+            if grad is not None and id(shard) in trainable:
+                shard.grad = grad.reshape(shard.shape)
         self.optimizer.step()
-        for shard in self.executor.params.values():
+        for shard in self._trainable:
             shard.grad = None
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -143,26 +153,23 @@ class Trainer:
 
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The run's state for torch.distributed.checkpoint: parameters and optimizer states as
-        DTensors in their placements (plain tensors with one rank), the optimizer's settings,
-        the schedule and the step count. Optimizer states are made if no step has run yet, so
-        that a checkpoint can be loaded into it."""
+        """The run's state for torch.distributed.checkpoint: parameters and optimizer states
+        ("optim", keyed 'NAME::STATE') as DTensors in their placements (plain tensors with one
+        rank), and as JSON the optimizer's settings, the schedule, the step count and
+        `extra_state`."""
         self._require_built("state_dict")
-        _init_optimizer_state(self.optimizer)
-        index = {id(p): i for i, p in enumerate(self.executor.params.values())}
-        names = list(self.executor.params)
+        names = self._names_of_shards()
         model = {self._sources[n]: self._distributed(n, p) for n, p in
                  self.executor.params.items()}
         optim = {}
         for shard, state in self.optimizer.state.items():
-            node = names[index[id(shard)]]
+            node = names[id(shard)]
             for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.shape == shard.shape and \
-                        value.dim() > 0:
+                if _elementwise(value, shard):
                     value = self._distributed(node, value)
-                optim[f"{self._sources[node]}.{key}"] = value
+                optim[f"{self._sources[node]}::{key}"] = value
         groups = [{k: v for k, v in g.items() if k != "params"} |
-                  {"params": [self._sources[names[index[id(p)]]] for p in g["params"]]}
+                  {"params": [self._sources[names[id(p)]] for p in g["params"]]}
                   for g in self.optimizer.param_groups]
         extra = {"param_groups": groups, "steps": self.steps,
                  "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
@@ -170,25 +177,35 @@ class Trainer:
         return {"model": model, "optim": optim, "extra": json.dumps(extra, default=_plain)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Load a state_dict() (after torch.distributed.checkpoint.load filled it, or this
-        trainer's own): each tensor is cut to this rank's placement, whatever plan wrote it."""
+        """Load a state_dict() (this trainer's or another's, under any plan, or one that
+        torch.distributed.checkpoint.load filled): each tensor is cut to this rank's piece in
+        this plan's placement; the optimizer's state becomes the saved one."""
         self._require_built("load_state_dict")
-        _init_optimizer_state(self.optimizer)
-        names = list(self.executor.params)
-        index = {id(p): i for i, p in enumerate(self.executor.params.values())}
-        with torch.no_grad():
-            for node, shard in self.executor.params.items():
-                shard.copy_(self._local(node, state["model"][self._sources[node]]))
-            for shard, mine in self.optimizer.state.items():
-                node = names[index[id(shard)]]
-                for key, value in mine.items():
-                    saved = state["optim"][f"{self._sources[node]}.{key}"]
-                    if isinstance(value, torch.Tensor):
-                        value.copy_(self._local(node, saved) if value.dim() > 0 and
-                                    value.shape == shard.shape else _as_tensor(saved))
         extra = json.loads(state["extra"])
-        for group, saved in zip(self.optimizer.param_groups, extra["param_groups"]):
-            for key, value in saved.items():
+        if len(extra["param_groups"]) != len(self.optimizer.param_groups):
+            raise ValueError(f"the saved optimizer has {len(extra['param_groups'])} parameter "
+                             f"groups, this one {len(self.optimizer.param_groups)}: make the "
+                             f"optimizer as the run that saved it did")
+        by_source = {self._sources[n]: (n, shard) for n, shard in self.executor.params.items()}
+        with torch.no_grad():
+            for source, (node, shard) in by_source.items():
+                shard.copy_(self._local(node, state["model"][source]))
+            saved: dict = {}
+            for entry, value in state["optim"].items():
+                source, key = entry.rsplit("::", 1)
+                saved.setdefault(source, {})[key] = value
+            for shard in self._trainable:
+                node = next(n for n, t in self.executor.params.items() if t is shard)
+                mine = saved.get(self._sources[node])
+                if not mine:
+                    self.optimizer.state.pop(shard, None)
+                    continue
+                self.optimizer.state[shard] = {
+                    key: (self._local(node, value).clone() if _elementwise(value, shard)
+                          else value.clone() if isinstance(value, torch.Tensor) else value)
+                    for key, value in mine.items()}
+        for group, kept in zip(self.optimizer.param_groups, extra["param_groups"]):
+            for key, value in kept.items():
                 if key == "params":
                     continue
                 if isinstance(group.get(key), torch.Tensor):
@@ -209,11 +226,28 @@ class Trainer:
     def load_checkpoint(self, path: str | Path) -> None:
         """Load a checkpoint folder written by save_checkpoint under any plan or world size."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         if not (Path(path) / ".metadata").is_file():
             raise FileNotFoundError(f"no checkpoint in {path} (no .metadata file): give a folder "
                                     f"written by Trainer.save_checkpoint")
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         state = self.state_dict()
+        state["optim"] = {}  # what the checkpoint holds, in this plan's placements
+        shards = {self._sources[n]: (n, t) for n, t in self.executor.params.items()}
+        for entry, meta in saved.items():
+            if not entry.startswith("optim."):
+                continue
+            source, key = entry.removeprefix("optim.").rsplit("::", 1)
+            node, shard = shards[source]
+            if not isinstance(meta, TensorStorageMetadata):
+                template = None  # a number: read as it was written
+            elif tuple(meta.size) == self._full_shape(node, shard):
+                template = self._distributed(node, torch.zeros_like(shard,
+                                                                    dtype=meta.properties.dtype))
+            else:
+                template = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
+            state["optim"][f"{source}::{key}"] = template
         dcp.load(state, checkpoint_id=str(path))
         self.load_state_dict(state)
 
@@ -234,8 +268,8 @@ class Trainer:
     def _require_built(self, what: str) -> None:
         if self.executor is None:
             raise RuntimeError(f"{what}(): with a fixed strategy the model is captured at the "
-                               f"first step(); run one step first, or parallelize with a "
-                               f"hidup.Plan")
+                               f"first step(); give parallelize(..., example_inputs=BATCH) to "
+                               f"build at once, or run one step first")
 
     def _full_shape(self, node: str, local: torch.Tensor) -> tuple[int, ...]:
         shape = list(local.shape)
@@ -248,23 +282,43 @@ class Trainer:
         """A rank's shard as a DTensor over the world in the parameter's placement."""
         if self.world == 1:
             return local
-        from torch.distributed.tensor import DTensor, Replicate
+        from torch.distributed.tensor import DTensor
+
+        shape = self._full_shape(node, local)
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(local, _mesh(self.device, self.world), [self._placement(node)],
+                                  run_check=False, shape=torch.Size(shape), stride=stride)
+
+    def _placement(self, node: str):
+        """The DTensor placement of a parameter (and its optimizer states) in this plan."""
+        from torch.distributed.tensor import Replicate
         from torch.distributed.tensor import Shard as DShard
 
         home = self.strategy.home(node)
-        placement = DShard(home.dim) if isinstance(home, Shard) else Replicate()
-        shape = self._full_shape(node, local)
-        stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(local, _mesh(self.device, self.world), [placement],
-                                  run_check=False, shape=torch.Size(shape), stride=stride)
+        return DShard(home.dim) if isinstance(home, Shard) and self.world > 1 else Replicate()
+
+    def _names_of_shards(self) -> dict[int, str]:
+        return {id(t): n for n, t in self.executor.params.items()}
+
+    def _check_inputs(self, inputs) -> None:
+        """The batch has the shapes and dtypes the step was traced for (one line if not)."""
+        want = [n.out for n in self.graph.user_inputs]
+        got = [TensorMeta(tuple(x.shape), str(x.dtype).removeprefix("torch.")) for x in inputs]
+        if got != want:
+            planned = ", ".join(f"{n.source} {n.out}" for n in self.graph.user_inputs)
+            raise ValueError(f"step() takes the global batch it was planned for: {planned}; got "
+                             f"{', '.join(map(str, got))}; plan again for another batch shape "
+                             f"(a last, smaller batch: drop it or pad it)")
 
     def _local(self, node: str, value) -> torch.Tensor:
-        """This rank's piece, in this plan's placement, of a saved value (a DTensor whose local
-        part is already it, or a whole tensor)."""
+        """This rank's piece, in this plan's placement, of a saved value: a DTensor in this
+        placement (its local part), one in another (whole, then cut), or a whole tensor."""
         from torch.distributed.tensor import DTensor
 
         if isinstance(value, DTensor):
-            return value.to_local()
+            if tuple(value.placements) == (self._placement(node),):
+                return value.to_local()
+            value = value.full_tensor()  # written under another plan
         return shard_of(value, self.strategy.home(node), None, 1, None, self.rank, self.world)
 
 
@@ -272,7 +326,7 @@ def parallelize(model: torch.nn.Module, plan, *, optimizer: Callable,
                 lr_scheduler: Callable | None = None, compile: bool = False,
                 device: torch.device | str | None = None,
                 micro_batches: int | None = None, autocast: torch.dtype | None = None,
-                cuda_graphs: bool = False) -> Trainer:
+                cuda_graphs: bool = False, example_inputs: tuple | None = None) -> Trainer:
     """Run `plan` (a hidup.Plan, or "ddp" / "megatron" / "expert") for `model` on this rank (under
     torchrun with the process group initialized, or alone): returns the Trainer.
 
@@ -283,9 +337,11 @@ def parallelize(model: torch.nn.Module, plan, *, optimizer: Callable,
     step (forward, backward and collectives; not the optimizer's update) once as a CUDA graph and
     replay it. micro_batches overrides the plan's (1: plain SPMD, 2 or more: Duplex). autocast:
     a dtype such as torch.bfloat16 runs each op under torch.autocast (weights, gradients and
-    communication stay in their own dtype)."""
+    communication stay in their own dtype). example_inputs (a global batch) lets a fixed
+    strategy build at once instead of at the first step (a checkpoint can then be loaded before
+    any step). Parameters with requires_grad False are not updated."""
     return Trainer(model, plan, optimizer, lr_scheduler, compile, device, micro_batches,
-                   autocast, cuda_graphs)
+                   autocast, cuda_graphs, example_inputs)
 
 
 def _default_device() -> torch.device:
@@ -306,33 +362,60 @@ def _mesh(device: torch.device, world: int):
     return _MESHES[key]
 
 
-def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Make the optimizer's state before its first step, so that a checkpoint can be loaded into
-    it: a step with zero gradients at learning rate 0 (the parameters stay as they are; SGD's
-    momentum, Adam's moments and Adagrad's sums stay zero), then its step counts set back to 0,
-    so that the first real step is as a fresh optimizer's."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    if all(p in optimizer.state and optimizer.state[p] for p in params):
-        return
-    saved = []
-    for group in optimizer.param_groups:
-        saved.append(group["lr"])
-        if isinstance(group["lr"], torch.Tensor):
-            group["lr"] = group["lr"].clone().fill_(0.0)
-        else:
-            group["lr"] = 0.0
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    for p in params:
-        p.grad = None
-        for key, value in optimizer.state[p].items():  # no step has been taken
-            if key == "step" and isinstance(value, torch.Tensor):
-                value.zero_()
-            elif key == "step":
-                optimizer.state[p][key] = 0
-    for group, lr in zip(optimizer.param_groups, saved):
-        group["lr"] = lr
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam",
+               "RMSprop", "Rprop")  # torch.optim classes whose update is element by element
+NOT_ELEMENTWISE = ("Adafactor", "LBFGS", "SparseAdam", "Muon")
+
+
+def _kind(factory) -> str:
+    """The optimizer name of hidup.program.OPTIMIZERS that prices a factory's optimizer (made on
+    a throw-away tensor): sgd, sgd-momentum, adam or adamw (any other: adamw's two states)."""
+    probe = factory([torch.zeros(1)])
+    name = type(probe).__name__
+    if name == "SGD":
+        return "sgd-momentum" if any(g.get("momentum") for g in probe.param_groups) else "sgd"
+    return {"Adam": "adam", "AdamW": "adamw"}.get(name, "adamw")
+
+
+def _check_optimizer(optimizer, strategy, graph, planned: str | None) -> None:
+    """Refuse an optimizer whose update is not element by element when a parameter is split (its
+    update on a shard would not be that part of the whole update); note one the plan did not
+    price."""
+    name = type(optimizer).__name__
+    split = [n.source for n in graph.params if isinstance(strategy.home(n.name), Shard)]
+    if name in NOT_ELEMENTWISE and split:
+        raise ValueError(f"optimizer {name} does not update element by element, so its update of "
+                         f"a shard is not the single-device update ({split[0]} is split by this "
+                         f"plan); use an element-wise optimizer (AdamW, SGD, ...) or a plan that "
+                         f"splits no parameter (\"ddp\")")
+    if name not in ELEMENTWISE + NOT_ELEMENTWISE and split:
+        log.warning("optimizer %s is not one HiDup knows: training equals single-device training "
+                    "only if its update is element by element", name)
+    kind = {"SGD": None, "Adam": "adam", "AdamW": "adamw"}.get(name)
+    if planned and kind and kind != planned:
+        log.warning("the plan was priced for optimizer %s, this one is %s: its predicted memory "
+                    "and update time assumed %s", planned, name, planned)
+
+
+def _refuse_tied(model: torch.nn.Module) -> None:
+    """One line for tied weights (one tensor under two names): each use would train apart."""
+    seen: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            raise ValueError(f"parameters {seen[id(p)]} and {name} are one tensor (tied weights); "
+                             f"HiDup shards each use on its own and cannot keep them equal yet: "
+                             f"untie them (e.g. give {name} its own nn.Parameter)")
+        seen[id(p)] = name
+
+
+def _elementwise(value, shard: torch.Tensor) -> bool:
+    """Is an optimizer state one value per parameter element (sharded as the parameter)? A
+    DTensor is one (state_dict makes them of such states only), of whatever global shape."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return True
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shard.shape
 
 
 def _plain(value):
@@ -344,5 +427,3 @@ def _plain(value):
     raise TypeError(f"cannot save {type(value).__name__} in a checkpoint's settings")
 
 
-def _as_tensor(value) -> torch.Tensor:
-    return value if isinstance(value, torch.Tensor) else torch.tensor(value)
