@@ -250,3 +250,19 @@ def test_a_plan_file_from_the_command_keeps_its_micro_batches(tmp_path, capsys):
     assert printed["plans"]["hidup"]["chosen_k"] == 2  # Duplex chosen: the file must say so
     loaded = hidup.Plan.load(out)
     assert loaded.micro_batches == 2 and loaded.optimizer == "sgd" and loaded.gpus == 8
+
+
+def test_a_checkpoint_failure_is_the_ranks_own_error(tmp_path, monkeypatch):
+    """torch.distributed.checkpoint wraps each rank's failure in a BaseException no `except
+    Exception` catches (hidup.train's lost-peer handler among them): the first one is raised."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    def lost(*args, **kwargs):
+        raise CheckpointException("save failed", {1: (RuntimeError("[gloo] Connection closed by "
+                                                                   "peer"), None)})
+
+    trainer = hidup.parallelize(TinyLM(), "ddp", optimizer=adamw, example_inputs=batches()[0])
+    monkeypatch.setattr(dcp, "save", lost)
+    with pytest.raises(RuntimeError, match=r"^\[gloo\] Connection closed by peer$"):
+        trainer.save_checkpoint(tmp_path / "ck")

@@ -12,6 +12,7 @@ written under one plan and world size loads under another (`save_checkpoint` /
 `load_checkpoint`); `full_state_dict()` gathers whole tensors for the user's own module."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -221,7 +222,8 @@ class Trainer:
         """Write the state to folder `path` with torch.distributed.checkpoint (every rank)."""
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(self.state_dict(), checkpoint_id=str(path))
+        with _plain_failures():
+            dcp.save(self.state_dict(), checkpoint_id=str(path))
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Load a checkpoint folder written by save_checkpoint under any plan or world size."""
@@ -248,7 +250,8 @@ class Trainer:
             else:
                 template = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
             state["optim"][f"{source}::{key}"] = template
-        dcp.load(state, checkpoint_id=str(path))
+        with _plain_failures():
+            dcp.load(state, checkpoint_id=str(path))
         self.load_state_dict(state)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -342,6 +345,21 @@ def parallelize(model: torch.nn.Module, plan, *, optimizer: Callable,
     any step). Parameters with requires_grad False are not updated."""
     return Trainer(model, plan, optimizer, lr_scheduler, compile, device, micro_batches,
                    autocast, cuda_graphs, example_inputs)
+
+
+@contextlib.contextmanager
+def _plain_failures():
+    """torch.distributed.checkpoint raises a CheckpointException, a BaseException that no
+    `except Exception` catches, wrapping each rank's failure: raise the first rank's own error
+    instead (a lost peer's RuntimeError, a full disk's OSError, ...)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        failures = [f[0] if isinstance(f, tuple) else f for f in (exc.failures or {}).values()]
+        first = next((f for f in failures if isinstance(f, Exception)), None)
+        raise (first or RuntimeError(str(exc))) from None
 
 
 def _default_device() -> torch.device:
