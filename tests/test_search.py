@@ -7,6 +7,8 @@ import re
 
 import pytest
 
+from hidup.graph.placement import R
+
 from hidup.models import capture_model, get_model, names
 from hidup.plan import main as plan_main
 from hidup.planning.costs import load_profile
@@ -148,3 +150,33 @@ def test_the_duplex_search_finds_what_the_plain_search_finds(model, world):
     duplex = search(graph, world, profile, k=2)
     assert duplex.estimate.step_time <= plain.estimate.step_time * (1 + 1e-9)
     assert any(name.startswith("search-k1#") for name, _ in duplex.candidates)
+
+
+def test_a_tensor_is_converted_once_per_placement_however_many_read_it():
+    """As the lowering does: the second consumer that wants a tensor in a placement it was
+    already converted to pays nothing for it."""
+    from hidup.planning.search import Search
+    from hidup.planning.strategy import fitting_options
+
+    spec = get_model("gpt:tiny", gpus=2)
+    graph = capture_model(spec, spec.batch)
+    dp = Search(graph, 2, load_profile("v100-1x4-nvlink"), k=1)
+    consumers: dict[str, list] = {}
+    for node in graph.ops:
+        for t in node.inputs:
+            consumers.setdefault(t, []).append(node)
+    for t, (a, b, *_) in ((t, c) for t, c in consumers.items() if len(c) >= 2 and
+                          graph.node(t).kind == "op"):
+        for oa in fitting_options(graph, a, 2):
+            for ob in fitting_options(graph, b, 2):
+                want = oa.inputs[a.inputs.index(t)]
+                if want == R or ob.inputs[b.inputs.index(t)] != want:
+                    continue
+                start = {x: (R, frozenset()) for x in set(a.inputs) | set(b.inputs)}
+                first, after_a = dp.transition(start, a, oa)
+                again, _ = dp.transition(dict(after_a), b, ob)
+                alone, _ = dp.transition(start, b, ob)
+                assert first > 0 and dict(after_a)[t] == (R, frozenset({want}))
+                assert alone - again == pytest.approx(dp.conversion_cost(t, R, want))
+                return
+    pytest.fail("no tensor with two consumers wanting the same split in gpt:tiny")

@@ -188,23 +188,26 @@ class Search:
         return self.prune(out)
 
     def transition(self, placed: dict, node: Node, opt: ShardingOption):
-        """(communication per micro-batch, next state key), or None if the option is invalid."""
+        """(communication per micro-batch, next state key), or None if the option is invalid. A
+        state holds each live tensor's home placement and the placements it was converted to
+        for earlier consumers: as the lowering does, a tensor is converted to a placement once,
+        however many consumers read it there."""
         comm, new = 0.0, dict(placed)
-        seen = set()
         for t, want in zip(node.inputs, opt.inputs):
-            src = new.get(t)
-            if src is None and t in self.placeholders:
+            home, made = new.get(t, (None, frozenset()))
+            if home is None and t in self.placeholders:
                 if isinstance(want, Partial):
                     return None
-                new[t] = src = want  # an input or parameter goes where its first consumer wants
-            if src is None:
+                home = want  # an input or parameter goes where its first consumer wants
+            if home is None:
                 return None
-            if isinstance(want, Partial) and src != want:
+            if isinstance(want, Partial) and home != want:
                 return None
-            if (t, want) not in seen and src != want:
-                comm += self.conversion_cost(t, src, want)
-                seen.add((t, want))
-        new[node.name] = opt.output
+            if want != home and want not in made:
+                comm += self.conversion_cost(t, home, want)
+                made = made | {want}
+            new[t] = (home, made)
+        new[node.name] = (opt.output, frozenset())
         i = self.position[node.name]  # keep what a later node still reads
         new = {t: p for t, p in new.items() if self.last.get(t, -1) > i}
         return comm, tuple(sorted(new.items(), key=lambda kv: kv[0]))
