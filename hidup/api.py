@@ -10,7 +10,6 @@
 "expert") works wherever a Plan does. The Trainer is in hidup.runtime.trainer."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 from hidup.graph import ops
 from hidup.graph.capture import Graph, TensorMeta, capture
 from hidup.planning.costs import load_profile
-from hidup.planning.planfile import PlanError, load_plan, save_plan
+from hidup.planning.planfile import PlanError, load_plan, read_plan, save_plan
 from hidup.planning.strategy import Strategy, describe, fixed_strategy
 from hidup.runtime.trainer import FIXED, Trainer, parallelize
 
@@ -81,25 +80,25 @@ class Plan:
         against the plan (so that `predict()` works); without, the check waits for
         `parallelize`."""
         path = Path(path)
-        load_plan(path, None, _recorded_world(path))  # a plan file of this version, or one line
-        doc = json.loads(path.read_text())
-        if not doc.get("inputs") or not doc.get("fingerprint"):
+        doc = read_plan(path)
+        if not doc.get("inputs") or not doc.get("fingerprint") or not doc.get("world"):
             raise PlanError(f"plan file {path} does not record the inputs it was made for; "
                             f"make it again with hidup.plan(...).save() or python -m hidup.plan "
                             f"--out")
         inputs = tuple(TensorMeta(tuple(i["shape"]), i["dtype"]) for i in doc["inputs"])
         graph = None if model is None else capture(model, example_inputs(inputs))
-        strategy = load_plan(path, graph, doc["world"])
+        strategy = load_plan(path, graph, doc["world"], doc=doc)
         return cls(strategy, doc["world"], int(doc.get("micro_batches") or 1),
                    doc.get("cluster"), inputs, doc["fingerprint"], doc.get("model") or "model",
                    doc.get("optimizer") or "adamw", graph, doc.get("memory"))
 
-
-def _recorded_world(path: Path):
-    try:
-        return json.loads(path.read_text()).get("world")
-    except (OSError, ValueError, AttributeError):
-        return None  # load_plan says what is wrong with the file
+    @classmethod
+    def of(cls, graph: Graph, strategy: Strategy, gpus: int, micro_batches: int,
+           cluster: str | None = None, model: str = "model", optimizer: str = "adamw",
+           memory: float | None = None) -> Plan:
+        """The plan that runs `strategy` for a captured graph (its inputs and fingerprint)."""
+        return cls(strategy, gpus, micro_batches, cluster, tuple(n.out for n in graph.user_inputs),
+                   graph.fingerprint, model, optimizer, graph, memory)
 
 
 def _batch(inputs: tuple[TensorMeta, ...]) -> int:
@@ -145,9 +144,9 @@ def plan(model: torch.nn.Module, example_inputs: tuple | list, *, cluster: str, 
     graph = capture(model, example_inputs)
     ops.require_rules(graph)
     label = name or type(model).__name__
-    metas = tuple(n.out for n in graph.user_inputs)
     if strategy == "search":
-        comparison = choose(label, profile, _batch(metas), graph, gpus, micro_batches or 2,
+        batch = _batch(tuple(n.out for n in graph.user_inputs))
+        comparison = choose(label, profile, batch, graph, gpus, micro_batches or 2,
                             optimizer=optimizer)
         chosen, chosen_k = comparison.chosen, comparison.chosen_k
         if micro_batches is not None:  # the fastest run at that k that fits, not the best of two
@@ -163,5 +162,5 @@ def plan(model: torch.nn.Module, example_inputs: tuple | list, *, cluster: str, 
     else:
         chosen_strategy, chosen_k = fixed_strategy(strategy, graph, gpus), micro_batches or 1
     where = str(cluster) if Path(str(cluster)).is_file() else profile.name
-    return Plan(chosen_strategy, gpus, chosen_k, where, metas, graph.fingerprint, label,
-                optimizer, graph, None if memory is None else float(memory))
+    return Plan.of(graph, chosen_strategy, gpus, chosen_k, where, label, optimizer,
+                   None if memory is None else float(memory))

@@ -358,8 +358,7 @@ def run(args) -> dict:
     p = prepare(args, world)
     rank, device = setup(args, world)
     spec, vocab, batch, k, graph, strategy = p.spec, p.vocab, p.batch, p.k, p.graph, p.strategy
-    plan = Plan(strategy, world, k, None, tuple(n.out for n in graph.user_inputs),
-                graph.fingerprint, args.model, args.optimizer, graph)
+    plan = Plan.of(graph, strategy, world, k, model=args.model, optimizer=args.optimizer)
     trainer = Trainer(p.model, plan, optimizer_factory(args), schedule_factory(args),
                       compile=args.compile, device=device, micro_batches=k,
                       autocast=torch.bfloat16 if args.precision == "bf16" else None,

@@ -10,11 +10,10 @@ import json
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 import hidup
 from tests.conftest import run_ranks
+from tests.user_model import CharMLP, Flipped
 
 STEPS, LR, DECAY = 5, 1e-2, 0.1
 CLUSTER = "v100-1x4-nvlink"  # planned for V100s, run here on gloo: the plan is what is tested
@@ -24,29 +23,12 @@ SEARCHED = {2: dict(cluster="cpu-gloo-loopback", memory=1e5),
             4: dict(cluster="v100-2x4", memory=6e4)}
 
 
-class TinyLM(nn.Module):
-    """A user's model: embedding, a pre-norm MLP block, a head, cross-entropy."""
+class TinyLM(CharMLP):
+    """A user's model (tests/user_model.py's, the one hidup.train's tests name on the command
+    line): embedding, a pre-norm MLP block, a head, cross-entropy; vocabulary 32 here."""
 
-    def __init__(self, vocab: int = 32, dim: int = 16, hidden: int = 64):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, dim)
-        self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, hidden)
-        self.down = nn.Linear(hidden, dim)
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, tokens, targets):
-        h = self.emb(tokens)
-        h = h + self.down(F.gelu(self.up(self.norm(h))))
-        return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
-
-
-class Flipped(TinyLM):
-    """A model with an op HiDup has no sharding rule for (aten.flip)."""
-
-    def forward(self, tokens, targets):
-        h = self.emb(tokens).flip(1)
-        return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+    def __init__(self):
+        super().__init__(vocab=32, dim=16, hidden=64)
 
 
 def batches(n: int = STEPS, seed: int = 1):

@@ -62,11 +62,9 @@ def save_plan(path: Path, graph: Graph | None, strategy: Strategy, world: int, m
     Path(path).write_text(json.dumps(doc, indent=1) + "\n")
 
 
-def load_plan(path: Path, graph: Graph | None, world: int, cluster: str | None = None
-              ) -> Strategy:
-    """Read a plan file; refuse it, saying why, for another world size, model or format version.
-    A plan searched for another cluster than `cluster` is taken, with a note saying so. Without
-    `graph` the model is not checked (hidup.Plan.load: parallelize checks it)."""
+def read_plan(path: Path) -> dict:
+    """A plan file's document, refused in one line if it cannot be read or is not a HiDup plan of
+    this format version."""
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -78,6 +76,16 @@ def load_plan(path: Path, graph: Graph | None, world: int, cluster: str | None =
     if doc.get("version") != PLAN_VERSION:
         raise PlanError(f"plan file {path}: version {doc.get('version')}, this HiDup reads version "
                         f"{PLAN_VERSION}; re-create the plan")
+    return doc
+
+
+def load_plan(path: Path, graph: Graph | None, world: int, cluster: str | None = None,
+              doc: dict | None = None) -> Strategy:
+    """Read a plan file (or take its `doc`, from read_plan); refuse it, saying why, for another
+    world size, model or format version. A plan searched for another cluster than `cluster` is
+    taken, with a note saying so. Without `graph` the model is not checked (hidup.Plan.load:
+    parallelize checks it)."""
+    doc = doc if doc is not None else read_plan(path)
     if doc.get("world") != world:
         raise PlanError(f"plan file {path} was made for {doc.get('world')} GPUs, this run has "
                         f"{world}; give --gpus {doc.get('world')} or make a plan for {world} "

@@ -97,8 +97,9 @@ class Trainer:
         else:
             strategy, k = fixed_strategy(self._fixed, graph, self.world), self._micro_batches or 1
             name, optimizer_name = type(self._model).__name__, None
-        program = lower(graph, strategy, self.world, k, name,
-                        optimizer=optimizer_name or _kind(self._factories[0]))
+        if optimizer_name is None:  # priced as what the factory makes (tried on a scalar)
+            optimizer_name = kind_of(self._factories[0]([torch.zeros(1)])) or "adamw"
+        program = lower(graph, strategy, self.world, k, name, optimizer=optimizer_name)
         # on the run's device: NCCL broadcasts device tensors only
         params = {n: p.detach().to(self.device, copy=True)
                   for n, p in self._model.named_parameters()}
@@ -114,17 +115,16 @@ class Trainer:
         self._sources = {n.name: n.source for n in graph.params}
         self._inputs = [n.source for n in graph.user_inputs]
         self._buffers = [n.source for n in graph.nodes if n.kind == "buffer"]
-        trainable = {n.name for n in graph.params
-                     if dict(self._model.named_parameters())[n.source].requires_grad}
-        self._trainable = [shard for name, shard in self.executor.params.items()
-                           if name in trainable]  # frozen parameters are not updated, as in eager
+        grads = {name: p.requires_grad for name, p in self._model.named_parameters()}
+        self._trainable = [shard for n, shard in zip(graph.params, self.executor.params.values())
+                           if grads[n.source]]  # frozen parameters are not updated, as in eager
         make_optimizer, make_schedule = self._factories
         self.optimizer = make_optimizer(list(self._trainable))
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer: give a function of the parameters that returns a "
                             f"torch.optim optimizer, e.g. lambda params: torch.optim.AdamW("
                             f"params, lr=3e-4); it returned {type(self.optimizer).__name__}")
-        _check_optimizer(self.optimizer, strategy, graph, optimizer_name)
+        _check_optimizer(self.optimizer, strategy, graph, program.optimizer)
         self.lr_scheduler = make_schedule(self.optimizer) if make_schedule else None
         self._model = None  # the weights now live in the shards
 
@@ -195,8 +195,9 @@ class Trainer:
             for entry, value in state["optim"].items():
                 source, key = entry.rsplit("::", 1)
                 saved.setdefault(source, {})[key] = value
+            names = self._names_of_shards()
             for shard in self._trainable:
-                node = next(n for n, t in self.executor.params.items() if t is shard)
+                node = names[id(shard)]
                 mine = saved.get(self._sources[node])
                 if not mine:
                     self.optimizer.state.pop(shard, None)
@@ -385,17 +386,16 @@ ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", 
 NOT_ELEMENTWISE = ("Adafactor", "LBFGS", "SparseAdam", "Muon")
 
 
-def _kind(factory) -> str:
-    """The optimizer name of hidup.program.OPTIMIZERS that prices a factory's optimizer (made on
-    a throw-away tensor): sgd, sgd-momentum, adam or adamw (any other: adamw's two states)."""
-    probe = factory([torch.zeros(1)])
-    name = type(probe).__name__
+def kind_of(optimizer: torch.optim.Optimizer) -> str | None:
+    """The name in hidup.program.OPTIMIZERS that prices this optimizer (sgd, sgd-momentum, adam,
+    adamw), or None for one it does not list."""
+    name = type(optimizer).__name__
     if name == "SGD":
-        return "sgd-momentum" if any(g.get("momentum") for g in probe.param_groups) else "sgd"
-    return {"Adam": "adam", "AdamW": "adamw"}.get(name, "adamw")
+        return "sgd-momentum" if any(g.get("momentum") for g in optimizer.param_groups) else "sgd"
+    return {"Adam": "adam", "AdamW": "adamw"}.get(name)
 
 
-def _check_optimizer(optimizer, strategy, graph, planned: str | None) -> None:
+def _check_optimizer(optimizer, strategy, graph, planned: str) -> None:
     """Refuse an optimizer whose update is not element by element when a parameter is split (its
     update on a shard would not be that part of the whole update); note one the plan did not
     price."""
@@ -409,8 +409,8 @@ def _check_optimizer(optimizer, strategy, graph, planned: str | None) -> None:
     if name not in ELEMENTWISE + NOT_ELEMENTWISE and split:
         log.warning("optimizer %s is not one HiDup knows: training equals single-device training "
                     "only if its update is element by element", name)
-    kind = {"SGD": None, "Adam": "adam", "AdamW": "adamw"}.get(name)
-    if planned and kind and kind != planned:
+    kind = kind_of(optimizer)
+    if kind and kind != planned:
         log.warning("the plan was priced for optimizer %s, this one is %s: its predicted memory "
                     "and update time assumed %s", planned, name, planned)
 
