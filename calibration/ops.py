@@ -48,10 +48,12 @@ PROG = "calibration.ops"
 
 
 def measure_kernels(model: str, strategy: str, world: int, k: int, rank: int = 0,
-                    steps: int = 5, warmup: int = 2, batch: int | None = None
-                    ) -> dict[str, list[float]]:
+                    steps: int = 5, warmup: int = 2, batch: int | None = None,
+                    real: bool = False) -> dict[str, list[float]]:
     """Seconds of each kernel (by kernel_key) of rank `rank`'s compiled step, over `steps` timed
-    steps after `warmup` (every occurrence: micro-batches, layers of the same shapes)."""
+    steps after `warmup` (every occurrence: micro-batches, layers of the same shapes). With
+    `real`, the step's collectives run for real over the default process group (every rank
+    must measure the same configurations in the same order); their waits are not counted."""
     spec = get_model(model, gpus=world)
     batch = batch or spec.batch
     torch.manual_seed(0)
@@ -60,7 +62,8 @@ def measure_kernels(model: str, strategy: str, world: int, k: int, rank: int = 0
     plan = resolve_strategy(strategy, graph, world)
     program = lower(graph, plan, world, k, model)
     executor = Executor(graph, plan, program, dict(net.named_parameters()), 0.0,
-                        buffers=dict(net.named_buffers()), rank=rank, local_collectives=True)
+                        buffers=dict(net.named_buffers()), rank=rank,
+                        local_collectives=not real)
     clock = TaskClock()
     timed, xs = None, None
     for step in range(warmup + steps):
@@ -111,6 +114,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=None, help="global batch (default: the model's)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    ap.add_argument("--collectives", choices=("real", "local"), default="real",
+                    help="real (default): time the kernels in real steps, collectives on the "
+                         "network, so each kernel's time includes what the transfers around it "
+                         "take from the cores; local: stand the collectives in by local copies "
+                         "(one rank, or kernels alone)")
     ap.add_argument("--base", required=True,
                     help="the profile to add the kernels to (shipped name or file)")
     ap.add_argument("--out", type=Path, required=True, help="the profile file to write (.json)")
@@ -136,7 +144,8 @@ def main(argv=None) -> int:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(default_threads())
-    if world > 1:  # only to start together and to finish together
+    in_situ = world > 1 and args.collectives == "real"
+    if world > 1:  # to run the collectives (or only to start and finish together)
         dist.init_process_group("gloo")
     times: dict[str, list[float]] = {}
     try:
@@ -144,8 +153,8 @@ def main(argv=None) -> int:
             for k in args.micro_batches:
                 start = time.perf_counter()
                 for key, values in measure_kernels(args.model, strategy, world, k, rank,
-                                                   args.steps, args.warmup, args.batch
-                                                   ).items():
+                                                   args.steps, args.warmup, args.batch,
+                                                   real=in_situ).items():
                     times.setdefault(key, []).extend(values)
                 if rank == 0:
                     log.info("%s %s k=%d: %d kernels so far, %.1f s", args.model, strategy, k,
@@ -170,10 +179,11 @@ def main(argv=None) -> int:
     spreads.update({key: quantiles([t for r in runs for t in r.get(key, ())]) for key in keys})
     command = "calibration.ops " + " ".join(sys.argv[1:] if argv is None else argv)
     source = (f"{base.source} Kernels of {args.model} measured by `{command}` on {world} "
-              f"rank(s), mean of {args.steps} steps on the slowest rank, and their spread over "
-              f"all ranks.")
+              f"rank(s) ({'in real steps' if in_situ else 'collectives stood in locally'}), "
+              f"mean of {args.steps} steps on the slowest rank, and their spread over all "
+              f"ranks.")
     profile = replace(base, name=args.out.stem, source=source, kernels=kernels,
-                      kernel_quantiles=spreads)
+                      kernel_quantiles=spreads, kernels_in_situ=in_situ)
     args.out.write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
     print(f"{PROG}: {len(times)} kernels measured ({sum(map(len, times.values()))} timings); "
           f"wrote {args.out}")

@@ -226,6 +226,8 @@ class _Sim:
         self.records: list[list[Record]] = [[] for _ in range(ranks)]
         self.slowdown = {"compute": profile.interference_compute,
                          "comm": profile.interference_comm}
+        # kernels timed in real steps already include the transfers' interference
+        self.measured_in_situ = set(profile.kernels or ()) if profile.kernels_in_situ else set()
         self.interfere = max(self.slowdown.values()) > 1.0
         self.devices = [Device() for _ in range(ranks)]
         self.links = Links() if plan.shared_links else None
@@ -267,11 +269,13 @@ class _Sim:
     def kernel(self, rank: int, task, seconds: float):
         """`seconds` of work on the compute stream (slower on a slow rank; with noise, drawn
         from the task's measured spread); recorded."""
+        in_situ = self.measured_in_situ
+        key = timing_key(task, self.collective_of) if self.noise is not None or in_situ else None
         if self.noise is not None:
-            key = timing_key(task, self.collective_of)
             seconds = self.profile.drawn_time(key, seconds, self.noise.random())
         start = self.env.now
-        yield from self.run(rank, COMPUTE_STREAM, seconds * self.slow.get(rank, 1.0))
+        yield from self.run(rank, COMPUTE_STREAM, seconds * self.slow.get(rank, 1.0),
+                            slowed=key not in self.measured_in_situ)
         self.records[rank].append(Record(task, COMPUTE_STREAM, start, self.env.now))
 
     def comm_stream(self, rank: int):
@@ -306,10 +310,11 @@ class _Sim:
         self.records[rank].append(Record(task, stream, start, self.env.now))
         self.done[rank, task.id].succeed()
 
-    def run(self, rank: int, stream: int, work: float, flow=None):
+    def run(self, rank: int, stream: int, work: float, flow=None, slowed: bool = True):
         """Run `work` seconds of full-speed work on `stream` of `rank`: at the rate the other kind
-        of stream allows (interference) and, for a transfer `flow` (key, machines), its share of
-        the loaded links; re-timed whenever one of those changes."""
+        of stream allows (interference; not if `slowed` is false: a kernel timed in real steps)
+        and, for a transfer `flow` (key, machines), its share of the loaded links; re-timed
+        whenever one of those changes."""
         if not self.interfere and flow is None:
             yield self.env.timeout(work)
             return
@@ -322,7 +327,7 @@ class _Sim:
         if flow:
             self.links.begin(*flow, me)
         while work > 1e-15:
-            rate = 1.0 / self.slowdown[kind] if device and device.busy(other) else 1.0
+            rate = 1.0 / self.slowdown[kind] if slowed and device and device.busy(other) else 1.0
             if flow:
                 rate *= self.links.share(flow[0])
             began = self.env.now

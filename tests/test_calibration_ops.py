@@ -1,20 +1,26 @@
-"""calibration.ops: every kernel of a Program is measured with collectives stood in locally, the
-profile carries them, and the simulator and the planner's estimate price kernels, packing and
-unpacking of collectives with them alike."""
+"""calibration.ops: every kernel of a Program is measured, with collectives stood in locally or
+run for real (in situ: a rank's wait for its peers is not counted), the profile carries them,
+and the simulator and the planner's estimate price kernels, packing and unpacking of
+collectives with them alike; kernels timed in situ are not slowed again by interference."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 
 import pytest
 
+import calibration.ops
 from calibration.ops import main as ops_main, measure_kernels, quantiles
 from hidup.models import capture_model, get_model
 from hidup.planning.costs import from_dict, kernel_coverage, kernel_key, load_profile
 from hidup.planning.estimate import estimate
 from hidup.planning.planfile import resolve_strategy
 from hidup.program import Compute, Convert, lower
+from hidup.runtime.passes import TaskClock
 from simulator import simulate
+
+from conftest import run_ranks
 
 
 def program(model: str, strategy: str, world: int, k: int):
@@ -64,10 +70,65 @@ def test_measured_kernels_change_the_prediction_and_estimate_still_equals_the_si
     assert estimate(prog, measured).computation == pytest.approx(timed.computation)
 
 
+class _LateClock(TaskClock):
+    """Rank 1's clock: it starts the step's first task 50 ms late, before its clock reads."""
+
+    def __init__(self, rank: int, first: int):
+        super().__init__()
+        self.rank, self.first = rank, first
+
+    def enter(self, task, standin):
+        if self.rank == 1 and task == self.first:
+            time.sleep(0.05)
+        return super().enter(task, standin)
+
+
+def _measure_in_situ_with_a_late_peer(rank, world):
+    first = program("gpt:tiny", "megatron", world, 1).tasks[0].id
+    calibration.ops.TaskClock = lambda: _LateClock(rank, first)
+    return measure_kernels("gpt:tiny", "megatron", world, 1, rank, steps=2, warmup=1, real=True)
+
+
+def test_in_situ_kernels_run_real_collectives_and_leave_out_the_wait_for_peers():
+    times = run_ranks(2, _measure_in_situ_with_a_late_peer)[0]
+    prog = program("gpt:tiny", "megatron", 2, 1)
+    profile = replace(load_profile("cpu-gloo-loopback"),
+                      kernels={key: max(v) for key, v in times.items()})
+    assert kernel_coverage(profile, prog.tasks) == 1.0
+    # rank 0 waits about 50 ms for rank 1 at its first collective of each step; counted as
+    # that collective's unpacking ('finish KEY'), every finish would take over 50 ms
+    finishes = {key: max(v) for key, v in times.items() if key.startswith("finish")}
+    assert finishes and max(finishes.values()) < 0.025, finishes
+
+
+def test_kernels_timed_in_situ_are_not_slowed_again_by_interference():
+    prog = program("gpt:tiny", "megatron", 2, 2)  # Duplex: kernels run beside collectives
+    base = replace(load_profile("cpu-gloo-loopback"), interference_compute=2.0,
+                   interference_comm=1.0)
+    kernels = {}
+    for task in prog.tasks:
+        if isinstance(task, Compute) or (isinstance(task, Convert) and not task.collective):
+            kernels[kernel_key(task)] = 1e-3
+    apart = simulate(prog, replace(base, kernels=kernels))
+    in_situ = simulate(prog, replace(base, kernels=kernels, kernels_in_situ=True))
+    n_kernels = sum(1 for t in prog.tasks if isinstance(t, Compute)
+                    or (isinstance(t, Convert) and not t.collective))
+    assert in_situ.computation == pytest.approx(n_kernels * 1e-3)
+    assert apart.computation > in_situ.computation + 3e-3  # slowed while collectives run
+    assert in_situ.step_time < apart.step_time
+
+
 def test_profile_round_trips_its_kernels_and_refuses_bad_ones():
     doc = load_profile("cpu-gloo-loopback").to_dict()
     doc["kernels"] = {"fwd aten.mm.default [2, 2],[2, 2]->[2, 2]": 1e-5}
     assert from_dict(json.loads(json.dumps(doc))).kernels == doc["kernels"]
+    doc["kernels_in_situ"] = True
+    assert from_dict(json.loads(json.dumps(doc))).kernels_in_situ
+    assert "kernels_in_situ" not in load_profile("cpu-gloo-loopback").to_dict()  # false: left out
+    doc["kernels_in_situ"] = "yes"
+    with pytest.raises(ValueError, match="kernels_in_situ"):
+        from_dict(doc)
+    del doc["kernels_in_situ"]
     doc["kernels"] = {"fwd x": -1}
     with pytest.raises(ValueError, match="kernels"):
         from_dict(doc)

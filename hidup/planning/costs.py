@@ -41,9 +41,12 @@ _KEYS = {"format", "version", "name", "source", "collectives", "inter_node", "in
 # quantiles over every rank's runs, from which simulator.montecarlo draws per rank;
 # host: on a GPU, seconds the host spends issuing one task, per executor mode or plain PyTorch
 # ("eager"; hidup.program.HOST_MODES);
-# device_memory: bytes of memory per device (a GPU's, or a CPU rank's share of its host's RAM)
+# device_memory: bytes of memory per device (a GPU's, or a CPU rank's share of its host's RAM);
+# kernels_in_situ: true when calibration.ops timed the kernels in real steps, collectives on the
+# network: their times include what the transfers around them take from the device, so the
+# simulator does not slow them again by the interference factor
 _OPTIONAL = {"provenance", "kernels", "collective_points", "kernel_quantiles", "host",
-             "device_memory"}
+             "device_memory", "kernels_in_situ"}
 TIERS = ("intra", "inter")
 
 
@@ -100,6 +103,8 @@ class Profile:
     #   seconds the host spends issuing one task on a GPU, where kernels run asynchronously
     #   after it; absent on a CPU cluster, whose host runs the kernels (their times include it)
     device_memory: float | None = field(default=None, hash=False, compare=False)  # bytes
+    kernels_in_situ: bool = field(default=False, hash=False, compare=False)  # `kernels` timed
+    #   in real steps (their interference included)
 
     def check_world(self, gpus: int) -> None:
         """Refuse a world size the profile cannot describe: GPUs beyond one machine where it has
@@ -208,7 +213,7 @@ class Profile:
                 doc[tier] = {k: {"alpha": c["alpha"], "bus_bandwidth": c["beta"]}
                              for k, c in doc[tier].items()}
         for key in _OPTIONAL:
-            if doc[key] is None:
+            if doc[key] is None or doc[key] is False:
                 del doc[key]
         return doc
 
@@ -349,6 +354,10 @@ def from_dict(doc, where: str = "profile") -> Profile:
                                f"({', '.join(HOST_MODES)}) "
                                f"to the seconds of host time per task, got {host!r}")
         host = {k: _number(v, f"host[{k!r}]", where, zero_ok=True) for k, v in host.items()}
+    in_situ = doc.get("kernels_in_situ", False)
+    if not isinstance(in_situ, bool):
+        raise ProfileError(f"{where}: \"kernels_in_situ\" must be true or false, got "
+                           f"{in_situ!r}")
     memory = doc.get("device_memory")
     if memory is not None:
         memory = _number(memory, "device_memory", where)
@@ -370,7 +379,7 @@ def from_dict(doc, where: str = "profile") -> Profile:
                    values["mem_bandwidth"], values["op_overhead"],
                    _collectives(doc["collectives"], where), int(values["gpus_per_node"]), inter,
                    slow["compute"], slow["communication"], provenance, kernels, points,
-                   spreads, host, memory)
+                   spreads, host, memory, in_situ)
 
 
 def _point(p, where: str) -> list:
