@@ -1,22 +1,28 @@
 """Measure a model's kernels on this cluster and add them to a profile. Every rank, started by
 torchrun, runs the compiled step (hidup.runtime.step) of the given strategies and micro-batch
-counts, collectives stood in by local copies (same shapes, no communication), with a clock read
-between the graph nodes of consecutive tasks: a node's forward or backward, a local slice, the
-optimizer step, and the packing and unpacking of a collective's tensors (on a CPU the host does it:
-it is not hidden as on a GPU). Rank 0 writes the base profile with the mean time of each kernel (by
-hidup.planning.costs.kernel_key: a step is a sum of kernels, and a sum's expectation is the sum of
-means; occasional slow runs count as in a real step) on the slowest rank (ranks meet at every
-collective, so the slowest one sets the pace); the simulator then uses these instead of the roofline
-wherever a Program has the same kernel. It also writes each kernel's spread over every rank's runs
-(16 equally likely values): from it simulator.montecarlo draws each rank's kernel times, so that a
-collective waits for its slowest member as it does in a real step (the expected maximum at each
-rendezvous):
+counts with a clock read between the graph nodes of consecutive tasks: a node's forward or
+backward, a local slice, the optimizer step, and the packing and unpacking of a collective's
+tensors (on a CPU the host does it: it is not hidden as on a GPU). By default (more than one
+rank) the collectives run for real, as in training: each kernel's time then includes what the
+transfers around it take from the cores (on a CPU, the network stack and gloo's threads share
+them with the kernels), and the time a rank spends waiting for its peers or for a transfer is
+left out (the wait is its collective's part, not a kernel's); the profile says so
+(`kernels_in_situ`), and the simulator does not slow these kernels again by the interference
+factor. `--collectives local` stands the collectives in by local copies (same shapes, no
+communication), as on one rank. Rank 0 writes the base profile with the mean time of each
+kernel (by hidup.planning.costs.kernel_key: a step is a sum of kernels, and a sum's expectation
+is the sum of means; occasional slow runs count as in a real step) on the slowest rank (ranks
+meet at every collective, so the slowest one sets the pace); the simulator then uses these
+instead of the roofline wherever a Program has the same kernel. It also writes each kernel's
+spread over every rank's runs (16 equally likely values): from it simulator.montecarlo draws
+each rank's kernel times, so that a collective waits for its slowest member as it does in a real
+step (the expected maximum at each rendezvous):
 
     torchrun --nproc-per-node 2 -m calibration.ops --model gpt:tiny --strategy ddp megatron \\
         --micro-batches 1 2 --base PROFILE.json --out PROFILE-gpt.json
 
 All ranks measure at once, so ranks that share a machine's cores slow each other as in a real
-run; compute and communication running together are the base profile's interference figures."""
+run."""
 from __future__ import annotations
 
 import argparse
