@@ -98,6 +98,8 @@ class _Plan:
     issue: tuple[tuple[Compute | Convert | Wait, float], ...] | None  # every task in program
     #   order and the seconds the host thread spends issuing it (a GPU profile's host figures;
     #   None: no host thread)
+    in_situ: frozenset[int]  # compute-stream tasks whose measured time was taken in real steps
+    #   (Profile.kernels_in_situ): interference is already in it
 
     @property
     def identical(self) -> bool:
@@ -181,8 +183,11 @@ def _plan(program: Program, profile: Profile, mode: str = "graph") -> _Plan:
         compute.append(task)
     issue = None if profile.host is None else \
         tuple((t, profile.issue_time(t, mode)) for t in program.tasks)
+    measured = set(profile.kernels or ()) if profile.kernels_in_situ else set()
+    by_id = {c.id: c for c in collectives}
+    in_situ = frozenset(t.id for t in compute if measured and timing_key(t, by_id) in measured)
     return _Plan(tuple(compute), collectives, _producers(program), duration, links, part, host,
-                 issue)
+                 issue, in_situ)
 
 
 def _check_groups(task: Convert, world: int) -> None:
@@ -226,8 +231,6 @@ class _Sim:
         self.records: list[list[Record]] = [[] for _ in range(ranks)]
         self.slowdown = {"compute": profile.interference_compute,
                          "comm": profile.interference_comm}
-        # kernels timed in real steps already include the transfers' interference
-        self.measured_in_situ = set(profile.kernels or ()) if profile.kernels_in_situ else set()
         self.interfere = max(self.slowdown.values()) > 1.0
         self.devices = [Device() for _ in range(ranks)]
         self.links = Links() if plan.shared_links else None
@@ -269,13 +272,12 @@ class _Sim:
     def kernel(self, rank: int, task, seconds: float):
         """`seconds` of work on the compute stream (slower on a slow rank; with noise, drawn
         from the task's measured spread); recorded."""
-        in_situ = self.measured_in_situ
-        key = timing_key(task, self.collective_of) if self.noise is not None or in_situ else None
         if self.noise is not None:
+            key = timing_key(task, self.collective_of)
             seconds = self.profile.drawn_time(key, seconds, self.noise.random())
         start = self.env.now
         yield from self.run(rank, COMPUTE_STREAM, seconds * self.slow.get(rank, 1.0),
-                            slowed=key not in self.measured_in_situ)
+                            slowed=task.id not in self.plan.in_situ)
         self.records[rank].append(Record(task, COMPUTE_STREAM, start, self.env.now))
 
     def comm_stream(self, rank: int):

@@ -47,22 +47,24 @@ def test_every_kernel_and_collective_of_the_program_is_measured(strategy):
                 assert pack > 0 and unpack > 0, (task, pack, unpack)
 
 
+def local_tasks(prog) -> list:
+    """The tasks a compute stream runs as kernels: Computes and local conversions."""
+    return [t for t in prog.tasks if isinstance(t, Compute)
+            or (isinstance(t, Convert) and not t.collective)]
+
+
 def test_measured_kernels_change_the_prediction_and_estimate_still_equals_the_simulator():
     prog = program("gpt:tiny", "megatron", 2, 2)
     base = replace(load_profile("cpu-gloo-loopback"), interference_compute=1.0,
                    interference_comm=1.0)
     # a kernel table that makes every kernel 1 ms and every packing / unpacking 0.5 ms
-    kernels = {}
-    for task in prog.tasks:
-        if isinstance(task, Compute) or (isinstance(task, Convert) and not task.collective):
-            kernels[kernel_key(task)] = 1e-3
-        elif isinstance(task, Convert):
-            kernels[f"issue {kernel_key(task)}"] = kernels[f"finish {kernel_key(task)}"] = 5e-4
+    kernels = {kernel_key(task): 1e-3 for task in local_tasks(prog)}
+    for task in prog.collectives:
+        kernels[f"issue {kernel_key(task)}"] = kernels[f"finish {kernel_key(task)}"] = 5e-4
     measured = replace(base, kernels=kernels)
     plain, timed = simulate(prog, base), simulate(prog, measured)
     assert timed.step_time != pytest.approx(plain.step_time)
-    n_kernels = sum(1 for t in prog.tasks if isinstance(t, Compute)
-                    or (isinstance(t, Convert) and not t.collective))
+    n_kernels = len(local_tasks(prog))
     n_coll = len(prog.collectives)
     # the compute stream is busy for every kernel, packing and unpacking: exactly that much
     assert timed.computation == pytest.approx(n_kernels * 1e-3 + n_coll * 2 * 5e-4)
@@ -105,15 +107,10 @@ def test_kernels_timed_in_situ_are_not_slowed_again_by_interference():
     prog = program("gpt:tiny", "megatron", 2, 2)  # Duplex: kernels run beside collectives
     base = replace(load_profile("cpu-gloo-loopback"), interference_compute=2.0,
                    interference_comm=1.0)
-    kernels = {}
-    for task in prog.tasks:
-        if isinstance(task, Compute) or (isinstance(task, Convert) and not task.collective):
-            kernels[kernel_key(task)] = 1e-3
+    kernels = {kernel_key(task): 1e-3 for task in local_tasks(prog)}
     apart = simulate(prog, replace(base, kernels=kernels))
     in_situ = simulate(prog, replace(base, kernels=kernels, kernels_in_situ=True))
-    n_kernels = sum(1 for t in prog.tasks if isinstance(t, Compute)
-                    or (isinstance(t, Convert) and not t.collective))
-    assert in_situ.computation == pytest.approx(n_kernels * 1e-3)
+    assert in_situ.computation == pytest.approx(len(local_tasks(prog)) * 1e-3)
     assert apart.computation > in_situ.computation + 3e-3  # slowed while collectives run
     assert in_situ.step_time < apart.step_time
 
