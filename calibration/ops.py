@@ -1,8 +1,11 @@
 """Measure a model's kernels on this cluster and add them to a profile. Every rank, started by
-torchrun, runs the compiled step (hidup.runtime.step) of the given strategies and micro-batch
-counts with a clock read between the graph nodes of consecutive tasks: a node's forward or
-backward, a local slice, the optimizer step, and the packing and unpacking of a collective's
-tensors (on a CPU the host does it: it is not hidden as on a GPU). By default (more than one
+torchrun, runs the training step as hidup.train runs it (hidup.Trainer: the compiled step of
+hidup.runtime.step, then the torch.optim --optimizer and the schedule) for the given strategies
+and micro-batch counts, with a clock read between the graph nodes of consecutive tasks: a
+node's forward or backward, a local slice, and the packing and unpacking of a collective's
+tensors (on a CPU the host does it: it is not hidden as on a GPU). What the step spends outside
+the graph (the optimizer's step, the Trainer's bookkeeping) is the update task's time,
+so that the kernels add up to the step that trains. By default (more than one
 rank) the collectives run for real, as in training: each kernel's time then includes what the
 transfers around it take from the cores (on a CPU, the network stack and gloo's threads share
 them with the kernels), and the time a rank spends waiting for its peers or for a transfer is
@@ -43,11 +46,9 @@ from hidup.graph.capture import capture
 from hidup.models import get_model, names
 from hidup.planning.costs import ProfileError, load_profile, timing_key
 from hidup.planning.planfile import resolve_strategy
-from hidup.program import lower
-from hidup.runtime.execute import Executor
+from hidup.program.tasks import Compute
 from hidup.runtime.launch import default_threads
-from hidup.runtime.passes import TaskClock, with_hooks
-from hidup.runtime.step import trace_step
+from hidup.runtime.passes import TaskClock
 
 log = logging.getLogger(__name__)
 PROG = "calibration.ops"
@@ -55,35 +56,48 @@ PROG = "calibration.ops"
 
 def measure_kernels(model: str, strategy: str, world: int, k: int, rank: int = 0,
                     steps: int = 5, warmup: int = 2, batch: int | None = None,
-                    real: bool = False) -> dict[str, list[float]]:
-    """Seconds of each kernel (by kernel_key) of rank `rank`'s compiled step, over `steps` timed
-    steps after `warmup` (every occurrence: micro-batches, layers of the same shapes). With
-    `real`, the step's collectives run for real over the default process group (every rank
-    must measure the same configurations in the same order); their waits are not counted."""
+                    real: bool = False, optimizer: str = "adamw") -> dict[str, list[float]]:
+    """Seconds of each kernel (by timing_key) of rank `rank`'s training step as hidup.train runs
+    it (hidup.Trainer: the compiled step, then the torch.optim `optimizer` and the schedule),
+    over `steps` timed steps after `warmup` (every occurrence: micro-batches, layers of the same
+    shapes). What the step spends outside the graph (the optimizer, the Trainer's own
+    bookkeeping) is the update task's time. With `real`, the
+    step's collectives run for real over the default process group (every rank must measure the
+    same configurations in the same order); their waits are not counted. The learning rate is
+    0: the parameters stay as they are."""
+    from hidup.api import Plan
+    from hidup.runtime.trainer import Trainer
+    from hidup.train import optimizer_factory
+
     spec = get_model(model, gpus=world)
     batch = batch or spec.batch
     torch.manual_seed(0)
     net = spec.build()
     graph = capture(net, spec.inputs(batch, torch.Generator().manual_seed(0)))
-    plan = resolve_strategy(strategy, graph, world)
-    program = lower(graph, plan, world, k, model)
-    executor = Executor(graph, plan, program, dict(net.named_parameters()), 0.0,
-                        buffers=dict(net.named_buffers()), rank=rank,
-                        local_collectives=not real)
-    clock = TaskClock()
-    timed, xs = None, None
+    plan = Plan.of(graph, resolve_strategy(strategy, graph, world), world, k, model=model,
+                   optimizer=optimizer)
+    trainer = Trainer(net, plan, optimizer_factory(optimizer, 0.0),
+                      lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0))
+    if not real:
+        trainer.executor.stand_in_collectives()
+    clock = trainer.executor.clock = TaskClock()
+    outside = []  # per timed step: its wall time outside the graph's first to last task
     for step in range(warmup + steps):
         if step == warmup:
             clock.seconds.clear()
         data = spec.inputs(batch, torch.Generator().manual_seed(1 + step))
-        xs = [x.to(executor.device) for x in data]
-        if timed is None:
-            timed = with_hooks(trace_step(executor.spec, list(executor.params.values()),
-                                          executor.buffers, xs, executor.lr), clock.enter,
-                               clock.leave)
-        with torch.no_grad():  # lr 0: the parameters stay as they are
-            timed(*executor.params.values(), *executor.buffers, *xs, executor.lr)
-    return kernel_times(program, clock.seconds, steps)
+        clock.first, start = None, time.perf_counter()
+        trainer.step(*data)
+        if step >= warmup:
+            outside.append(time.perf_counter() - start - (clock.last - clock.first))
+    program = trainer.program
+    times = kernel_times(program, clock.seconds, steps)
+    update = next((t for t in program.tasks if isinstance(t, Compute) and t.phase == "update"),
+                  None)
+    if update is not None:
+        key = timing_key(update, program.tasks)
+        times[key] = [a + b for a, b in zip(times[key], outside)]
+    return times
 
 
 def kernel_times(program, seconds: dict[tuple[int, bool], list[float]], steps: int
@@ -125,6 +139,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "network, so each kernel's time includes what the transfers around it "
                          "take from the cores; local: stand the collectives in by local copies "
                          "(one rank, or kernels alone)")
+    ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                    help="the torch.optim optimizer whose step is timed, as hidup.train "
+                         "--optimizer runs it (default adamw, as hidup.train)")
     ap.add_argument("--base", required=True,
                     help="the profile to add the kernels to (shipped name or file)")
     ap.add_argument("--out", type=Path, required=True, help="the profile file to write (.json)")
@@ -160,7 +177,8 @@ def main(argv=None) -> int:
                 start = time.perf_counter()
                 for key, values in measure_kernels(args.model, strategy, world, k, rank,
                                                    args.steps, args.warmup, args.batch,
-                                                   real=in_situ).items():
+                                                   real=in_situ,
+                                                   optimizer=args.optimizer).items():
                     times.setdefault(key, []).extend(values)
                 if rank == 0:
                     log.info("%s %s k=%d: %d kernels so far, %.1f s", args.model, strategy, k,

@@ -3,8 +3,10 @@
 For each cluster shape (--hosts x --ranks-per-host) an emulated cluster (hidup.emulation: hosts as
 network namespaces, links limited with tc) is brought up, and for each link bandwidth it is
 calibrated once, as a user would calibrate theirs: calibration.profile (microbenchmarks of
-kernels and collectives), then per model calibration.ops (every strategy's kernels at k = 1 and
-2, collectives stood in locally; the searched plan is made from it and its kernels added). Every
+kernels and collectives; on one rank its kernels on the cpu-gloo-loopback profile's
+collectives), then per model calibration.ops (every strategy's training step as hidup.train runs
+it, SGD included, at k = 1 and 2, timed task by task in real steps; the searched plan is made
+from it and its kernels added). Every
 configuration (model x strategy x Duplex on/off) is then predicted from that one profile and
 trained for real (hidup.train, median step after warm-up) in each of --rounds rounds; the
 medians over rounds count. --recalibrate-each times each configuration's own kernels right
@@ -41,6 +43,8 @@ from simulator.montecarlo import expected_step
 log = logging.getLogger(__name__)
 PROG = "python -m experiments.accuracy"
 STRATEGIES = ("searched", "ddp", "megatron", "expert")
+OPTIMIZER = "sgd"  # what every run trains with, calibration.ops times and the Program prices
+ONE_RANK_BASE = "cpu-gloo-loopback"  # collectives of a one-rank calibration (none are run)
 
 
 @dataclass
@@ -88,6 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=2,
                     help="rounds over all configurations; the medians over rounds count "
                          "(default 2)")
+    ap.add_argument("--ops-steps", type=int, default=5,
+                    help="timed steps per strategy and micro-batch count in calibration.ops "
+                         "(default 5; millisecond steps need hundreds)")
     ap.add_argument("--max-bytes", default="32MB",
                     help="largest collective the calibration measures (calibration.profile)")
     ap.add_argument("--quick", action="store_true",
@@ -110,8 +117,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             parse_rate(rate)
         except ValueError as exc:
             ap.error(str(exc))
-    if args.rounds < 1:
-        ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    for flag in ("rounds", "ops_steps"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if args.warmup >= args.steps:
         ap.error(f"--warmup ({args.warmup}) must be below --steps ({args.steps})")
     gate = args.max_median_error
@@ -128,8 +136,10 @@ def is_moe(model: str) -> bool:
 def calibrate(cluster: Cluster, args, folder: Path) -> Path:
     """calibration.profile on the cluster as it is now: the profile file."""
     out = folder / f"profile-{cluster.hosts}x{cluster.ranks_per_host}-{cluster.bandwidth}.json"
+    # one rank has nothing to communicate with: its kernels on the CPU profile's collectives
+    base = ["--base", ONE_RANK_BASE] if cluster.world == 1 else []
     _cluster_run(cluster, ["-m", "calibration.profile", "--out", str(out), "--repeats", "3",
-                           "--max-bytes", args.max_bytes], "calibration.profile")
+                           "--max-bytes", args.max_bytes, *base], "calibration.profile")
     return out
 
 
@@ -145,35 +155,36 @@ def plan_for(model: str, profile_path: Path, world: int, folder: Path) -> Path:
     file."""
     graph = captured(model, world)[1]
     profile = load_profile(profile_path)
-    result = search(graph, world, profile, k=2)
+    result = search(graph, world, profile, k=2, optimizer=OPTIMIZER)
     path = folder / f"plan-{model.replace(':', '-')}-{profile_path.stem}.json"
-    save_plan(path, graph, result.strategy, world, model, profile.name)
+    save_plan(path, graph, result.strategy, world, model, profile.name, optimizer=OPTIMIZER)
     return path
 
 
 def measure_kernels(cluster: Cluster, model: str, strategies: list[str], base: Path,
-                    folder: Path, micro_batches=(1, 2), tag: str = "") -> Path:
+                    folder: Path, steps: int, micro_batches=(1, 2), tag: str = "") -> Path:
     """calibration.ops on the cluster: `base` plus the model's kernels, as a new profile."""
     out = folder / f"{base.stem}-{model.replace(':', '-')}{tag}.json"
     _cluster_run(cluster, ["-m", "calibration.ops", "--model", model, "--strategy", *strategies,
                            "--micro-batches", *map(str, micro_batches), "--base", str(base),
-                           "--out", str(out)], "calibration.ops")
+                           "--optimizer", OPTIMIZER, "--steps", str(steps), "--out", str(out)],
+                 "calibration.ops")
     return out
 
 
 def predict(model: str, strategy: str, k: int, profile_path: Path, world: int):
     spec, graph = captured(model, world)
-    program = lower(graph, resolve_strategy(strategy, graph, world), world, k, spec.name)
+    program = lower(graph, resolve_strategy(strategy, graph, world), world, k, spec.name,
+                    optimizer=OPTIMIZER)
     profile = load_profile(profile_path)
     return expected_step(program, profile), kernel_coverage(profile, program.tasks)
 
 
 def measure(cluster: Cluster, model: str, strategy: str, k: int, args) -> float:
     """Median step time (ms) of a real run after warm-up."""
-    # the simulator costs the in-graph SGD update (calibration.ops measures it): run SGD
     out = _cluster_run(cluster, ["-m", "hidup.train", "--model", model, "--strategy", strategy,
                                  "--micro-batches", str(k), "--steps", str(args.steps),
-                                 "--warmup", str(args.warmup), "--optimizer", "sgd", "--json"],
+                                 "--warmup", str(args.warmup), "--optimizer", OPTIMIZER, "--json"],
                        "hidup.train")
     return json.loads(out.strip().splitlines()[-1])["median_step_ms"]
 
@@ -184,7 +195,8 @@ def run_config(cluster: Cluster, model: str, arg: str, k: int, profile: Path, wo
     see the machine at the same speed (this VM's speed drifts by up to a quarter within a
     minute); (prediction, ms, coverage)."""
     if args.recalibrate_each:
-        profile = measure_kernels(cluster, model, [arg], profile, args.out, [k], tag="-run")
+        profile = measure_kernels(cluster, model, [arg], profile, args.out, args.ops_steps,
+                                  [k], tag="-run")
     result, coverage = predict(model, arg, k, profile, world)
     return result, measure(cluster, model, arg, k, args), coverage
 
@@ -283,14 +295,14 @@ def model_profile(cluster: Cluster, model: str, strategies: list[str], base: Pat
     args_of = {s: s for s in fixed}
     if args.recalibrate_each and "searched" not in strategies:
         return base, args_of
-    kernels = measure_kernels(cluster, model, fixed, base, args.out)
+    kernels = measure_kernels(cluster, model, fixed, base, args.out, args.ops_steps)
     profile = base if args.recalibrate_each else kernels
     if "searched" in strategies:  # the search needs the model's kernels
         plan = plan_for(model, kernels, cluster.world, args.out)
         args_of["searched"] = str(plan)
         if not args.recalibrate_each:
             profile = measure_kernels(cluster, model, [str(plan)], kernels, args.out,
-                                      tag="-searched")
+                                      args.ops_steps, tag="-searched")
     return profile, args_of
 
 

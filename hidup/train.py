@@ -325,11 +325,12 @@ def setup(args, world: int) -> tuple[int, torch.device]:
     return rank, device
 
 
-def optimizer_factory(args):
-    """A function of the parameters (this rank's shards) returning the torch.optim optimizer."""
-    if args.optimizer == "sgd":
-        return lambda params: torch.optim.SGD(params, lr=args.lr)
-    return lambda params: torch.optim.AdamW(params, lr=args.lr)
+def optimizer_factory(name: str, lr: float):
+    """A function of the parameters (this rank's shards) returning the torch.optim optimizer
+    that --optimizer `name` runs (calibration.ops times the same one)."""
+    if name == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=lr)
+    return lambda params: torch.optim.AdamW(params, lr=lr)
 
 
 def lr_factor(step: int, warmup: int, steps: int, schedule: str) -> float:
@@ -359,7 +360,8 @@ def run(args) -> dict:
     rank, device = setup(args, world)
     spec, vocab, batch, k, graph, strategy = p.spec, p.vocab, p.batch, p.k, p.graph, p.strategy
     plan = Plan.of(graph, strategy, world, k, model=args.model, optimizer=args.optimizer)
-    trainer = Trainer(p.model, plan, optimizer_factory(args), schedule_factory(args),
+    trainer = Trainer(p.model, plan, optimizer_factory(args.optimizer, args.lr),
+                      schedule_factory(args),
                       compile=args.compile, device=device, micro_batches=k,
                       autocast=torch.bfloat16 if args.precision == "bf16" else None,
                       cuda_graphs=args.cuda_graphs)

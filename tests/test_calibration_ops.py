@@ -1,5 +1,6 @@
-"""calibration.ops: every kernel of a Program is measured, with collectives stood in locally or
-run for real (in situ: a rank's wait for its peers is not counted), the profile carries them,
+"""calibration.ops: every kernel of a Program is measured in the training step as hidup.train
+runs it (the optimizer's step outside the graph is the update's time), with collectives stood
+in locally or run for real (in situ: a rank's wait for its peers is not counted), the profile carries them,
 and the simulator and the planner's estimate price kernels, packing and unpacking of
 collectives with them alike; kernels timed in situ are not slowed again by interference."""
 from __future__ import annotations
@@ -9,6 +10,7 @@ import time
 from dataclasses import replace
 
 import pytest
+import torch
 
 import calibration.ops
 from calibration.ops import main as ops_main, measure_kernels, quantiles
@@ -26,12 +28,18 @@ from conftest import run_ranks
 def program(model: str, strategy: str, world: int, k: int):
     spec = get_model(model, gpus=world)
     graph = capture_model(spec, spec.batch)
-    return lower(graph, resolve_strategy(strategy, graph, world), world, k, spec.name)
+    return lower(graph, resolve_strategy(strategy, graph, world), world, k, spec.name,
+                 optimizer="sgd")
+
+
+def _measure_with_stand_ins(rank, world, strategy):
+    return measure_kernels("gpt:tiny", strategy, world, 2, rank, steps=2, warmup=1,
+                           optimizer="sgd")
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "megatron"])
 def test_every_kernel_and_collective_of_the_program_is_measured(strategy):
-    times = measure_kernels("gpt:tiny", strategy, 2, 2, rank=0, steps=2, warmup=1)
+    times = run_ranks(2, _measure_with_stand_ins, strategy)[0]
     prog = program("gpt:tiny", strategy, 2, 2)
     kernels = {key: min(v) for key, v in times.items()}
     profile = replace(load_profile("cpu-gloo-loopback"), kernels=kernels)
@@ -45,6 +53,27 @@ def test_every_kernel_and_collective_of_the_program_is_measured(strategy):
             pack, unpack = profile.host_times(task)
             if task.kind != "all_reduce" or len(task.inputs) > 1:
                 assert pack > 0 and unpack > 0, (task, pack, unpack)
+
+
+class _SlowSGD(torch.optim.SGD):
+    """SGD whose step takes 20 ms more: what the Trainer spends outside the graph."""
+
+    def step(self, closure=None):
+        time.sleep(0.02)
+        return super().step(closure)
+
+
+def test_the_update_is_the_optimizer_step_as_the_trainer_runs_it(monkeypatch):
+    """One rank times hidup.train's step: the graph task by task, and what the step spends
+    outside it (the torch.optim step, the Trainer's bookkeeping) as the update task."""
+    monkeypatch.setattr("hidup.train.optimizer_factory",
+                        lambda name, lr: lambda params: _SlowSGD(params, lr=lr))
+    times = measure_kernels("mlp:tiny", "ddp", 1, 2, steps=3, warmup=1, optimizer="sgd")
+    prog = program("mlp:tiny", "ddp", 1, 2)
+    [update] = [t for t in prog.tasks if isinstance(t, Compute) and t.phase == "update"]
+    assert all(0.02 <= t < 0.2 for t in times[kernel_key(update)])  # the sleep is in it
+    others = [sum(v) / 3 for key, v in times.items() if key != kernel_key(update)]
+    assert 0 < sum(others) < 0.02  # and in no other kernel
 
 
 def local_tasks(prog) -> list:
@@ -88,7 +117,8 @@ class _LateClock(TaskClock):
 def _measure_in_situ_with_a_late_peer(rank, world):
     first = program("gpt:tiny", "megatron", world, 1).tasks[0].id
     calibration.ops.TaskClock = lambda: _LateClock(rank, first)
-    return measure_kernels("gpt:tiny", "megatron", world, 1, rank, steps=2, warmup=1, real=True)
+    return measure_kernels("gpt:tiny", "megatron", world, 1, rank, steps=2, warmup=1, real=True,
+                           optimizer="sgd")
 
 
 def test_in_situ_kernels_run_real_collectives_and_leave_out_the_wait_for_peers():
@@ -137,7 +167,8 @@ def test_profile_round_trips_its_kernels_and_refuses_bad_ones():
 def test_command_line_writes_a_profile_with_the_kernels(tmp_path, capsys):
     out = tmp_path / "p.json"
     assert ops_main(["--model", "mlp:tiny", "--strategy", "ddp", "--micro-batches", "1",
-                     "--steps", "1", "--warmup", "0", "--base", "cpu-gloo-loopback",
+                     "--steps", "1", "--warmup", "0", "--optimizer", "sgd",
+                     "--base", "cpu-gloo-loopback",
                      "--out", str(out)]) == 0
     profile = load_profile(out)
     assert kernel_coverage(profile, program("mlp:tiny", "ddp", 1, 1).tasks) == 1.0

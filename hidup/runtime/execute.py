@@ -5,6 +5,7 @@ graph."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,9 @@ class Executor:
                              self.device.type, local_collectives)
         self._steps: dict[tuple, object] = {}
         self.grads: dict[str, torch.Tensor] = {}
+        # calibration.ops: a TaskClock whose enter/leave the graph-mode step calls around each
+        # task (set before the first step: steps traced earlier keep running untimed)
+        self.clock = None
 
     # -- one step ---------------------------------------------------------------------------
     def step(self, inputs: dict[str, torch.Tensor], update: bool = True,
@@ -83,6 +87,8 @@ class Executor:
             log.debug("rank %d: traced the step, %d graph nodes", self.rank, len(gm.graph.nodes))
             if key[2]:
                 gm = labelled(gm, self.p)
+            elif self.clock is not None and self.mode == "graph":
+                gm = with_hooks(gm, self.clock.enter, self.clock.leave)
             run = self._steps[key] = self._finish(gm, update)
         return run
 
@@ -92,6 +98,12 @@ class Executor:
         if self.mode == "cuda-graphs":
             return CudaGraphStep(gm, self, update)
         return gm.forward
+
+    def stand_in_collectives(self) -> None:
+        """Calibration (calibration.ops --collectives local): from the next step on, every
+        collective is a local copy of its shapes and nothing is sent."""
+        self.spec = replace(self.spec, group_name=None, local_collectives=True)
+        self._steps.clear()
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the next steps (a tensor the step reads: nothing is retraced)."""

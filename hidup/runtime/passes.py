@@ -104,17 +104,24 @@ def with_hooks(gm: torch.fx.GraphModule, enter, leave) -> torch.fx.GraphModule:
 
 class TaskClock:
     """Per-task wall time of a graph run with `with_hooks` (on the CPU, where ops are synchronous):
-    `seconds[(task, standin)]` lists each run of that part."""
+    `seconds[(task, standin)]` lists each run of that part; `first` is when the first part
+    started since it was last set to None, `last` when the latest part ended."""
 
     def __init__(self):
         self.seconds: dict[tuple[int, bool], list[float]] = {}
+        self.first: float | None = None
+        self.last: float | None = None
 
     def enter(self, task, standin):
-        return task, standin, time.perf_counter()
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        return task, standin, now
 
     def leave(self, handle) -> None:
         task, standin, start = handle
-        self.seconds.setdefault((task, standin), []).append(time.perf_counter() - start)
+        self.last = time.perf_counter()
+        self.seconds.setdefault((task, standin), []).append(self.last - start)
 
 
 def _is_communication(node: torch.fx.Node) -> bool:
