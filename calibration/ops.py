@@ -54,10 +54,10 @@ log = logging.getLogger(__name__)
 PROG = "calibration.ops"
 
 
-def measure_kernels(model: str, strategy: str, world: int, k: int, rank: int = 0,
-                    steps: int = 5, warmup: int = 2, batch: int | None = None,
-                    real: bool = False, optimizer: str = "adamw") -> dict[str, list[float]]:
-    """Seconds of each kernel (by timing_key) of rank `rank`'s training step as hidup.train runs
+def measure_kernels(model: str, strategy: str, world: int, k: int, steps: int = 5,
+                    warmup: int = 2, batch: int | None = None, real: bool = False,
+                    optimizer: str = "adamw") -> dict[str, list[float]]:
+    """Seconds of each kernel (by timing_key) of this rank's training step as hidup.train runs
     it (hidup.Trainer: the compiled step, then the torch.optim `optimizer` and the schedule),
     over `steps` timed steps after `warmup` (every occurrence: micro-batches, layers of the same
     shapes). What the step spends outside the graph (the optimizer, the Trainer's own
@@ -92,11 +92,9 @@ def measure_kernels(model: str, strategy: str, world: int, k: int, rank: int = 0
             outside.append(time.perf_counter() - start - (clock.last - clock.first))
     program = trainer.program
     times = kernel_times(program, clock.seconds, steps)
-    update = next((t for t in program.tasks if isinstance(t, Compute) and t.phase == "update"),
-                  None)
-    if update is not None:
-        key = timing_key(update, program.tasks)
-        times[key] = [a + b for a, b in zip(times[key], outside)]
+    [update] = [t for t in program.tasks if isinstance(t, Compute) and t.phase == "update"]
+    key = timing_key(update, program.tasks)  # a Program ends with its one update task
+    times[key] = [a + b for a, b in zip(times[key], outside)]
     return times
 
 
@@ -175,9 +173,8 @@ def main(argv=None) -> int:
         for strategy in args.strategy:
             for k in args.micro_batches:
                 start = time.perf_counter()
-                for key, values in measure_kernels(args.model, strategy, world, k, rank,
-                                                   args.steps, args.warmup, args.batch,
-                                                   real=in_situ,
+                for key, values in measure_kernels(args.model, strategy, world, k, args.steps,
+                                                   args.warmup, args.batch, real=in_situ,
                                                    optimizer=args.optimizer).items():
                     times.setdefault(key, []).extend(values)
                 if rank == 0:

@@ -33,7 +33,7 @@ def program(model: str, strategy: str, world: int, k: int):
 
 
 def _measure_with_stand_ins(rank, world, strategy):
-    return measure_kernels("gpt:tiny", strategy, world, 2, rank, steps=2, warmup=1,
+    return measure_kernels("gpt:tiny", strategy, world, 2, steps=2, warmup=1,
                            optimizer="sgd")
 
 
@@ -117,7 +117,7 @@ class _LateClock(TaskClock):
 def _measure_in_situ_with_a_late_peer(rank, world):
     first = program("gpt:tiny", "megatron", world, 1).tasks[0].id
     calibration.ops.TaskClock = lambda: _LateClock(rank, first)
-    return measure_kernels("gpt:tiny", "megatron", world, 1, rank, steps=2, warmup=1, real=True,
+    return measure_kernels("gpt:tiny", "megatron", world, 1, steps=2, warmup=1, real=True,
                            optimizer="sgd")
 
 
