@@ -25,7 +25,9 @@ step (the expected maximum at each rendezvous):
         --micro-batches 1 2 --base PROFILE.json --out PROFILE-gpt.json
 
 All ranks measure at once, so ranks that share a machine's cores slow each other as in a real
-run."""
+run. The configurations (each strategy at each micro-batch count) are built first and then timed
+in turns, one step of each per round, so that a drift of the machine's speed during the
+calibration lands on all of them alike."""
 from __future__ import annotations
 
 import argparse
@@ -54,48 +56,80 @@ log = logging.getLogger(__name__)
 PROG = "calibration.ops"
 
 
+class KernelTimer:
+    """One configuration (model, strategy, micro-batches) as hidup.train runs it (hidup.Trainer:
+    the compiled step, then the torch.optim `optimizer` and the schedule), with a clock between
+    the graph's tasks. Each `step()` trains one step; after `start()`, each step's kernels are
+    kept. What a step spends outside the graph (the optimizer, the Trainer's own bookkeeping)
+    is the update task's time. With `real`, the step's collectives run for real over the
+    default process group (every rank must step the same configurations in the same order);
+    their waits are not counted. The learning rate is 0: the parameters stay as they are."""
+
+    def __init__(self, model: str, strategy: str, world: int, k: int, batch: int | None = None,
+                 real: bool = False, optimizer: str = "adamw"):
+        from hidup.api import Plan
+        from hidup.runtime.trainer import Trainer
+        from hidup.train import optimizer_factory
+
+        self.spec = get_model(model, gpus=world)
+        self.batch = batch or self.spec.batch
+        torch.manual_seed(0)
+        net = self.spec.build()
+        graph = capture(net, self.spec.inputs(self.batch, torch.Generator().manual_seed(0)))
+        plan = Plan.of(graph, resolve_strategy(strategy, graph, world), world, k, model=model,
+                       optimizer=optimizer)
+        self.trainer = Trainer(net, plan, optimizer_factory(optimizer, 0.0),
+                               lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0))
+        if not real:
+            self.trainer.executor.stand_in_collectives()
+        self.clock = self.trainer.executor.clock = TaskClock()
+        self.steps = 0
+        self.outside: list[float] = []  # per kept step: its wall time outside the graph
+
+    def start(self) -> None:
+        """Keep the steps from here on (the ones before were warm-up)."""
+        self.clock.seconds.clear()
+        self.outside.clear()
+
+    def step(self) -> None:
+        data = self.spec.inputs(self.batch, torch.Generator().manual_seed(1 + self.steps))
+        self.steps += 1
+        self.clock.first, start = None, time.perf_counter()
+        self.trainer.step(*data)
+        self.outside.append(time.perf_counter() - start - (self.clock.last - self.clock.first))
+
+    def times(self) -> dict[str, list[float]]:
+        """Seconds of each kernel (by timing_key) over the kept steps (every occurrence:
+        micro-batches, layers of the same shapes)."""
+        program = self.trainer.program
+        times = kernel_times(program, self.clock.seconds, len(self.outside))
+        [update] = [t for t in program.tasks if isinstance(t, Compute) and t.phase == "update"]
+        key = timing_key(update, program.tasks)  # a Program ends with its one update task
+        times[key] = [a + b for a, b in zip(times[key], self.outside)]
+        return times
+
+
+def measure_in_turns(timers: list[KernelTimer], steps: int, warmup: int) -> None:
+    """`warmup` steps of each timer, then `steps` rounds of one step of each in turn: a drift
+    of the machine's speed (this VM's drifts by up to 1.9x within a minute) lands on every
+    configuration alike instead of on whichever was measured while it lasted."""
+    for timer in timers:
+        for _ in range(warmup):
+            timer.step()
+        timer.start()
+    for _ in range(steps):
+        for timer in timers:
+            timer.step()
+
+
 def measure_kernels(model: str, strategy: str, world: int, k: int, steps: int = 5,
                     warmup: int = 2, batch: int | None = None, real: bool = False,
                     optimizer: str = "adamw") -> dict[str, list[float]]:
-    """Seconds of each kernel (by timing_key) of this rank's training step as hidup.train runs
-    it (hidup.Trainer: the compiled step, then the torch.optim `optimizer` and the schedule),
-    over `steps` timed steps after `warmup` (every occurrence: micro-batches, layers of the same
-    shapes). What the step spends outside the graph (the optimizer, the Trainer's own
-    bookkeeping) is the update task's time. With `real`, the
-    step's collectives run for real over the default process group (every rank must measure the
-    same configurations in the same order); their waits are not counted. The learning rate is
-    0: the parameters stay as they are."""
-    from hidup.api import Plan
-    from hidup.runtime.trainer import Trainer
-    from hidup.train import optimizer_factory
-
-    spec = get_model(model, gpus=world)
-    batch = batch or spec.batch
-    torch.manual_seed(0)
-    net = spec.build()
-    graph = capture(net, spec.inputs(batch, torch.Generator().manual_seed(0)))
-    plan = Plan.of(graph, resolve_strategy(strategy, graph, world), world, k, model=model,
-                   optimizer=optimizer)
-    trainer = Trainer(net, plan, optimizer_factory(optimizer, 0.0),
-                      lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0))
-    if not real:
-        trainer.executor.stand_in_collectives()
-    clock = trainer.executor.clock = TaskClock()
-    outside = []  # per timed step: its wall time outside the graph's first to last task
-    for step in range(warmup + steps):
-        if step == warmup:
-            clock.seconds.clear()
-        data = spec.inputs(batch, torch.Generator().manual_seed(1 + step))
-        clock.first, start = None, time.perf_counter()
-        trainer.step(*data)
-        if step >= warmup:
-            outside.append(time.perf_counter() - start - (clock.last - clock.first))
-    program = trainer.program
-    times = kernel_times(program, clock.seconds, steps)
-    [update] = [t for t in program.tasks if isinstance(t, Compute) and t.phase == "update"]
-    key = timing_key(update, program.tasks)  # a Program ends with its one update task
-    times[key] = [a + b for a, b in zip(times[key], outside)]
-    return times
+    """Seconds of each kernel of one configuration's training step (KernelTimer) over `steps`
+    timed steps after `warmup`."""
+    timer = KernelTimer(model, strategy, world, k, batch, real, optimizer)
+    measure_in_turns([timer], steps, warmup)
+    return timer.times()
 
 
 def kernel_times(program, seconds: dict[tuple[int, bool], list[float]], steps: int
@@ -130,7 +164,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2],
                     help="micro-batch counts to measure (default 1 2: plain SPMD and Duplex)")
     ap.add_argument("--batch", type=int, default=None, help="global batch (default: the model's)")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per configuration (one step of each configuration "
+                         "per round, in turns)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     ap.add_argument("--collectives", choices=("real", "local"), default="real",
                     help="real (default): time the kernels in real steps, collectives on the "
@@ -170,16 +205,23 @@ def main(argv=None) -> int:
         dist.init_process_group("gloo")
     times: dict[str, list[float]] = {}
     try:
+        start = time.perf_counter()
+        timers = []
         for strategy in args.strategy:
             for k in args.micro_batches:
-                start = time.perf_counter()
-                for key, values in measure_kernels(args.model, strategy, world, k, args.steps,
-                                                   args.warmup, args.batch, real=in_situ,
-                                                   optimizer=args.optimizer).items():
-                    times.setdefault(key, []).extend(values)
+                timers.append(KernelTimer(args.model, strategy, world, k, args.batch,
+                                          real=in_situ, optimizer=args.optimizer))
                 if rank == 0:
-                    log.info("%s %s k=%d: %d kernels so far, %.1f s", args.model, strategy, k,
-                             len(times), time.perf_counter() - start)
+                    log.info("%s %s k=%d built (%d of %d), %.1f s", args.model, strategy, k,
+                             len(timers), len(args.strategy) * len(args.micro_batches),
+                             time.perf_counter() - start)
+        measure_in_turns(timers, args.steps, args.warmup)
+        for timer in timers:
+            for key, values in timer.times().items():
+                times.setdefault(key, []).extend(values)
+        if rank == 0:
+            log.info("%d configurations timed in turns, %d steps each: %d kernels, %.1f s",
+                     len(timers), args.steps, len(times), time.perf_counter() - start)
         runs = [times]
         if world > 1:  # every rank's timings: a step waits for its slowest rank
             runs = [None] * world
