@@ -92,13 +92,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=2,
                     help="rounds over all configurations; the medians over rounds count "
                          "(default 2)")
-    ap.add_argument("--ops-steps", type=int, default=5,
-                    help="timed steps per strategy and micro-batch count in calibration.ops "
-                         "(default 5; millisecond steps need hundreds)")
+    ap.add_argument("--ops-steps", type=int, default=None,
+                    help="timed steps per strategy and micro-batch count in calibration.ops, "
+                         "taken in turns (default 5, --quick 12; millisecond steps need "
+                         "hundreds)")
     ap.add_argument("--max-bytes", default="32MB",
                     help="largest collective the calibration measures (calibration.profile)")
     ap.add_argument("--quick", action="store_true",
-                    help="CI size: gpt:small, ddp and megatron, 1gbit, 2 hosts of 1 rank")
+                    help="CI size: gpt:small, ddp and megatron, 1gbit, 2 hosts of 1 rank, 8 steps "
+                         "per run (3 of warm-up), 12 calibration steps")
     ap.add_argument("--out", type=Path, default=outputs.default_out("accuracy"),
                     help="folder for accuracy.csv, accuracy.json, accuracy.png and the profiles "
                          "(default out/accuracy, git-ignored)")
@@ -109,6 +111,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.models, args.strategies = ["gpt:small"], ["ddp", "megatron"]
         args.bandwidths, args.ranks_per_host, args.hosts = ["1gbit"], [1], [2]
         args.steps, args.warmup = 8, 3
+    if args.ops_steps is None:
+        args.ops_steps = 12 if args.quick else 5
     bad = sorted(set(args.strategies) - set(STRATEGIES))
     if bad:
         ap.error(f"--strategies {bad}: choose from {list(STRATEGIES)}")
