@@ -46,9 +46,9 @@ import torch.distributed as dist
 from hidup.cli import Parser
 from hidup.graph.capture import capture
 from hidup.models import get_model, names
-from hidup.planning.costs import ProfileError, load_profile, timing_key
+from hidup.planning.costs import ProfileError, kernel_key, load_profile, timing_key
 from hidup.planning.planfile import resolve_strategy
-from hidup.program.tasks import Compute
+from hidup.program.tasks import Compute, Convert
 from hidup.runtime.launch import default_threads
 from hidup.runtime.passes import TaskClock
 
@@ -80,6 +80,7 @@ class KernelTimer:
                        optimizer=optimizer)
         self.trainer = Trainer(net, plan, optimizer_factory(optimizer, 0.0),
                                lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0))
+        self.real = real
         if not real:
             self.trainer.executor.stand_in_collectives()
         self.clock = self.trainer.executor.clock = TaskClock()
@@ -102,7 +103,7 @@ class KernelTimer:
         """Seconds of each kernel (by timing_key) over the kept steps (every occurrence:
         micro-batches, layers of the same shapes)."""
         program = self.trainer.program
-        times = kernel_times(program, self.clock.seconds, len(self.outside))
+        times = kernel_times(program, self.clock.seconds, len(self.outside), self.real)
         [update] = [t for t in program.tasks if isinstance(t, Compute) and t.phase == "update"]
         key = timing_key(update, program.tasks)  # a Program ends with its one update task
         times[key] = [a + b for a, b in zip(times[key], self.outside)]
@@ -132,15 +133,24 @@ def measure_kernels(model: str, strategy: str, world: int, k: int, steps: int = 
     return timer.times()
 
 
-def kernel_times(program, seconds: dict[tuple[int, bool], list[float]], steps: int
-                 ) -> dict[str, list[float]]:
-    """Per-task timings -> per-kernel timings: a task's compute, a collective's packing ('issue
-    KEY', its stand-in left out: a real run spends that on the network) and unpacking ('finish
-    KEY', at its Wait). A task that recorded no graph node costs nothing in the compiled step."""
+def kernel_times(program, seconds: dict[tuple[int, bool], list[float]], steps: int,
+                 real: bool = False) -> dict[str, list[float]]:
+    """Per-task timings -> per-kernel timings: a task's compute, a collective's issuing ('issue
+    KEY'), and its unpacking ('finish KEY', at its Wait). Issuing is the packing of its input
+    and, with `real` (collectives on the network), the call that hands it to the network: on a
+    CPU that call takes the host's time (gloo's threads start the transfer on the cores the
+    step computes on), so a Duplex step cannot compute meanwhile. That call is also recorded
+    alone ('call KEY'): calibration.profile timed it inside the collective's own time, which the
+    simulator then shortens by it. A stand-in call (a local copy) is left out. A task that
+    recorded no graph node costs nothing in the compiled step."""
     out: dict[str, list[float]] = {}
     for task in program.tasks:
-        out.setdefault(timing_key(task, program.tasks), []).extend(
-            seconds.get((task.id, False), [0.0] * steps))
+        times = seconds.get((task.id, False), [0.0] * steps)
+        if real and isinstance(task, Convert) and task.collective:
+            calls = seconds.get((task.id, True), [0.0] * len(times))
+            out.setdefault(f"call {kernel_key(task)}", []).extend(calls)
+            times = [a + b for a, b in zip(times, calls)]
+        out.setdefault(timing_key(task, program.tasks), []).extend(times)
     return out
 
 

@@ -170,7 +170,7 @@ def _plan(program: Program, profile: Profile, mode: str = "graph") -> _Plan:
                 if pack_unpack[0] > 0:  # issuing it takes the compute stream's time
                     compute.append(task)
             for i, group in enumerate(task.parts):
-                links[task.id, i] = (*profile.collective_split(task.kind, task.bytes, group),
+                links[task.id, i] = (*profile.network_split(task, group),
                                      profile.machines(group))
                 if len(task.parts) > 1:  # a world-spanning collective: every rank in group 0
                     part.update({(task.id, rank): i for rank in group})

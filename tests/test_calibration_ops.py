@@ -131,6 +131,40 @@ def test_in_situ_kernels_run_real_collectives_and_leave_out_the_wait_for_peers()
     # that collective's unpacking ('finish KEY'), every finish would take over 50 ms
     finishes = {key: max(v) for key, v in times.items() if key.startswith("finish")}
     assert finishes and max(finishes.values()) < 0.025, finishes
+    # the call that hands each collective to the network is timed, and is part of its issuing
+    for task in prog.collectives:
+        calls, issues = times[f"call {kernel_key(task)}"], times[f"issue {kernel_key(task)}"]
+        assert len(calls) == len(issues) and all(0 < c <= i for c, i in zip(calls, issues))
+
+
+def test_a_collective_s_measured_call_is_charged_to_its_issuing_stream_not_twice():
+    """A collective's call (timed in real steps, 'call KEY') is part of its issuing on the
+    compute stream and is taken off its time on the network, which calibration.profile measured
+    with the call in it: with Duplex the call no longer hides under the other micro-batch's
+    compute; the planner's estimate agrees with the simulator."""
+    prog = program("gpt:tiny", "megatron", 2, 2)
+    base = replace(load_profile("cpu-gloo-loopback"), interference_compute=1.0,
+                   interference_comm=1.0)
+    kernels = {kernel_key(task): 1e-3 for task in local_tasks(prog)}
+    for task in prog.collectives:
+        kernels[f"issue {kernel_key(task)}"] = 2e-3  # of which the call is 1.5 ms
+        kernels[f"finish {kernel_key(task)}"] = 5e-4
+    without = replace(base, kernels=kernels)
+    kernels = dict(kernels, **{f"call {kernel_key(t)}": 1.5e-3 for t in prog.collectives})
+    called = replace(base, kernels=kernels)
+    plain, timed = simulate(prog, without), simulate(prog, called)
+    assert timed.computation == pytest.approx(plain.computation)  # issuing is 2 ms either way
+    network = sum(base.collective_time(t.kind, t.bytes, t.group) for t in prog.collectives)
+    shorter = sum(min(1.5e-3, base.collective_time(t.kind, t.bytes, t.group))
+                  for t in prog.collectives)
+    assert plain.communication == pytest.approx(network)
+    assert timed.communication == pytest.approx(network - shorter)
+    for task in prog.collectives:  # the call comes off the latency first, never below zero
+        latency, transfer = called.network_split(task, task.group)
+        full = base.collective_split(task.kind, task.bytes, task.group)
+        assert latency >= 0 and transfer >= 0
+        assert latency + transfer == pytest.approx(max(0.0, sum(full) - 1.5e-3))
+    assert estimate(prog, called).step_time == pytest.approx(timed.step_time, rel=1e-12)
 
 
 def test_kernels_timed_in_situ_are_not_slowed_again_by_interference():

@@ -157,6 +157,23 @@ class Profile:
         key = kernel_key(task)
         return self.kernels.get(f"issue {key}", 0.0), self.kernels.get(f"finish {key}", 0.0)
 
+    def call_time(self, task: Convert) -> float:
+        """Seconds of a collective's issuing (host_times' first figure) spent in the call that
+        hands it to the network, measured in real steps by calibration.ops ('call KEY'; on a
+        CPU gloo's threads start the transfer on the step's cores); 0 where not measured. The
+        collective's own time (collective_split: calibration.profile times calls that block)
+        already includes it."""
+        return (self.kernels or {}).get(f"call {kernel_key(task)}", 0.0)
+
+    def network_split(self, task: Convert, group: tuple[int, ...]) -> tuple[float, float]:
+        """(latency, transfer) seconds of collective `task` over `group` once it is issued:
+        collective_split less the call that its issuing stream was already charged (from the
+        latency first, then the transfer; never below zero)."""
+        latency, transfer = self.collective_split(task.kind, task.bytes, group)
+        call = self.call_time(task)
+        cut = min(call, latency)
+        return latency - cut, max(0.0, transfer - (call - cut))
+
     def drawn_time(self, key: str, seconds: float, u: float) -> float:
         """A kernel's seconds in one run: at quantile `u` (in [0, 1)) of its measured spread
         (`kernel_quantiles`), or `seconds` where none was measured."""

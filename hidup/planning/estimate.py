@@ -50,8 +50,7 @@ def estimate(program: Program, profile: Profile, mode: str = "graph") -> Estimat
             issued = kernel(pack) if pack > 0 else 0.0
             start = max([comm, issued, host] +
                         [done[w] for key in task.inputs for w in writers.get(key, ())])
-            comm = done[task.id] = start + profile.collective_time(task.kind, task.bytes,
-                                                                  task.group)
+            comm = done[task.id] = start + sum(profile.network_split(task, task.group))
             communication += comm - start
         else:
             done[task.id] = kernel(profile.compute_time(task))
