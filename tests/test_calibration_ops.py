@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import calibration.ops
-from calibration.ops import main as ops_main, measure_kernels, quantiles
+from calibration.ops import main as ops_main, measure_in_turns, measure_kernels, quantiles
 from hidup.models import capture_model, get_model
 from hidup.planning.costs import from_dict, kernel_coverage, kernel_key, load_profile
 from hidup.planning.estimate import estimate
@@ -219,3 +219,23 @@ def test_spread_keeps_the_mean_of_rare_slow_runs():
     assert sum(spread) / len(spread) == pytest.approx(2.0, rel=0.05)  # a draw keeps the mean
     assert spread[0] == 1.0 and spread[-1] > 10.0  # the stall is in the top value
     assert quantiles([3.0, 1.0, 2.0]) == [1.0, 2.0, 3.0]  # fewer runs than values: each run
+
+
+class _Logged:
+    """A stand-in KernelTimer that logs its calls."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def step(self):
+        self.log.append(f"{self.name} step")
+
+    def start(self):
+        self.log.append(f"{self.name} start")
+
+
+def test_configurations_are_timed_in_turns_after_each_warms_up():
+    log: list[str] = []
+    measure_in_turns([_Logged("a", log), _Logged("b", log)], steps=2, warmup=1)
+    assert log == ["a step", "a start", "b step", "b start",  # warm-up, then keep from here
+                   "a step", "b step", "a step", "b step"]  # one step of each per round
