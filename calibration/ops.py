@@ -174,8 +174,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2],
                     help="micro-batch counts to measure (default 1 2: plain SPMD and Duplex)")
     ap.add_argument("--batch", type=int, default=None, help="global batch (default: the model's)")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per configuration (one step of each configuration "
-                         "per round, in turns)")
+    ap.add_argument("--steps", type=int, default=5,
+                    help="timed steps per configuration (one step of each configuration per "
+                         "round, in turns)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     ap.add_argument("--collectives", choices=("real", "local"), default="real",
                     help="real (default): time the kernels in real steps, collectives on the "
