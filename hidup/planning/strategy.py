@@ -1,7 +1,13 @@
 """Strategies: one sharding option per op node and a home placement per parameter and input;
 greedy propagation from seeds; the fixed expert strategies (data parallel, Megatron tensor
-parallel, expert parallel); how a strategy reads in a report (describe, summarize). Plan files
-are in hidup.planning.planfile."""
+parallel, expert parallel, and on a 2-D mesh the last two inside a machine with data parallel
+across); how a strategy reads in a report (describe, summarize). Plan files are in
+hidup.planning.planfile.
+
+A 2-D mesh is machines x ranks per machine. Its dim 0 is data parallel: each machine takes an
+equal part of the batch and the machines' parameter gradients are summed. Its dim 1 is the
+Strategy's placements and options, over one machine's ranks. A strategy with `machines` = 1 is
+the 1-D mesh of every rank."""
 from __future__ import annotations
 
 import math
@@ -18,13 +24,15 @@ class Strategy:
     placements: dict[str, Placement] = field(hash=False)  # parameters, buffers, user inputs
     options: dict[str, ShardingOption] = field(hash=False)  # op nodes
     notes: tuple[str, ...] = ()  # where it departs from what its name says, for the reports
+    machines: int = 1  # mesh dim 0 (data parallel across); the placements are over mesh dim 1
 
     def home(self, name: str) -> Placement:
         """Where a tensor lives after it is produced (before any conversion for a consumer)."""
         return self.placements[name] if name in self.placements else self.options[name].output
 
     def __str__(self) -> str:
-        lines = [f"strategy {self.name}"]
+        mesh = f" on {self.machines} machines (data parallel across)" if self.machines > 1 else ""
+        lines = [f"strategy {self.name}{mesh}"]
         lines += [f"  {n}: {p}" for n, p in self.placements.items()]
         lines += [f"  {n}: {o}" for n, o in self.options.items()]
         return "\n".join(lines)
@@ -129,17 +137,20 @@ def megatron(graph: Graph, world: int) -> Strategy:
                      allowed={"all_gather", "all_reduce", "slice"})
 
 
-def microbatch_split(graph: Graph, k: int, batch_dim: int = 0) -> Strategy:
-    """How the k micro-batches split each tensor: data parallel over k with no conversion at all.
-    Shard(d): split along d; R: computed once per step (depends on parameters only); P: summed."""
+def microbatch_split(graph: Graph, k: int, batch_dim: int = 0, machines: int = 1) -> Strategy:
+    """How the k micro-batches of each of `machines` machines (a 2-D mesh's dim 0) split each
+    tensor: data parallel over k x machines parts with no conversion at all. Shard(d): split
+    along d; R: computed once per step on each machine (depends on parameters only); P: summed."""
     seeds = {n.name: Shard(batch_dim) for n in graph.user_inputs}
+    parts = k * machines
+    what = f"{k} micro-batches" + (f" on each of {machines} machines" if machines > 1 else "")
     for n in graph.user_inputs:
-        if n.out.shape[batch_dim] % k:
+        if n.out.shape[batch_dim] % parts:
             raise ValueError(f"input {n.name}: batch of {n.out.shape[batch_dim]} (dim {batch_dim} of "
-                             f"{n.out.shape}) does not split into {k} micro-batches; choose a "
-                             f"batch divisible by {k}")
+                             f"{n.out.shape}) does not split into {what}; choose a "
+                             f"batch divisible by {parts}")
     try:
-        return propagate(graph, k, "micro-batches", seeds, shard_params=False, allowed=set())
+        return propagate(graph, parts, "micro-batches", seeds, shard_params=False, allowed=set())
     except ValueError as exc:
         raise ValueError(f"the batch cannot be split into micro-batches: {exc}") from exc
 
@@ -185,43 +196,61 @@ def expert_parallel(graph: Graph, world: int, batch_dim: int = 0) -> Strategy:
 
 
 FIXED = {"ddp": data_parallel, "megatron": megatron, "expert": expert_parallel}
+# on a 2-D mesh: the strategy inside each machine, data parallel across the machines
+ACROSS = {"dp-megatron": "megatron", "dp-expert": "expert"}
 
 
-def fixed_strategies(graph: Graph, world: int) -> dict[str, Strategy]:
+def fixed_strategies(graph: Graph, world: int, machines: int = 1) -> dict[str, Strategy]:
     """Every fixed strategy that applies to the model and world size (expert needs expert
-    weights; none may end up as a replicated run under its own name)."""
+    weights; none may end up as a replicated run under its own name); on a mesh of `machines`
+    > 1 also those of ACROSS."""
     out = {}
-    for name in FIXED:
+    for name in [*FIXED, *(ACROSS if machines > 1 else ())]:
         try:
-            out[name] = fixed_strategy(name, graph, world)
+            out[name] = fixed_strategy(name, graph, world, machines)
         except ValueError:
             continue
     return out
 
 
-def fixed_strategy(name: str, graph: Graph, world: int) -> Strategy:
+def fixed_strategy(name: str, graph: Graph, world: int, machines: int = 1) -> Strategy:
     """The fixed strategy `name` on `world` ranks; an error where it would not be what its name
     says (a batch that does not split, nothing split at all), with notes where it departs in part
-    (tensor-parallel weights left whole because their dims do not divide)."""
-    if name not in FIXED:
-        raise ValueError(f"unknown strategy {name!r}; choose one of {sorted(FIXED)} or a plan file")
-    strategy = FIXED[name](graph, world)
-    return strategy if world == 1 else _as_named(name, graph, strategy, world)
+    (tensor-parallel weights left whole because their dims do not divide). The names of FIXED
+    span every rank (a 1-D mesh); those of ACROSS need a 2-D mesh of `machines` > 1."""
+    if name not in FIXED and name not in ACROSS:
+        raise ValueError(f"unknown strategy {name!r}; choose one of "
+                         f"{sorted(FIXED) + sorted(ACROSS)} or a plan file")
+    if name in FIXED:
+        strategy = FIXED[name](graph, world)
+        return strategy if world == 1 else _as_named(name, graph, strategy, world)
+    if machines < 2 or world % machines:
+        raise ValueError(f"strategy {name} runs {ACROSS[name]} inside each machine and data "
+                         f"parallel across machines: it needs a 2-D mesh of 2 or more machines "
+                         f"that divides the {world} GPUs (--mesh MACHINESxGPUS), not "
+                         f"{machines} machine(s)")
+    inner = world // machines
+    strategy = FIXED[ACROSS[name]](graph, inner)
+    strategy = _as_named(name, graph, strategy, inner, machines)
+    return Strategy(name, strategy.placements, strategy.options, strategy.notes, machines)
 
 
-def _as_named(name: str, graph: Graph, strategy: Strategy, world: int) -> Strategy:
-    """`strategy` if it splits what `name` promises on `world` ranks, else a ValueError that says
-    which dims do not divide and what would."""
-    if name in ("ddp", "expert"):
-        for node in graph.user_inputs:
-            size = node.out.shape[0] if node.out.shape else 1
-            if size % world:
-                raise ValueError(
-                    f"strategy {name} on {world} GPUs: the batch of {size} (input {node.name}) "
-                    f"does not split into {world} equal parts; give a --batch that is a "
-                    f"multiple of {world}, or a GPU count that divides {size} "
-                    f"({_divisors(size)})")
-    weights = _tensor_parallel_weights(graph) if name == "megatron" else []
+def _as_named(name: str, graph: Graph, strategy: Strategy, world: int,
+              machines: int = 1) -> Strategy:
+    """`strategy` if it splits what `name` promises on `world` ranks (of each of `machines`
+    machines, data parallel across), else a ValueError that says which dims do not divide and
+    what would."""
+    base = ACROSS.get(name, name)
+    split = world * machines if base in ("ddp", "expert") else machines
+    for node in graph.user_inputs if split > 1 else ():
+        size = node.out.shape[0] if node.out.shape else 1
+        if size % split:
+            raise ValueError(
+                f"strategy {name} on {world * machines} GPUs: the batch of {size} (input "
+                f"{node.name}) does not split into {split} equal parts; give a --batch that is "
+                f"a multiple of {split}, or a GPU count that divides {size} "
+                f"({_divisors(size)})")
+    weights = _tensor_parallel_weights(graph) if base == "megatron" else []
     whole = [w for w in weights if strategy.placements.get(w) == R]
     if weights and len(whole) == len(weights) or not _splits_anything(strategy):
         dims = sorted({d for w in weights for d in graph.node(w).out.shape}) or \

@@ -3,7 +3,13 @@
 Forward: node-major within a micro-batch; each conversion is issued right after its producer and
 waited for right before its consumer; micro-batches are interleaved so that one's communication
 runs while another computes. Backward: the same in reverse, each gradient conversion issued as
-soon as its gradient is complete. Parameter gradients are reduced once per step, in buckets."""
+soon as its gradient is complete. Parameter gradients are reduced once per step, in buckets.
+
+On a 2-D mesh (strategy.machines > 1) every machine runs the same step on its part of the batch:
+the strategy's conversions run inside each machine (collectives over mesh rows), and the
+machines' parameter gradients are summed across them: a gradient still partial inside a machine
+in one all-reduce over the world, one already complete there (a shard, or replicated) over
+its mesh column. The reported loss is summed the same way."""
 from __future__ import annotations
 
 import math
@@ -13,8 +19,8 @@ from hidup.graph.flops import backward_flops, forward_flops
 from hidup.graph.placement import Partial, Placement, R, Replicate, Shard
 from hidup.planning.strategy import Strategy, conversion, microbatch_split
 from hidup.program.tasks import (BUCKET_BYTES, COLLECTIVES, FIRST_BUCKET_BYTES, Compute, Convert,
-                                 LoweringError, Program, Task, Wait, gkey, optimizer_cost,
-                                 tensor_nbytes, tensor_shape, vkey)
+                                 LoweringError, Program, Task, Wait, gkey, mesh_groups,
+                                 optimizer_cost, tensor_nbytes, tensor_shape, vkey)
 
 
 class Lowering:
@@ -25,11 +31,19 @@ class Lowering:
 
     def __init__(self, graph: Graph, strategy: Strategy, world: int, k: int, model: str,
                  bucket_bytes: int = BUCKET_BYTES, optimizer: str = "sgd"):
-        self.g, self.s, self.world, self.k, self.model = graph, strategy, world, k, model
+        self.g, self.s, self.k, self.model = graph, strategy, k, model
+        self.machines, self.ranks = strategy.machines, world
+        self.world = world // self.machines  # what the placements split over: a machine's ranks
         self.optimizer = optimizer_cost(optimizer)
-        self.bucket_bytes, self.bucket, self.flushed = bucket_bytes, [], False
-        self.mbs_split = microbatch_split(graph, k)
-        self.group = tuple(range(world))
+        self.bucket_bytes, self.flushed = bucket_bytes, set()
+        self.buckets: dict[str, list[str]] = {"world": [], "column": []}
+        self.mbs_split = microbatch_split(graph, k, machines=self.machines)
+        rows, columns = mesh_groups(world, self.machines)
+        # scope -> (rank 0's group, every group): one machine's ranks, one position on every
+        # machine, or the whole world
+        self.scopes = {"row": (rows[0], rows if self.machines > 1 else ()),
+                       "column": (columns[0], columns if self.world > 1 else ()),
+                       "world": (tuple(range(world)), ())}
         self.tasks: list[Task] = []
         self.pending: dict[str, list[int]] = {}  # value key -> collectives that write it
         self.waited: set[int] = set()  # collectives already waited for
@@ -50,10 +64,10 @@ class Lowering:
         return None if isinstance(self.mb_place(t), Replicate) else m
 
     def shape(self, t: str, p: Placement) -> tuple[int, ...]:
-        return tensor_shape(self.g, self.mbs_split, t, p, self.world, self.k)
+        return tensor_shape(self.g, self.mbs_split, t, p, self.world, self.k * self.machines)
 
     def nbytes(self, t: str, p: Placement) -> int:
-        return tensor_nbytes(self.g, self.mbs_split, t, p, self.world, self.k)
+        return tensor_nbytes(self.g, self.mbs_split, t, p, self.world, self.k * self.machines)
 
     # -- gradients: which tensors get one, and replicated gradients' kind (R or P) ------------
     def _grad_analysis(self) -> None:
@@ -111,10 +125,10 @@ class Lowering:
 
     # -- emitting tasks -----------------------------------------------------------------------
     def emit_convert(self, kind, t, src, dst, phase, m, in_key, out_key, shape, nbytes,
-                     root_only=False) -> None:
-        task = Convert(len(self.tasks), kind, t, src, dst, phase, m, shape, nbytes,
-                       self.group if kind in COLLECTIVES else (), (in_key,), (out_key,),
-                       (out_key,) if root_only else ())
+                     root_only=False, scope: str = "row") -> None:
+        group, groups = self.scopes[scope] if kind in COLLECTIVES else ((), ())
+        task = Convert(len(self.tasks), kind, t, src, dst, phase, m, shape, nbytes, group,
+                       (in_key,), (out_key,), (out_key,) if root_only else (), groups)
         self.tasks.append(task)
         if task.collective:
             self.pending.setdefault(out_key, []).append(task.id)
@@ -197,12 +211,17 @@ class Lowering:
             self.loss_keys.append(self._report_loss(m))
 
     def _report_loss(self, m) -> str:
+        """The loss of micro-batch m, replicated: summed over a machine's ranks where it is a
+        partial sum there, and over the machines on a 2-D mesh (each has its part of the batch)."""
         t, home = self.g.loss, self.s.home(self.g.loss)
-        if home == R:
+        if home == R and self.machines == 1:
             return vkey(t, R, m)
-        self.emit_convert("all_reduce", t, home, R, "fwd", m, vkey(t, home, m), vkey(t, R, m),
-                          self.shape(t, home), self.nbytes(t, home))
-        return vkey(t, R, m)
+        scope = "row" if self.machines == 1 else "world" if home != R else "column"
+        out = vkey(t, R, m) if home != R else f"{vkey(t, R, m)}+machines"
+        self.emit_convert("all_reduce", t, home if home != R else Partial(), R, "fwd", m,
+                          vkey(t, home, m), out, self.shape(t, home), self.nbytes(t, home),
+                          scope=scope)
+        return out
 
     def backward(self) -> dict[str, str]:
         self.final: dict[str, str] = {}
@@ -275,36 +294,45 @@ class Lowering:
         self.contributed(t, home, m)
 
     def param_grad(self, t: str, home: Placement) -> None:
+        """Parameter t's gradient is complete on this machine: a partial sum over its ranks goes
+        to the world's all-reduce bucket; one that is whole there (a shard, or replicated) is
+        final on a 1-D mesh and goes to the mesh columns' bucket on a 2-D one."""
         key = gkey(t, home, None)
-        if not isinstance(self.gplace(t, home), Partial):
+        partial = isinstance(self.gplace(t, home), Partial)
+        if not partial and self.machines == 1:
             self.final[t] = key
             return
         self.final[t] = "grad:" + t
-        self.bucket.append(t)
+        scope = "world" if partial else "column"
+        bucket = self.buckets[scope]
+        bucket.append(t)
         # DDP's first bucket is small, so that communication starts early in the backward
-        cap = self.bucket_bytes if self.flushed else min(self.bucket_bytes, FIRST_BUCKET_BYTES)
-        if sum(self.nbytes(p, self.s.home(p)) for p in self.bucket) >= cap:
-            self.flush_bucket()
-            self.flushed = True
+        cap = self.bucket_bytes if scope in self.flushed else \
+            min(self.bucket_bytes, FIRST_BUCKET_BYTES)
+        if sum(self.nbytes(p, self.s.home(p)) for p in bucket) >= cap:
+            self.flush_bucket(scope)
+            self.flushed.add(scope)
 
-    def flush_bucket(self) -> None:
+    def flush_bucket(self, scope: str) -> None:
         """One all-reduce for the gradients gathered so far (flattened together, as DDP does)."""
-        if not self.bucket:
+        names, self.buckets[scope] = self.buckets[scope], []
+        if not names:
             return
-        names, self.bucket = self.bucket, []
         homes = [self.s.home(p) for p in names]
+        group, groups = self.scopes[scope]
         task = Convert(len(self.tasks), "all_reduce", names[0] if len(names) == 1 else
                        f"bucket({names[0]}..{names[-1]})", Partial(), R, "bwd", None,
                        self.shape(names[0], homes[0]),
-                       sum(self.nbytes(p, h) for p, h in zip(names, homes)), self.group,
+                       sum(self.nbytes(p, h) for p, h in zip(names, homes)), group,
                        tuple(gkey(p, h, None) for p, h in zip(names, homes)),
-                       tuple("grad:" + p for p in names))
+                       tuple("grad:" + p for p in names), (), groups)
         self.tasks.append(task)
         for key in task.outputs:
             self.pending.setdefault(key, []).append(task.id)
 
     def update(self) -> None:
-        self.flush_bucket()
+        for scope in self.buckets:
+            self.flush_bucket(scope)
         for key in self.final.values():
             self.wait_for(key)
         numel = sum(math.prod(self.shape(p, self.s.home(p))) for p in self.final)
@@ -321,8 +349,9 @@ class Lowering:
         loss_keys = self.forward()
         final = self.backward()
         self.update()
-        return Program(self.model, self.g.fingerprint, self.s.name, self.world, self.k,
-                       tuple(self.tasks), tuple(loss_keys), final, self.optimizer.name)
+        return Program(self.model, self.g.fingerprint, self.s.name, self.ranks, self.k,
+                       tuple(self.tasks), tuple(loss_keys), final, self.optimizer.name,
+                       self.machines)
 
 
 def lower(graph: Graph, strategy: Strategy, world: int, k: int = 1, model: str = "",
@@ -333,4 +362,8 @@ def lower(graph: Graph, strategy: Strategy, world: int, k: int = 1, model: str =
     hidup.program.OPTIMIZERS) runs, and the Program records it."""
     if k < 1 or world < 1:
         raise LoweringError(f"world size ({world}) and micro-batches k ({k}) must be at least 1")
+    if world % strategy.machines:
+        raise LoweringError(f"strategy {strategy.name} is for a mesh of {strategy.machines} "
+                            f"machines, which does not divide the {world} GPUs; give a GPU "
+                            f"count that is a multiple of {strategy.machines}")
     return Lowering(graph, strategy, world, k, model, bucket_bytes, optimizer).run()

@@ -107,9 +107,9 @@ class Convert:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     root_only: tuple[str, ...] = ()
-    # sub-groups: the world split into disjoint groups, each rank's collective runs in its own
-    # (a 2-D mesh's row or column). The simulator times them; `lower` makes world-spanning
-    # collectives only (a 1-D mesh), and the executor refuses sub-groups.
+    # sub-groups: the world split into disjoint groups, each rank's collective runs in its own:
+    # on a 2-D mesh a machine's ranks (mesh_groups' rows) or the ranks at one position on every
+    # machine (its columns); () for a collective over the whole world
     groups: tuple[tuple[int, ...], ...] = ()
 
     @property
@@ -152,14 +152,30 @@ class Program:
     loss_keys: tuple[str, ...]  # replicated per-micro-batch losses (summed = the step's loss)
     param_grads: dict[str, str] = field(hash=False)  # parameter node -> final gradient key
     optimizer: str = "sgd"  # the update's optimizer, a key of OPTIMIZERS
+    machines: int = 1  # a 2-D mesh's dim 0 (data parallel); 1: a 1-D mesh of the world
+
+    @property
+    def mesh(self) -> tuple[int, int]:
+        """(machines, ranks per machine): the placements split tensors over a machine's ranks."""
+        return self.machines, self.world // self.machines
 
     @property
     def collectives(self) -> list[Convert]:
         return [t for t in self.tasks if isinstance(t, Convert) and t.collective]
 
     def __str__(self) -> str:
-        head = f"program {self.model} {self.strategy} world={self.world} k={self.k}"
+        mesh = f" mesh={self.mesh[0]}x{self.mesh[1]}" if self.machines > 1 else ""
+        head = f"program {self.model} {self.strategy} world={self.world}{mesh} k={self.k}"
         return "\n".join([head] + [f"  {t}" for t in self.tasks])
+
+
+def mesh_groups(world: int, machines: int) -> tuple[tuple[tuple[int, ...], ...],
+                                                    tuple[tuple[int, ...], ...]]:
+    """(rows, columns) of a mesh of `machines` x world / machines ranks: a row is one machine's
+    ranks (rank = machine * per_machine + position), a column the ranks at one position."""
+    per = world // machines
+    rows = tuple(tuple(range(i * per, (i + 1) * per)) for i in range(machines))
+    return rows, tuple(tuple(range(j, world, per)) for j in range(per))
 
 
 def task_label(task: Task) -> str:

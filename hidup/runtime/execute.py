@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from hidup.graph.capture import Graph
 from hidup.graph.placement import Partial, Placement, Shard
-from hidup.planning.strategy import Strategy, microbatch_split
-from hidup.program.tasks import MODES, Program, task_label
+from hidup.planning.strategy import Strategy
+from hidup.program.tasks import MODES, Program, mesh_groups, task_label
 from hidup.runtime.passes import inductor_segments, with_hooks
 from hidup.runtime.step import INPUT_TASK, StepSpec, shard_of, trace_step
 
@@ -38,12 +38,16 @@ class Executor:
         self.g, self.s, self.p = graph, strategy, program
         self.world, self.k, self.device, self.mode = program.world, program.k, torch.device(device), mode
         self.rank = rank if rank is not None else dist.get_rank(group) if self.world > 1 else 0
-        mbs = microbatch_split(graph, program.k)
+        if program.machines > 1 and group is not None:
+            raise ValueError("a plan on a 2-D mesh runs on the default process group (its rows "
+                             "and columns are made from it); leave group out")
+        self.per_machine = program.mesh[1]  # what the placements split over
         self.params = {}  # param node name -> this rank's shard (updated in place by the step)
         for node in graph.params:
             full = params[node.source].detach().to(self.device)
-            self.params[node.name] = shard_of(full, strategy.home(node.name), mbs.home(node.name),
-                                              self.k, None, self.rank, self.world).clone()
+            self.params[node.name] = shard_of(full, strategy.home(node.name), None, 1, None,
+                                              self.rank % self.per_machine,
+                                              self.per_machine).clone()
         buffers = buffers or {}
         missing = [n.source for n in graph.nodes if n.kind == "buffer" and n.source not in buffers]
         if missing:
@@ -51,10 +55,12 @@ class Executor:
         self.buffers = [buffers[n.source].detach().to(self.device) for n in graph.nodes
                         if n.kind == "buffer"]
         self.lr = torch.tensor(float(lr), device=self.device)
-        group_name = None  # calibration.ops stands collectives in locally, with no group
+        names = {}  # calibration.ops stands collectives in locally, with no group
         if self.world > 1 and not local_collectives:
-            group_name = (group or dist.group.WORLD).group_name
-        self.spec = StepSpec(graph, strategy, program, self.rank, group_name, autocast,
+            names = {tuple(range(self.world)): (group or dist.group.WORLD).group_name}
+            made = {g: mesh_group(g) for g in _row_and_column(program)}  # every rank makes all
+            names.update({g: made[g].group_name for g in made if self.rank in g})
+        self.spec = StepSpec(graph, strategy, program, self.rank, names, autocast,
                              self.device.type, local_collectives)
         self._steps: dict[tuple, object] = {}
         self.grads: dict[str, torch.Tensor] = {}
@@ -102,19 +108,50 @@ class Executor:
     def stand_in_collectives(self) -> None:
         """Calibration (calibration.ops --collectives local): from the next step on, every
         collective is a local copy of its shapes and nothing is sent."""
-        self.spec = replace(self.spec, group_name=None, local_collectives=True)
+        self.spec = replace(self.spec, group_names={}, local_collectives=True)
         self._steps.clear()
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the next steps (a tensor the step reads: nothing is retraced)."""
         self.lr.fill_(float(lr))
 
+    @property
+    def row_group(self):
+        """The process group of this rank's machine on a 2-D mesh (the world on a 1-D one): the
+        ranks a parameter's shards are split over."""
+        if self.p.machines == 1:
+            return None
+        rows, _ = mesh_groups(self.world, self.p.machines)
+        return mesh_group(rows[self.rank // self.per_machine])
+
+    def full(self, node: str, local: torch.Tensor) -> torch.Tensor:
+        """Parameter `node`'s whole tensor from this rank's shard `local` (or its gradient's),
+        gathered over the ranks that hold its pieces (for checks, outside the timed step)."""
+        return full_tensor(local, self.s.home(node), self.per_machine, self.row_group)
+
+
+_GROUPS: dict = {}
+
+
+def mesh_group(ranks: tuple[int, ...]):
+    """The process group of `ranks` (made once per default group; every rank makes every
+    group, in the same order)."""
+    key = (id(dist.group.WORLD), ranks)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(list(ranks))
+    return _GROUPS[key]
+
+
+def _row_and_column(program: Program) -> list[tuple[int, ...]]:
+    """Every row and column of a 2-D mesh's program (none on a 1-D mesh), in one order on
+    every rank: dist.new_group must be called so."""
+    if program.machines == 1:
+        return []
+    rows, columns = mesh_groups(program.world, program.machines)
+    return [g for g in (*rows, *columns) if len(g) > 1]
+
 
 def _check(program: Program, mode: str, device: torch.device) -> None:
-    split = next((t for t in program.collectives if t.groups), None)
-    if split is not None:
-        raise ValueError(f"task {split} runs in sub-groups {split.groups}: the executor runs "
-                         f"world-spanning collectives only (a Program from hidup.program.lower)")
     if mode not in MODES:
         raise ValueError(f"executor mode {mode!r}: choose one of {list(MODES)}")
     if mode == "cuda-graphs" and device.type != "cuda":

@@ -46,8 +46,10 @@ class StepSpec:
     graph: Graph
     strategy: Strategy
     program: Program
-    rank: int
-    group_name: str | None  # the process group of the collectives (None with world size 1)
+    rank: int  # in the world (on a 2-D mesh: machine * ranks per machine + position)
+    # the process groups of the collectives, by their ranks: the world's, and on a 2-D mesh this
+    # rank's row and column (empty with world size 1 or collectives stood in)
+    group_names: dict[tuple[int, ...], str]
     autocast: torch.dtype | None = None  # each node's forward under torch.autocast (bf16)
     device_type: str = "cpu"
     local_collectives: bool = False  # calibration: collectives stood in by local copies
@@ -59,8 +61,10 @@ class _TaskRunner:
     def __init__(self, spec: StepSpec, update: bool):
         self.spec, self.update_params = spec, update
         self.g, self.s, self.p = spec.graph, spec.strategy, spec.program
-        self.world, self.k, self.rank = self.p.world, self.p.k, spec.rank
-        self.mbs = microbatch_split(self.g, self.k)
+        # the placements split over a machine's ranks; the machines split the batch (2-D mesh)
+        self.world, self.k = self.p.mesh[1], self.p.k
+        self.machine, self.rank = divmod(spec.rank, self.world)
+        self.mbs = microbatch_split(self.g, self.k, machines=self.p.machines)
         self.backward_of = {(t.node, t.mb) for t in self.p.tasks if isinstance(t, Compute)
                             and t.phase == "bwd" and t.op != "hidup.ones"}
 
@@ -92,9 +96,10 @@ class _TaskRunner:
                 continue
             full = next(given[node.kind])
             for m in ([None] if node.kind == "buffer" else range(self.k)):
+                part = None if m is None else self.machine * self.k + m  # this machine's m
                 self.env[vkey(node.name, self.s.home(node.name), m)] = shard_of(
-                    full, self.s.home(node.name), self.mbs.home(node.name), self.k, m,
-                    self.rank, self.world)
+                    full, self.s.home(node.name), self.mbs.home(node.name),
+                    self.k * self.p.machines, part, self.rank, self.world)
 
     def run_task(self, task, params, lr) -> None:
         if isinstance(task, Wait):
@@ -147,7 +152,7 @@ class _TaskRunner:
     def callable(self, task: Compute, node):
         """The node's local function (each task is traced once: nothing to keep)."""
         root = (self.rank == 0 or task.option.output != Partial()) and \
-               (not task.mb_partial or task.mb in (0, None))
+               (not task.mb_partial or task.mb in (0, None) and self.machine == 0)
         ctx = ops.LocalContext(self.rank, self.world, task.in_shapes, task.out_shape,
                                node.out.shape, tuple(m.shape for m in node.in_metas(self.g)),
                                root)
@@ -191,29 +196,30 @@ class _TaskRunner:
         elif task.kind == "slice":
             self.accumulate(out_key, x.chunk(self.world, dim=task.dst.dim)[self.rank].contiguous(),
                             root)
-        elif self.world == 1:  # a group of one: every collective is the identity
+        elif len(self.members(task)) == 1:  # a group of one: every collective is the identity
             self.pending[task.id] = lambda: self.accumulate(out_key, x, root)
         else:
             pack, unpack = _PACKING[task.kind]
-            sent = pack(x, task, self.world)
+            n = len(self.members(task))
+            sent = pack(x, task, n)
             with fx_traceback.annotate({"task": task.id, "standin": True}):
-                result = self.collective(task.kind, sent)
+                result = self.collective(task, sent)
             self.pending[task.id] = lambda: self.accumulate(
-                out_key, unpack(self.wait(result), task, self.world), root)
+                out_key, unpack(self.wait(result), task, n), root)
 
     def bucket_all_reduce(self, task: Convert) -> None:
         """Several gradients all-reduced as one flat buffer (a DDP bucket)."""
         parts = [self.env[key] for key in task.inputs]
-        if self.world == 1:  # a group of one: the gradients are already reduced
+        if len(self.members(task)) == 1:  # a group of one: the gradients are already reduced
             self.pending[task.id] = lambda: [self.accumulate(key, p)
                                              for key, p in zip(task.outputs, parts)]
             return
         flat = torch.cat([p.reshape(-1) for p in parts])
         with fx_traceback.annotate({"task": task.id, "standin": True}):
             if self.spec.local_collectives:
-                flat = _stand_in("all_reduce", flat, self.world, self.rank)
+                flat = _stand_in("all_reduce", flat, 1, 0)
             else:  # in place: the buffer is the step's own (the functional one would copy it)
-                flat = _C.all_reduce_(flat, "sum", self.spec.group_name)
+                flat = _C.all_reduce_(flat, "sum", self.group_name(task))
 
         def finish():
             done = self.wait(flat)
@@ -222,11 +228,25 @@ class _TaskRunner:
 
         self.pending[task.id] = finish
 
-    def collective(self, kind: str, x: torch.Tensor) -> torch.Tensor:
-        """Issue one functional collective over the world (or its local stand-in)."""
+    def members(self, task: Convert) -> tuple[int, ...]:
+        """The ranks of this rank's group of collective `task` (its row or column on a 2-D
+        mesh, else the world)."""
+        return next(g for g in task.parts if self.spec.rank in g)
+
+    def group_name(self, task: Convert) -> str:
+        group = self.members(task)
+        if group not in self.spec.group_names:
+            raise RuntimeError(f"task {task}: no process group of ranks {group} on rank "
+                               f"{self.spec.rank} (the executor makes the world's and a 2-D "
+                               f"mesh's rows and columns)")
+        return self.spec.group_names[group]
+
+    def collective(self, task: Convert, x: torch.Tensor) -> torch.Tensor:
+        """Issue one functional collective over this rank's group (or its local stand-in)."""
+        group = self.members(task)
         if self.spec.local_collectives:
-            return _stand_in(kind, x, self.world, self.rank)
-        return issue(kind, x, self.world, self.spec.group_name)
+            return _stand_in(task.kind, x, len(group), group.index(self.spec.rank))
+        return issue(task.kind, x, len(group), self.group_name(task))
 
     def wait(self, x: torch.Tensor) -> torch.Tensor:
         """The collective's result once it has arrived. The wait is marked as its task's
