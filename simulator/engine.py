@@ -337,6 +337,7 @@ class _Sim:
                 yield self.env.timeout(work / rate)
                 work = 0.0
             except simpy.Interrupt:
+                me.retiming = False  # resources.retime: the next change may interrupt again
                 work -= (self.env.now - began) * rate
         if device:
             device.end(kind, me)

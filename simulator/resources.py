@@ -4,6 +4,15 @@ Each re-times the SimPy processes it affects, by interrupting them, whenever its
 from __future__ import annotations
 
 
+def retime(process) -> None:
+    """Interrupt `process` so that it re-reads its rate, once: several changes in one instant
+    (a 2-D mesh's columns ending together) must not leave a second interrupt pending for after it
+    has finished its work. The process clears `retiming` when it takes the interrupt."""
+    if process.is_alive and not getattr(process, "retiming", False):
+        process.retiming = True
+        process.interrupt()
+
+
 class Device:
     """Which streams of one rank are running, so that each kind can re-time the other."""
 
@@ -25,8 +34,7 @@ class Device:
         if was != self.busy(kind):  # the other kind's rate changes now
             other = "compute" if kind == "comm" else "comm"
             for process in list(self.running[other]):
-                if process.is_alive:
-                    process.interrupt()
+                retime(process)
 
 
 class Links:
@@ -62,5 +70,4 @@ class Links:
         for key, processes in self.members.items():
             if set(self.machines[key]) & set(machines):
                 for process in processes:
-                    if process.is_alive:
-                        process.interrupt()
+                    retime(process)

@@ -216,6 +216,16 @@ class Profile:
         nodes = sorted({rank // self.gpus_per_node for rank in group})
         return tuple(nodes) if len(nodes) > 1 and self.inter_node else ()
 
+    def link_load(self, group: tuple[int, ...], parts: tuple[tuple[int, ...], ...]) -> int:
+        """How many of a collective's groups `parts` (run at once, one per rank) cross the
+        busiest inter-node link that `group` crosses: they share it, each at 1/n of its speed
+        (a 2-D mesh's columns on one machine's card); 1 for a group inside one machine."""
+        mine = self.machines(group)
+        if not mine or len(parts) < 2:
+            return 1
+        crossing = [set(self.machines(g)) for g in parts]
+        return max(sum(m in c for c in crossing) for m in mine)
+
     def tier(self, group: tuple[int, ...]) -> dict[str, LinkCost]:
         """The intra-node figures, or the inter-node ones if the group spans machines."""
         return self.inter_node if self.machines(group) else self.collectives

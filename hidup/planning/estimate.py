@@ -1,6 +1,6 @@
 """The planner's fast cost estimate of a Program: one pass over its tasks with the simulator's
 rules for one rank (identical ranks; every collective starts when the communication stream is free
-and its inputs are written; kernels run in order on the compute stream, after their Waits; with
+and its inputs are written; a 2-D mesh's groups that cross one machine's link at once share it; kernels run in order on the compute stream, after their Waits; with
 a GPU profile's host figures, nothing starts before the host has issued it). Equal to the SimPy
 simulator when the profile has no interference (a test checks it)."""
 from __future__ import annotations
@@ -50,7 +50,9 @@ def estimate(program: Program, profile: Profile, mode: str = "graph") -> Estimat
             issued = kernel(pack) if pack > 0 else 0.0
             start = max([comm, issued, host] +
                         [done[w] for key in task.inputs for w in writers.get(key, ())])
-            comm = done[task.id] = start + sum(profile.network_split(task, task.group))
+            latency, transfer = profile.network_split(task, task.group)
+            load = profile.link_load(task.group, task.parts)  # groups sharing a machine's link
+            comm = done[task.id] = start + latency + transfer * load
             communication += comm - start
         else:
             done[task.id] = kernel(profile.compute_time(task))

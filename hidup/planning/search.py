@@ -16,7 +16,13 @@ parameter's first consumer, where its placement is chosen) adds to T: it runs af
 hiding nothing and hidden by nothing. Memory counts each parameter, its gradient and the
 optimizer's state tensors (hidup.program.OPTIMIZERS). With k = 1 it is plain SPMD: T += m + c. The few best plans, with the
 expert strategies beside them, are then lowered and ranked by the fast estimate
-(hidup.planning.estimate)."""
+(hidup.planning.estimate).
+
+On a 2-D mesh of `machines` (hidup.planning.strategy) the programme chooses each op's option over
+one machine's ranks, on its part of the batch: conversions are priced inside a machine, a
+gradient partial there is all-reduced over the world, and a parameter's gradient that is whole
+there over its mesh column, the columns sharing each machine's link. The search on a mesh also
+runs the 1-D programme over every rank and ranks both kinds of plan."""
 from __future__ import annotations
 
 import logging
@@ -34,7 +40,8 @@ from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import check
 from hidup.planning.strategy import Strategy, conversion, fitting_options, microbatch_split
 from hidup.program.lowering import lower
-from hidup.program.tasks import LoweringError, optimizer_cost, tensor_nbytes, tensor_shape
+from hidup.program.tasks import (LoweringError, mesh_groups, optimizer_cost, tensor_nbytes,
+                                 tensor_shape)
 
 log = logging.getLogger(__name__)
 _DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all",
@@ -75,15 +82,18 @@ class Search:
 
     def __init__(self, graph: Graph, world: int, profile: Profile, k: int = 2,
                  memory: float | None = None, objective: str = "time", beam: int = 16,
-                 labels: int = 4, optimizer: str = "sgd"):
+                 labels: int = 4, optimizer: str = "sgd", machines: int = 1):
         if objective not in ("time", "comm"):
             raise ValueError(f"objective {objective!r}: choose 'time' or 'comm'")
         self.optimizer = optimizer_cost(optimizer)
-        self.g, self.world, self.profile, self.k = graph, world, profile, k
+        self.g, self.profile, self.k = graph, profile, k
+        self.machines, self.world = machines, world // machines  # placements: a machine's ranks
         self.memory, self.objective, self.beam = memory or math.inf, objective, beam
         self.per_state = labels
-        self.mbs = microbatch_split(graph, k)
-        self.group = tuple(range(world))
+        self.mbs = microbatch_split(graph, k, machines=machines)
+        rows, columns = mesh_groups(world, machines)
+        self.group, self.everyone = rows[0], tuple(range(world))
+        self.column, self.columns = columns[0], columns
         self.position = {n.name: i for i, n in enumerate(graph.ops)}
         self.last: dict[str, int] = {}  # tensor -> position of its last consumer
         self.first: dict[str, int] = {}  # tensor -> position of its first consumer
@@ -97,10 +107,10 @@ class Search:
 
     # -- costs --------------------------------------------------------------------------------
     def shape(self, t: str, p: Placement) -> tuple[int, ...]:
-        return tensor_shape(self.g, self.mbs, t, p, self.world, self.k)
+        return tensor_shape(self.g, self.mbs, t, p, self.world, self.k * self.machines)
 
     def nbytes(self, t: str, p: Placement) -> int:
-        return tensor_nbytes(self.g, self.mbs, t, p, self.world, self.k)
+        return tensor_nbytes(self.g, self.mbs, t, p, self.world, self.k * self.machines)
 
     def per_mb(self, t: str) -> float:
         """Share of a once-per-step cost carried by one micro-batch."""
@@ -143,7 +153,9 @@ class Search:
                 size = self.nbytes(t, p)
                 if p == R and opt.output != R:  # its gradient is a Partial sum: all-reduced
                     grads += size if self.objective == "comm" else \
-                        self.profile.collective_time("all_reduce", size, self.group)
+                        self.profile.collective_time("all_reduce", size, self.everyone)
+                elif self.machines > 1 and self.first[t] == self.position[node.name]:
+                    grads += self.across_machines(size)  # whole on a machine: summed across
                 if self.first[t] == self.position[node.name]:  # its home: where it lives
                     memory += (2 + self.optimizer.states) * size  # parameter, gradient, state
                     if param.out.is_float:
@@ -153,6 +165,14 @@ class Search:
                                               self.optimizer.bytes * numel) \
                 - self.profile.op_overhead
         return (0.0 if self.objective == "comm" else compute), grads, memory, update
+
+    def across_machines(self, nbytes: int) -> float:
+        """A gradient whole on each machine, all-reduced over its mesh column, every column at
+        once on the machines' links."""
+        if self.objective == "comm":
+            return nbytes
+        latency, transfer = self.profile.collective_split("all_reduce", nbytes, self.column)
+        return latency + transfer * self.profile.link_load(self.column, self.columns)
 
     # -- the dynamic programme ----------------------------------------------------------------
     def run(self) -> list[_Label]:
@@ -257,27 +277,38 @@ class Search:
                 if t in self.placeholders:
                     placements.setdefault(t, p)
         placements = {n.name: placements.get(n.name, R) for n in self.g.nodes if n.kind != "op"}
-        return Strategy(name, placements, options)
+        return Strategy(name, placements, options, machines=self.machines)
 
 
 def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float | None = None,
            objective: str = "time", beam: int = 16, keep: int = 3,
-           baselines: dict[str, Strategy] | None = None, optimizer: str = "sgd") -> SearchResult:
+           baselines: dict[str, Strategy] | None = None, optimizer: str = "sgd",
+           machines: int = 1) -> SearchResult:
     """The best plan: the dynamic programme's `keep` cheapest plans and the `baselines`, each lowered
     with k micro-batches and with one, ranked by the fast estimate (objective 'comm': by its own
     count). With k > 1 the programme also runs priced for plain SPMD (k = 1) and its plans are
-    ranked too, so that a search for Duplex finds every plan the plain search finds. Every plan
-    is priced and held to `memory` with `optimizer`'s update and state."""
+    ranked too, so that a search for Duplex finds every plan the plain search finds. On a 2-D
+    mesh of `machines` > 1 it runs on the mesh and over every rank (1-D), and ranks both. Every
+    plan is priced and held to `memory` with `optimizer`'s update and state."""
     started = time.perf_counter()
     ranked: list[tuple[float, str, Strategy, float, Estimate, int]] = []
-    seen: list[dict] = []
+    seen: list[tuple] = []
     labels = 0
-    for dp_k in ([k, 1] if k > 1 and objective == "time" else [k]):
-        dp = Search(graph, world, profile, dp_k, memory, objective, beam, optimizer=optimizer)
-        finals = dp.run()
-        labels += dp.labels
-        tag = "search" if dp_k == k else "search-k1"
-        _rank_finals(ranked, seen, dp, finals, keep, tag, graph, world, k, profile, optimizer)
+    for mesh in ([machines, 1] if machines > 1 else [1]):
+        for dp_k in ([k, 1] if k > 1 and objective == "time" else [k]):
+            try:
+                dp = Search(graph, world, profile, dp_k, memory, objective, beam,
+                            optimizer=optimizer, machines=mesh)
+                finals = dp.run()
+            except ValueError as exc:
+                if mesh == 1:
+                    raise
+                log.info("search on %d machines x %d: %s", mesh, world // mesh, exc)
+                continue
+            labels += dp.labels
+            tag = ("search" if dp_k == k else "search-k1") + ("-2d" if mesh > 1 else "")
+            _rank_finals(ranked, seen, dp, finals, keep, tag, graph, world, k, profile,
+                         optimizer)
     for name, strategy in (baselines or {}).items():
         _rank(ranked, graph, strategy, world, k, profile, name, math.nan, dp.memory, optimizer)
     if not ranked:
@@ -296,9 +327,9 @@ def _rank_finals(ranked, seen, dp: Search, finals, keep: int, tag: str, graph, w
     """Rank the programme's `keep` cheapest distinct plans that fit (named TAG#j)."""
     for j, label in enumerate(finals[:10 * keep]):
         strategy = dp.strategy(label, "hidup" if dp.objective == "time" else "min-comm")
-        if strategy.options in seen:
+        if (strategy.machines, strategy.options) in seen:
             continue  # the same plan reached through another state, or by the other programme
-        seen.append(strategy.options)
+        seen.append((strategy.machines, strategy.options))
         check(graph, strategy)
         before = len(ranked)
         _rank(ranked, graph, strategy, world, k, profile, f"{tag}#{j}", label.cost, dp.memory,
