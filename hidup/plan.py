@@ -20,7 +20,7 @@ from hidup.planning.estimate import estimate
 from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import save_plan
 from hidup.planning.search import search
-from hidup.planning.strategy import describe, fixed_strategies
+from hidup.planning.strategy import describe, fixed_strategies, mesh_option
 from hidup.program import OPTIMIZERS, LoweringError, lower
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,11 @@ def parse_args(argv=None):
     ap.add_argument("--model", default="bert-sgmoe:paper", help=f"model NAME:SIZE, one of {names()}")
     ap.add_argument("--cluster", default="v100-8x8-10gbps", help="profile name or path")
     ap.add_argument("--gpus", type=int, default=8, help="world size")
+    ap.add_argument("--mesh", default=None, metavar="MACHINESxGPUS",
+                    help="the device mesh, e.g. 8x8: plans with data parallel across the "
+                         "machines and any split inside them are searched beside the plans over "
+                         "every GPU; 1xN: those only (default: the cluster's machines x GPUs per "
+                         "machine when --gpus fills whole machines, else 1x--gpus)")
     ap.add_argument("--batch", type=int, default=None, help="global batch (default: the model's)")
     ap.add_argument("--micro-batches", type=int, default=2, help="Duplex micro-batches k")
     ap.add_argument("--memory", type=float, default=None,
@@ -51,7 +56,29 @@ def parse_args(argv=None):
             ap.error(f"--{flag.replace('_', '-')} must be at least 1")
     if args.memory is not None and not 0 < args.memory < math.inf:
         ap.error(f"--memory {args.memory}: must be a positive number of GiB")
+    if args.mesh is not None:
+        args.mesh = parse_mesh(args.mesh, args.gpus, ap.error)
     return args
+
+
+def parse_mesh(text: str, gpus: int, error) -> tuple[int, int]:
+    """'8x8' -> (8, 8), checked against the world size; `error(message)` otherwise."""
+    try:
+        machines, per = (int(n) for n in text.lower().split("x"))
+    except ValueError:
+        error(f"--mesh {text}: give MACHINESxGPUS, e.g. 8x8")
+    if machines < 1 or per < 1 or machines * per != gpus:
+        error(f"--mesh {text}: {machines} x {per} is not the {gpus} GPUs of --gpus; give a "
+              f"mesh whose product is {gpus} (e.g. {max(1, gpus // 8)}x{min(gpus, 8)})")
+    return machines, per
+
+
+def default_mesh(profile, gpus: int) -> tuple[int, int]:
+    """The cluster's machines x GPUs per machine when `gpus` fills whole machines, else 1-D."""
+    per = profile.gpus_per_node
+    if gpus > per and gpus % per == 0:
+        return gpus // per, per
+    return 1, gpus
 
 
 def plan(args) -> dict:
@@ -60,7 +87,8 @@ def plan(args) -> dict:
     spec = get_model(args.model, gpus=args.gpus)
     batch = args.batch or spec.batch
     graph = capture_model(spec, batch)
-    baselines = fixed_strategies(graph, args.gpus)
+    machines, per = args.mesh or default_mesh(profile, args.gpus)
+    baselines = fixed_strategies(graph, args.gpus, machines)
     memory = args.memory * 2**30 if args.memory is not None else profile.device_memory
     started = time.perf_counter()
     mincomm = search(graph, args.gpus, profile, 1, memory, objective="comm", beam=args.beam,
@@ -68,9 +96,9 @@ def plan(args) -> dict:
     baselines["min-comm"] = mincomm.strategy
     log.info("min-comm search: %.2f s", time.perf_counter() - started)
     found = search(graph, args.gpus, profile, args.micro_batches, memory, beam=args.beam,
-                   baselines=baselines, optimizer=args.optimizer)
+                   baselines=baselines, optimizer=args.optimizer, machines=machines)
     origin = found.candidates[0][0].split()[0]  # 'search#0', or a baseline the search kept
-    searched = origin.startswith(("search#", "search-k1#"))
+    searched = origin.startswith("search")
     chosen = replace(found.strategy, name="hidup" if searched else origin)
     rows = {"hidup": _times(graph, chosen, args.gpus, args.micro_batches, profile,
                             args.optimizer)}
@@ -78,6 +106,8 @@ def plan(args) -> dict:
     rows.update({n: _times(graph, s, args.gpus, args.micro_batches, profile, args.optimizer)
                  for n, s in baselines.items()})
     return {"model": spec.name, "batch": batch, "cluster": profile.name, "gpus": args.gpus,
+            "mesh": [machines, per], "chosen_mesh": [chosen.machines,
+                                                     args.gpus // chosen.machines],
             "micro_batches": args.micro_batches, "optimizer": args.optimizer,
             "chosen": chosen.name,
             "searched": searched, "description": describe(graph, chosen),
@@ -114,13 +144,23 @@ def report(res: dict) -> list[str]:
              f"{'' if limit is None else f', {limit:.3g} GiB each'}, optimizer "
              f"{res['optimizer']}: searched in "
              f"{res['search_seconds']:.2f} s ({res['labels']} labels)",
-             f"chose {what}, {duplex}", "", "placements of the key ops:"]
+             f"chose {what}, {duplex}"]
     graph, strategy = res["graph"], res["strategy"]
+    machines, per = res["mesh"]
+    if machines > 1:
+        lines.append(f"mesh {machines}x{per}: searched on it (data parallel across the "
+                     f"machines, any split inside) and over all {res['gpus']} GPUs")
+    if strategy.machines > 1:
+        lines += ["", f"placements of the key ops per mesh dimension ([across {machines} "
+                      f"machines, inside one]):"]
+    else:
+        lines += ["", "placements of the key ops:"]
     for node in graph.ops:
         if any(key in node.op for key in KEY_OPS):
-            lines.append(f"  {node.name} ({node.op.split('.')[1]}): {strategy.options[node.name]}")
+            lines.append(f"  {node.name} ({node.op.split('.')[1]}): "
+                         f"{mesh_option(graph, strategy, node.name)}")
     head = ("SPMD k=1 (ms)", f"Duplex k={k} (ms)", "peak mem (GiB)", "hidup speedup")
-    lines += ["", f"{'plan':<10}" + "".join(f"  {h}" for h in head)]
+    lines += ["", f"{'plan':<12}" + "".join(f"  {h}" for h in head)]
     for name, t in rows.items():
         times = [t[key] for key in ("k1_ms", f"k{k}_ms") if t[key] is not None]
         fastest = min(times) if times else None
@@ -131,7 +171,7 @@ def report(res: dict) -> list[str]:
                  "-" if memory is None else
                  f"{memory:.3g}" + ("*" if limit is not None and memory > limit else ""),
                  f"{fastest / best:.3f}x" if fastest and best else "-"]
-        lines.append(f"{name:<10}" + "".join(f"  {c:>{len(h)}}" for c, h in zip(cells, head)))
+        lines.append(f"{name:<12}" + "".join(f"  {c:>{len(h)}}" for c, h in zip(cells, head)))
     lines.append("(hidup speedup: this plan's best time, with or without Duplex, over hidup's; "
                  "*: over the memory limit in one of its runs; the search keeps only runs that "
                  "fit)")

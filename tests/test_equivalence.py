@@ -2,6 +2,9 @@
 one step, for 2 and 4 gloo ranks, data and tensor parallel, Duplex on and off."""
 from __future__ import annotations
 
+import random
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import build_model, run_ranks
@@ -9,9 +12,9 @@ from conftest import build_model, run_ranks
 from hidup.graph.capture import capture
 from hidup.models import get_model
 from hidup.planning.costs import load_profile
-from hidup.planning.search import search
-from hidup.planning.strategy import fixed_strategy
-from hidup.program import lower
+from hidup.planning.search import Search, search
+from hidup.planning.strategy import fixed_strategy, random_strategy
+from hidup.program import LoweringError, lower
 from hidup.runtime.execute import Executor, full_tensor
 
 MODELS = ("mlp:tiny", "gpt:tiny")
@@ -112,3 +115,67 @@ def test_bf16_autocast_matches_single_device_within_bf16_tolerance():
                 assert g.dtype == torch.float32
                 err = rel_err(g, ref_grads[pname], scale)
                 assert err <= 5e-2, (case, pname, err)
+
+
+# a 2-D mesh of 2 machines x 2 ranks: data parallel across, the strategy inside
+MESH_CASES = [("gpt:tiny", "dp-megatron", 1), ("gpt:tiny", "dp-megatron", 2),
+              ("bert-sgmoe:tiny", "dp-expert", 2), ("gpt:tiny", "search-2d", 2),
+              ("bert-sgmoe:tiny", "search-2d", 1)]
+MESH_CASES += [(m, f"random-{seed}", 1 + seed % 2) for m in ("gpt:tiny", "bert-sgmoe:tiny")
+               for seed in range(4)]
+
+
+def mesh_strategy(graph, name: str, world: int, k: int):
+    """A 2-D strategy on 2 machines: fixed, searched on the mesh, or random inside (None where
+    a random split does not divide the model's sizes)."""
+    if name == "search-2d":
+        dp = Search(graph, world, load_profile("v100-8x8-10gbps"), k, machines=2)
+        return dp.strategy(dp.run()[0], "hidup")
+    if name.startswith("random-"):
+        inner = random_strategy(graph, world // 2, random.Random(int(name[7:])),
+                                divide=world * k)
+        strategy = replace(inner, machines=2)
+        try:
+            lower(graph, strategy, world, k)
+        except LoweringError:
+            return None
+        return strategy
+    return fixed_strategy(name, graph, world, machines=2)
+
+
+def mesh_grads(rank, world, cases):
+    out = {}
+    for name, strategy_name, k in cases:
+        spec = get_model(name, gpus=world)
+        model = build_model(spec)
+        graph = capture(model, batch_of(spec, seed=0))
+        strategy = mesh_strategy(graph, strategy_name, world, k)
+        if strategy is None:
+            continue
+        program = lower(graph, strategy, world, k, name)
+        ex = Executor(graph, strategy, program, dict(model.named_parameters()),
+                      buffers=dict(model.named_buffers()))
+        inputs = dict(zip([n.source for n in graph.user_inputs], batch_of(spec)))
+        loss = ex.step(inputs, update=False)
+        grads = {graph.node(p).source: ex.full(p, g) for p, g in ex.grads.items()}
+        out[(name, strategy_name, k)] = (float(loss), grads, str(strategy))
+    return out
+
+
+@pytest.mark.slow
+def test_2d_mesh_plans_match_single_device():
+    """2 machines x 2 ranks: dp-megatron, dp-expert, plans searched on the mesh and random
+    strategies inside each machine, Duplex on and off, equal single-device training."""
+    results = run_ranks(4, mesh_grads, MESH_CASES)
+    assert sum(case[1].startswith("random") for case in results[0]) >= 4, results[0].keys()
+    refs = {name: reference(name, 4) for name in {case[0] for case in MESH_CASES}}
+    for case in results[0]:
+        ref_loss, ref_grads = refs[case[0]]
+        scale = 1e-3 * max(float(g.norm()) for g in ref_grads.values())
+        for rank_result in results:
+            loss, grads, text = rank_result[case]
+            assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (case, loss, ref_loss, text)
+            assert set(grads) == set(ref_grads), case
+            for pname, g in grads.items():
+                err = rel_err(g, ref_grads[pname], scale)
+                assert err <= 1e-5, (case, pname, err, text)

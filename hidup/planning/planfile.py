@@ -4,6 +4,7 @@ and cluster, refused with a clear message for another model, size or format vers
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from hidup.graph import ops
@@ -53,7 +54,9 @@ def save_plan(path: Path, graph: Graph | None, strategy: Strategy, world: int, m
         fingerprint = graph.fingerprint
         inputs = inputs or tuple(n.out for n in graph.user_inputs)
     doc = {"format": PLAN_FORMAT, "version": PLAN_VERSION, "model": model,
-           "fingerprint": fingerprint, "world": world, "mesh": [world], "cluster": cluster,
+           "fingerprint": fingerprint, "world": world, "cluster": cluster,
+           "mesh": [strategy.machines, world // strategy.machines] if strategy.machines > 1
+           else [world],
            "micro_batches": micro_batches, "optimizer": optimizer, "memory": memory,
            "inputs": [{"shape": list(m.shape), "dtype": m.dtype} for m in inputs or ()],
            "strategy": strategy.name,
@@ -94,6 +97,7 @@ def load_plan(path: Path, graph: Graph | None, world: int, cluster: str | None =
         raise PlanError(f"plan file {path} was made for model {doc.get('model')!r} with fingerprint "
                         f"{doc.get('fingerprint')}, but this model's fingerprint is "
                         f"{graph.fingerprint}; make a plan for this model (and batch size)")
+    machines = _machines(path, doc, world)
     made_for = doc.get("cluster")
     notes = ()
     if cluster is not None and made_for != cluster:
@@ -102,7 +106,19 @@ def load_plan(path: Path, graph: Graph | None, world: int, cluster: str | None =
                  f"python -m hidup.plan --cluster {cluster} to get its best plan",)
     strategy = Strategy(doc.get("strategy", Path(path).stem),
                         {n: parse_placement(p) for n, p in doc["placements"].items()},
-                        {n: parse_option(o) for n, o in doc["options"].items()}, notes)
+                        {n: parse_option(o) for n, o in doc["options"].items()}, notes, machines)
     if graph is not None:
         check(graph, strategy)
     return strategy
+
+
+def _machines(path, doc: dict, world: int) -> int:
+    """The plan's machines: its mesh [world] (1-D) or [machines, ranks per machine] (2-D)."""
+    mesh = doc.get("mesh", [world])
+    if not (isinstance(mesh, list) and len(mesh) in (1, 2) and all(isinstance(n, int) and n > 0
+                                                                    for n in mesh)
+            and math.prod(mesh) == world):
+        raise PlanError(f"plan file {path}: mesh {mesh!r} is not [{world}] or [MACHINES, "
+                        f"GPUS_PER_MACHINE] of {world} GPUs; make the plan again with "
+                        f"python -m hidup.plan --out")
+    return mesh[0] if len(mesh) == 2 else 1

@@ -316,11 +316,26 @@ def summarize(graph: Graph, strategy: Strategy) -> dict[str, int]:
 
 
 def describe(graph: Graph, strategy: Strategy) -> str:
-    """One line a user can read: e.g. '16 key ops expert parallel, 41 data parallel'."""
+    """One line a user can read: e.g. '16 key ops expert parallel, 41 data parallel' (on a 2-D
+    mesh: 'data parallel across 8 machines; inside each: ...')."""
     counts = sorted(summarize(graph, strategy).items(), key=lambda kv: -kv[1])
+    across = f"data parallel across {strategy.machines} machines; inside each: " \
+        if strategy.machines > 1 else ""
     if not counts:
-        return "no key ops"
+        return f"{across}no key ops"
     (style, n), rest = counts[0], counts[1:]
     if not rest:
-        return f"all {n} key ops {style}"
-    return ", ".join([f"{n} key ops {style}"] + [f"{m} {s}" for s, m in rest])
+        return f"{across}all {n} key ops {style}"
+    return across + ", ".join([f"{n} key ops {style}"] + [f"{m} {s}" for s, m in rest])
+
+
+def mesh_option(graph: Graph, strategy: Strategy, node: str) -> str:
+    """An op's option with each tensor's placement per mesh dimension, as DTensor writes them:
+    '([S(0), R], [R, S(1)]) -> [S(0), S(1)]' (dim 0: across machines; dim 1: inside one). On a
+    1-D mesh, the option as it is."""
+    inner = strategy.options[node]
+    if strategy.machines == 1:
+        return str(inner)
+    outer = microbatch_split(graph, 1, machines=strategy.machines).options[node]
+    ins = ", ".join(f"[{a}, {b}]" for a, b in zip(outer.inputs, inner.inputs))
+    return f"({ins}) -> [{outer.output}, {inner.output}]"
