@@ -1,0 +1,121 @@
+"""The 2-D mesh (machines x ranks per machine; data parallel across, the strategy inside): the
+Program's groups, its pricing by the estimate and the simulator, the search, plan files and
+hidup.plan --mesh. Its equivalence to single-device training is in test_equivalence.py."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from hidup.plan import main as plan_main
+from hidup.graph.placement import R
+from hidup.planning.costs import load_profile
+from hidup.planning.estimate import estimate
+from hidup.planning.planfile import PlanError, load_plan, save_plan
+from hidup.planning.search import search
+from hidup.planning.strategy import fixed_strategy, mesh_option
+from hidup.program import Compute, LoweringError, lower
+from simulator.engine import simulate
+
+ROWS, COLUMNS = ((0, 1), (2, 3)), ((0, 2), (1, 3))
+
+
+def two_by_two(profile: str = "v100-8x8-10gbps"):
+    """A cluster of machines of 2 GPUs: a 2 x 2 mesh spans two machines."""
+    return replace(load_profile(profile), gpus_per_node=2)
+
+
+def test_conversions_run_inside_machines_and_gradients_across(tiny_graphs):
+    _, _, graph = tiny_graphs["gpt:tiny"]
+    strategy = fixed_strategy("dp-megatron", graph, 4, machines=2)
+    program = lower(graph, strategy, 4, k=2, bucket_bytes=0)
+    assert program.mesh == (2, 2) and program.world == 4
+    fwd = [t for t in program.collectives if t.phase == "fwd" and t.tensor != graph.loss]
+    assert fwd and all(t.groups == ROWS and t.group == ROWS[0] for t in fwd)
+    grads = [t for t in program.collectives if t.inputs[0].startswith("d") and t.mb is None]
+    kinds = {t.outputs[0].removeprefix("grad:"): t.groups for t in grads}
+    assert set(kinds) == {p.name for p in graph.params}  # every gradient summed across machines
+    for p in graph.params:  # split inside a machine: over its column; else over the world
+        assert kinds[p.name] == (COLUMNS if strategy.placements[p.name] != R else ())
+    loss = [t for t in program.collectives if t.tensor == graph.loss]
+    assert [t.mb for t in loss] == [0, 1] and all(t.kind == "all_reduce" for t in loss)
+    # a machine's part of the batch, then its micro-batch, then the ranks' split: 8 / 2 / 2
+    first = next(t for t in program.tasks if isinstance(t, Compute) and t.phase == "fwd"
+                 and t.node == "embedding")
+    assert first.in_shapes[1][0] == 8 // 2 // 2
+
+
+def test_a_mesh_that_does_not_divide_the_world_or_batch_is_refused(tiny_graphs):
+    _, _, graph = tiny_graphs["gpt:tiny"]
+    strategy = fixed_strategy("dp-megatron", graph, 4, machines=2)
+    with pytest.raises(LoweringError, match="mesh of 2 machines, which does not divide the 3"):
+        lower(graph, strategy, 3)
+    with pytest.raises(ValueError, match="needs a 2-D mesh of 2 or more machines"):
+        fixed_strategy("dp-expert", graph, 4)
+    with pytest.raises(ValueError, match="does not split into 4 micro-batches on each of 4"):
+        lower(graph, replace(strategy, machines=4), 4, k=4)
+
+
+def test_columns_crossing_one_link_share_it_in_estimate_and_simulator(tiny_graphs):
+    _, _, graph = tiny_graphs["gpt:tiny"]
+    profile = two_by_two()
+    assert profile.link_load(COLUMNS[0], COLUMNS) == 2  # both columns cross each machine's card
+    assert profile.link_load(ROWS[0], ROWS) == 1  # a machine's own ranks: no inter-node link
+    for name in ("dp-megatron", "ddp"):
+        for k in (1, 2):
+            program = lower(graph, fixed_strategy(name, graph, 4, machines=2), 4, k)
+            assert estimate(program, profile).step_time == pytest.approx(
+                simulate(program, profile).step_time, rel=1e-9)
+    # the same column all-reduce, alone on the link, is faster
+    program = lower(graph, fixed_strategy("dp-megatron", graph, 4, machines=2), 4, 1)
+    column = next(t for t in program.collectives if t.groups == COLUMNS)
+    latency, transfer = profile.network_split(column, column.group)
+    assert transfer > 0 and latency + 2 * transfer > latency + transfer
+
+
+def test_search_on_a_mesh_ranks_2d_and_1d_plans(tiny_graphs):
+    _, _, graph = tiny_graphs["gpt:tiny"]
+    found = search(graph, 4, two_by_two(), 2, machines=2)
+    names = [name for name, _ in found.candidates]
+    assert any("-2d#" in n for n in names) and any(n.startswith("search#") for n in names)
+    times = [t for _, t in found.candidates]
+    assert times == sorted(times) and found.estimate.step_time == times[0]
+
+
+def test_plan_files_record_the_mesh(tiny_graphs, tmp_path):
+    _, _, graph = tiny_graphs["gpt:tiny"]
+    strategy = fixed_strategy("dp-megatron", graph, 4, machines=2)
+    path = tmp_path / "plan.json"
+    save_plan(path, graph, strategy, 4, "gpt:tiny")
+    assert json.loads(path.read_text())["mesh"] == [2, 2]
+    loaded = load_plan(path, graph, 4)
+    assert loaded.machines == 2 and loaded.options == strategy.options
+    doc = json.loads(path.read_text())
+    doc["mesh"] = [3, 2]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(PlanError, match=r"mesh \[3, 2\] is not \[4\] or \[MACHINES"):
+        load_plan(path, graph, 4)
+
+
+def test_placements_per_mesh_dimension(tiny_graphs):
+    _, _, graph = tiny_graphs["gpt:tiny"]
+    strategy = fixed_strategy("dp-megatron", graph, 4, machines=2)
+    first = next(n for n in graph.ops if n.op.startswith("aten.linear"))
+    assert mesh_option(graph, strategy, first.name) == "([S(0), R], [R, S(0)], [R, S(0)]) -> " \
+        "[S(0), S(2)]"
+    assert mesh_option(graph, replace(strategy, machines=1), first.name) == \
+        str(strategy.options[first.name])
+
+
+def test_plan_cli_mesh(capsys):
+    assert plan_main(["--model", "gpt:tiny", "--cluster", "v100-8x8-10gbps", "--gpus", "16",
+                      "--mesh", "2x8", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["mesh"] == [2, 8] and "dp-megatron" in doc["plans"]  # (batch 8: no ddp)
+    with pytest.raises(SystemExit):
+        plan_main(["--model", "gpt:tiny", "--gpus", "16", "--mesh", "3x8"])
+    assert "--mesh 3x8: 3 x 8 is not the 16 GPUs of --gpus" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plan_main(["--model", "gpt:tiny", "--gpus", "16", "--mesh", "two"])
+    assert "--mesh two: give MACHINESxGPUS, e.g. 8x8" in capsys.readouterr().err
