@@ -28,7 +28,7 @@ from hidup.graph.placement import Shard
 from hidup.planning.planfile import PlanError, check
 from hidup.planning.strategy import fixed_strategy
 from hidup.program import lower
-from hidup.runtime.execute import Executor, full_tensor
+from hidup.runtime.execute import Executor
 from hidup.runtime.step import shard_of
 
 log = logging.getLogger(__name__)
@@ -261,7 +261,7 @@ class Trainer:
         self._require_built("full_state_dict")
         out = {}
         for node, shard in self.executor.params.items():
-            whole = full_tensor(shard, self.strategy.home(node), self.world)
+            whole = self.executor.full(node, shard)
             out[self._sources[node]] = whole.detach().cpu().clone()
         for source, buf in zip(self._buffers, self.executor.buffers):
             if source in self._model_keys:
@@ -279,7 +279,7 @@ class Trainer:
         shape = list(local.shape)
         home = self.strategy.home(node)
         if isinstance(home, Shard) and self.world > 1:
-            shape[home.dim] *= self.world
+            shape[home.dim] *= self.executor.per_machine  # split over a machine's ranks
         return tuple(shape)
 
     def _distributed(self, node: str, local: torch.Tensor):
@@ -290,11 +290,20 @@ class Trainer:
 
         shape = self._full_shape(node, local)
         stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(local, _mesh(self.device, self.world), [self._placement(node)],
+        return DTensor.from_local(local, _mesh(self.device, self.program.mesh),
+                                  self._placements(node),
                                   run_check=False, shape=torch.Size(shape), stride=stride)
 
+    def _placements(self, node: str) -> list:
+        """The DTensor placements of a parameter (and its optimizer states) in this plan, one
+        per mesh dimension: replicated across machines on a 2-D mesh."""
+        from torch.distributed.tensor import Replicate
+
+        inside = self._placement(node)
+        return [Replicate(), inside] if self.program.machines > 1 else [inside]
+
     def _placement(self, node: str):
-        """The DTensor placement of a parameter (and its optimizer states) in this plan."""
+        """The DTensor placement of a parameter (and its optimizer states) inside a machine."""
         from torch.distributed.tensor import Replicate
         from torch.distributed.tensor import Shard as DShard
 
@@ -320,10 +329,11 @@ class Trainer:
         from torch.distributed.tensor import DTensor
 
         if isinstance(value, DTensor):
-            if tuple(value.placements) == (self._placement(node),):
+            if list(value.placements) == self._placements(node):
                 return value.to_local()
             value = value.full_tensor()  # written under another plan
-        return shard_of(value, self.strategy.home(node), None, 1, None, self.rank, self.world)
+        per = self.executor.per_machine
+        return shard_of(value, self.strategy.home(node), None, 1, None, self.rank % per, per)
 
 
 def parallelize(model: torch.nn.Module, plan, *, optimizer: Callable,
@@ -372,12 +382,13 @@ def _default_device() -> torch.device:
 _MESHES: dict = {}
 
 
-def _mesh(device: torch.device, world: int):
-    key = (device.type, world)
+def _mesh(device: torch.device, mesh: tuple[int, int]):
+    """The DeviceMesh of a plan: 1-D over the world, or machines x ranks per machine."""
+    key = (device.type, mesh)
     if key not in _MESHES:
         from torch.distributed.device_mesh import init_device_mesh
 
-        _MESHES[key] = init_device_mesh(device.type, (world,))
+        _MESHES[key] = init_device_mesh(device.type, mesh if mesh[0] > 1 else (mesh[1],))
     return _MESHES[key]
 
 
