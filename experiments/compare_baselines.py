@@ -9,6 +9,7 @@ import math
 import sys
 from pathlib import Path
 
+from experiments.paper_figures import machines_of
 from hidup.cli import Parser
 from hidup.models import capture_model, get_model
 from hidup.planning.costs import load_profile
@@ -47,9 +48,10 @@ def simulated_ms(graph, strategy, gpus, k, profile) -> float | None:
 def compare(model: str, gpus: int, profile, memory: float) -> dict:
     spec = get_model(model, gpus=gpus)
     graph = capture_model(spec, spec.batch)
-    baselines = fixed_strategies(graph, gpus)
+    machines = machines_of(profile, gpus)  # a 2-D mesh where the GPUs fill whole machines
+    baselines = fixed_strategies(graph, gpus, machines)
     baselines["min-comm"] = search(graph, gpus, profile, 1, memory, objective="comm").strategy
-    found = search(graph, gpus, profile, 2, memory, baselines=baselines)
+    found = search(graph, gpus, profile, 2, memory, baselines=baselines, machines=machines)
     row = {"model": model, "gpus": gpus, "chosen": found.candidates[0][0],
            "hidup_ms": simulated_ms(graph, found.strategy, gpus, found.k, profile),
            "search_s": found.seconds, "dp_estimate_ms": found.dp_cost * 1e3}
@@ -60,20 +62,21 @@ def compare(model: str, gpus: int, profile, memory: float) -> dict:
 
 
 def table(rows) -> list[str]:
-    names = ["ddp", "megatron", "expert", "min-comm"]
-    head = f"{'model':<20}{'GPUs':>5}{'HiDup':>10}" + "".join(f"{n:>10}" for n in names)
+    names = ["ddp", "megatron", "expert", "min-comm", "dp-megatron", "dp-expert"]
+    head = f"{'model':<20}{'GPUs':>5}{'HiDup':>10}" + "".join(f"{n:>12}" for n in names)
     lines = [head + f"{'speedup':>9}{'vs +Duplex':>11}{'DP err':>8}  chosen"]
     for r in rows:
         plain = [r[n]["k1_ms"] for n in names if r.get(n) and r[n]["k1_ms"]]
         duplexed = [r[n]["k2_ms"] for n in names if r.get(n) and r[n]["k2_ms"]]
-        cells = "".join(f"{r[n]['k1_ms']:>10.1f}" if r.get(n) and r[n]["k1_ms"] else f"{'-':>10}"
+        cells = "".join(f"{r[n]['k1_ms']:>12.1f}" if r.get(n) and r[n]["k1_ms"] else f"{'-':>12}"
                         for n in names)
         lines.append(f"{r['model']:<20}{r['gpus']:>5}{r['hidup_ms']:>10.1f}{cells}"
                      f"{min(plain) / r['hidup_ms']:>8.2f}x{min(duplexed) / r['hidup_ms']:>10.2f}x"
                      f"{r['dp_estimate_ms'] / r['hidup_ms'] - 1:>+8.1%}  {r['chosen']}")
     lines.append("times: simulated step (ms); baselines as their systems run (k=1); speedup: the "
                  "best baseline over HiDup; vs +Duplex: the best baseline given Duplex (k=2); "
-                 "DP err: the dynamic programme's own estimate of its plan against the simulator")
+                 "DP err: the dynamic programme's own estimate of its plan against the simulator; "
+                 "dp-: a 2-D mesh, data parallel across machines, the named strategy inside")
     return lines
 
 

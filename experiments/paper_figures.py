@@ -69,24 +69,44 @@ def run(graph, strategy, gpus: int, k: int, profile):
         return None
 
 
-def hidup(graph, gpus: int, profile, k: int = 2):
+def hidup(graph, gpus: int, profile, k: int = 2, machines: int = 1):
     """HiDup: the searched plan (the dynamic programme's best, priced for Duplex and for plain
-    SPMD, and the expert strategies, ranked with Duplex and without), Duplex where it pays;
-    (simulated Result, search result)."""
+    SPMD, and the expert strategies, ranked with Duplex and without; on a 2-D mesh of `machines`
+    also the plans searched on it and its baselines), Duplex where it pays; (simulated Result,
+    search result)."""
     found = search(graph, gpus, profile, k=k, memory=MEMORY,
-                   baselines=fixed_strategies(graph, gpus))
+                   baselines=fixed_strategies(graph, gpus, machines), machines=machines)
     return run(graph, found.strategy, gpus, found.k, profile), found
 
 
-def systems(graph, gpus: int, profile, names=("expert", "ddp")) -> tuple[dict, str]:
-    """({system: simulated Result or None}, HiDup's plan): HiDup and the named baselines (one
-    micro-batch each)."""
-    result, found = hidup(graph, gpus, profile)
+def machines_of(profile, gpus: int) -> int:
+    """The mesh's machines: the cluster's when `gpus` fills whole machines, else 1 (1-D)."""
+    per = profile.gpus_per_node
+    return gpus // per if gpus > per and gpus % per == 0 else 1
+
+
+def on_mesh(candidate: str) -> bool:
+    """A ranked plan on a 2-D mesh: searched there ('search-2d#0 k=2') or a dp- baseline."""
+    return "-2d#" in candidate or candidate.startswith("dp-")
+
+
+def best_estimates(found) -> tuple[float, float]:
+    """(best 1-D, best 2-D) estimated step time (ms) among a search's ranked plans."""
+    best = [min((t * 1e3 for name, t in found.candidates if on_mesh(name) == two_d),
+                default=math.nan) for two_d in (False, True)]
+    return best[0], best[1]
+
+
+def systems(graph, gpus: int, profile, names=("expert", "ddp"), machines: int = 1
+            ) -> tuple[dict, object]:
+    """({system: simulated Result or None}, HiDup's search result): HiDup (searched on a mesh of
+    `machines` and over all GPUs) and the named baselines (one micro-batch each)."""
+    result, found = hidup(graph, gpus, profile, machines=machines)
     out = {"hidup": result}
     fixed = fixed_strategies(graph, gpus)
     for name in names:
         out[name] = run(graph, fixed[name], gpus, 1, profile) if name in fixed else None
-    return out, found.candidates[0][0]
+    return out, found
 
 
 def ms(result) -> float:
@@ -111,13 +131,17 @@ def two_machines(rate_gbit: float | None = None):
 
 def scaling(args) -> Figure:
     fig = Figure("scaling", "Per-step time, 8 machines x 8 V100, 9.71 Gbit/s (paper Fig. 7)",
-                 ["model", "gpus", "hidup_ms", "expert_ms", "speedup", "plan"])
+                 ["model", "gpus", "hidup_ms", "expert_ms", "speedup", "plan", "best_1d_ms",
+                  "best_2d_ms", "gain_2d"])
     profile = load_profile("v100-8x8-10gbps")
     for model in args.models:
         for gpus in args.gpus or ([8, 16] if args.quick else [8, 16, 32, 64]):
-            got, plan = systems(graph_of(model, gpus), gpus, profile, ("expert",))
+            got, found = systems(graph_of(model, gpus), gpus, profile, ("expert",),
+                                 machines_of(profile, gpus))
+            flat, mesh = best_estimates(found)
             fig.add(model=model, gpus=gpus, hidup_ms=ms(got["hidup"]), expert_ms=ms(got["expert"]),
-                    speedup=ms(got["expert"]) / ms(got["hidup"]), plan=plan)
+                    speedup=ms(got["expert"]) / ms(got["hidup"]), plan=found.candidates[0][0],
+                    best_1d_ms=flat, best_2d_ms=mesh, gain_2d=flat / mesh)
     return fig
 
 
@@ -127,7 +151,8 @@ def one_machine(args) -> Figure:
     profile = load_profile("v100-8x8-10gbps")
     for model in args.models:
         for gpus in args.gpus or ([1, 4] if args.quick else [1, 2, 4, 8]):
-            got, plan = systems(graph_of(model, gpus), gpus, profile)
+            got, found = systems(graph_of(model, gpus), gpus, profile)
+            plan = found.candidates[0][0]
             fig.add(model=model, gpus=gpus, hidup_ms=ms(got["hidup"]), expert_ms=ms(got["expert"]),
                     ddp_ms=ms(got["ddp"]), plan=plan)
     return fig
@@ -140,7 +165,8 @@ def bandwidth(args) -> Figure:
     for model in args.models:
         graph = graph_of(model, 8)
         for rate in rates:
-            got, plan = systems(graph, 8, two_machines(rate))
+            got, found = systems(graph, 8, two_machines(rate))
+            plan = found.candidates[0][0]
             best = best_baseline(got)
             fig.add(model=model, gbit=rate, hidup_ms=ms(got["hidup"]), expert_ms=ms(got["expert"]),
                     ddp_ms=ms(got["ddp"]), speedup=best / ms(got["hidup"]), plan=plan)
@@ -153,7 +179,8 @@ def batch(args) -> Figure:
     profile = two_machines()
     for model in args.models:
         for per_gpu in [2, 8] if args.quick else [8, 16, 32, 64]:
-            got, plan = systems(graph_of(model, 8, per_gpu=per_gpu), 8, profile)
+            got, found = systems(graph_of(model, 8, per_gpu=per_gpu), 8, profile)
+            plan = found.candidates[0][0]
             best = best_baseline(got)
             fig.add(model=model, per_gpu_batch=per_gpu, hidup_ms=ms(got["hidup"]),
                     expert_ms=ms(got["expert"]), ddp_ms=ms(got["ddp"]),

@@ -142,7 +142,8 @@ def _plot_convergence(fig: Figure, path: Path) -> None:
 
 
 PLOTS = {
-    "scaling": lambda f, p: _per_model(f, p, "gpus", ["hidup", "expert"], "GPUs", logx=True),
+    "scaling": lambda f, p: _per_model(f, p, "gpus", ["hidup", "expert", "best_1d", "best_2d"],
+                                       "GPUs", logx=True),
     "one-machine": lambda f, p: _per_model(f, p, "gpus", ["hidup", "expert", "ddp"], "GPUs"),
     "bandwidth": lambda f, p: _per_model(f, p, "gbit", ["hidup", "expert", "ddp"],
                                          "inter-machine link (Gbit/s)", logx=True),
