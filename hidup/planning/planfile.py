@@ -54,9 +54,9 @@ def save_plan(path: Path, graph: Graph | None, strategy: Strategy, world: int, m
         fingerprint = graph.fingerprint
         inputs = inputs or tuple(n.out for n in graph.user_inputs)
     doc = {"format": PLAN_FORMAT, "version": PLAN_VERSION, "model": model,
-           "fingerprint": fingerprint, "world": world, "cluster": cluster,
+           "fingerprint": fingerprint, "world": world,
            "mesh": [strategy.machines, world // strategy.machines] if strategy.machines > 1
-           else [world],
+           else [world], "cluster": cluster,
            "micro_batches": micro_batches, "optimizer": optimizer, "memory": memory,
            "inputs": [{"shape": list(m.shape), "dtype": m.dtype} for m in inputs or ()],
            "strategy": strategy.name,
