@@ -157,15 +157,3 @@ def test_groups_that_do_not_split_the_world_are_refused():
     from simulator.engine import SimulationError
     with pytest.raises(SimulationError, match=r"do not split the 4 ranks"):
         simulate(_split(((0, 2), (1, 2))), _links())
-
-
-def test_the_executor_refuses_sub_groups(tiny_graphs):
-    from dataclasses import replace as rep
-    from hidup.runtime.execute import Executor
-    spec, model, graph = tiny_graphs["mlp:tiny"]
-    prog = lower(graph, megatron(graph, 4), 4, 1)
-    first = prog.collectives[0]
-    tasks = tuple(rep(t, group=(0, 2), groups=((0, 2), (1, 3))) if t is first else t
-                  for t in prog.tasks)
-    with pytest.raises(ValueError, match=r"runs in sub-groups"):
-        Executor(graph, megatron(graph, 4), rep(prog, tasks=tasks), {})
