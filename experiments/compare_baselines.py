@@ -9,7 +9,6 @@ import math
 import sys
 from pathlib import Path
 
-from experiments.paper_figures import machines_of
 from hidup.cli import Parser
 from hidup.models import capture_model, get_model
 from hidup.planning.costs import load_profile
@@ -48,7 +47,7 @@ def simulated_ms(graph, strategy, gpus, k, profile) -> float | None:
 def compare(model: str, gpus: int, profile, memory: float) -> dict:
     spec = get_model(model, gpus=gpus)
     graph = capture_model(spec, spec.batch)
-    machines = machines_of(profile, gpus)  # a 2-D mesh where the GPUs fill whole machines
+    machines = profile.mesh(gpus)[0]  # a 2-D mesh where the GPUs fill whole machines
     baselines = fixed_strategies(graph, gpus, machines)
     baselines["min-comm"] = search(graph, gpus, profile, 1, memory, objective="comm").strategy
     found = search(graph, gpus, profile, 2, memory, baselines=baselines, machines=machines)

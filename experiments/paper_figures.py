@@ -79,12 +79,6 @@ def hidup(graph, gpus: int, profile, k: int = 2, machines: int = 1):
     return run(graph, found.strategy, gpus, found.k, profile), found
 
 
-def machines_of(profile, gpus: int) -> int:
-    """The mesh's machines: the cluster's when `gpus` fills whole machines, else 1 (1-D)."""
-    per = profile.gpus_per_node
-    return gpus // per if gpus > per and gpus % per == 0 else 1
-
-
 def on_mesh(candidate: str) -> bool:
     """A ranked plan on a 2-D mesh: searched there ('search-2d#0 k=2') or a dp- baseline."""
     return "-2d#" in candidate or candidate.startswith("dp-")
@@ -137,7 +131,7 @@ def scaling(args) -> Figure:
     for model in args.models:
         for gpus in args.gpus or ([8, 16] if args.quick else [8, 16, 32, 64]):
             got, found = systems(graph_of(model, gpus), gpus, profile, ("expert",),
-                                 machines_of(profile, gpus))
+                                 profile.mesh(gpus)[0])
             flat, mesh = best_estimates(found)
             fig.add(model=model, gpus=gpus, hidup_ms=ms(got["hidup"]), expert_ms=ms(got["expert"]),
                     speedup=ms(got["expert"]) / ms(got["hidup"]), plan=found.candidates[0][0],

@@ -73,21 +73,13 @@ def parse_mesh(text: str, gpus: int, error) -> tuple[int, int]:
     return machines, per
 
 
-def default_mesh(profile, gpus: int) -> tuple[int, int]:
-    """The cluster's machines x GPUs per machine when `gpus` fills whole machines, else 1-D."""
-    per = profile.gpus_per_node
-    if gpus > per and gpus % per == 0:
-        return gpus // per, per
-    return 1, gpus
-
-
 def plan(args) -> dict:
     profile = load_profile(args.cluster)
     profile.check_world(args.gpus)
     spec = get_model(args.model, gpus=args.gpus)
     batch = args.batch or spec.batch
     graph = capture_model(spec, batch)
-    machines, per = args.mesh or default_mesh(profile, args.gpus)
+    machines, per = args.mesh or profile.mesh(args.gpus)
     baselines = fixed_strategies(graph, args.gpus, machines)
     memory = args.memory * 2**30 if args.memory is not None else profile.device_memory
     started = time.perf_counter()

@@ -35,22 +35,30 @@ def reference(name: str, world: int):
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def distributed_grads(rank, world, cases):
+def one_d_strategy(graph, name: str, world: int, k: int):
+    """A strategy over every rank: searched, or fixed by name."""
+    return (search(graph, world, load_profile("v100-8x8-10gbps"), k).strategy
+            if name == "search" else fixed_strategy(name, graph, world))
+
+
+def distributed_grads(rank, world, cases, make_strategy=one_d_strategy):
+    """{case: (loss, whole gradients, the strategy as text)} after one step of each case whose
+    `make_strategy(graph, name, world, k)` is not None."""
     out = {}
     for name, strategy_name, k in cases:
         spec = get_model(name, gpus=world)
         model = build_model(spec)
         graph = capture(model, batch_of(spec, seed=0))
-        strategy = (search(graph, world, load_profile("v100-8x8-10gbps"), k).strategy
-                    if strategy_name == "search" else fixed_strategy(strategy_name, graph, world))
+        strategy = make_strategy(graph, strategy_name, world, k)
+        if strategy is None:
+            continue
         program = lower(graph, strategy, world, k, name)
         ex = Executor(graph, strategy, program, dict(model.named_parameters()),
                       buffers=dict(model.named_buffers()))
         inputs = dict(zip([n.source for n in graph.user_inputs], batch_of(spec)))
         loss = ex.step(inputs, update=False)
-        grads = {graph.node(p).source: full_tensor(g, strategy.home(p), world)
-                 for p, g in ex.grads.items()}
-        out[(name, strategy_name, k)] = (float(loss), grads)
+        grads = {graph.node(p).source: ex.full(p, g) for p, g in ex.grads.items()}
+        out[(name, strategy_name, k)] = (float(loss), grads, str(strategy))
     return out
 
 
@@ -70,7 +78,7 @@ def test_strategies_match_single_device(world):
         ref_loss, ref_grads = refs[case[0]]
         scale = 1e-3 * max(float(g.norm()) for g in ref_grads.values())
         for rank_result in results:
-            loss, grads = rank_result[case]
+            loss, grads, _ = rank_result[case]
             assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (case, loss, ref_loss)
             assert set(grads) == set(ref_grads), case
             for pname, g in grads.items():
@@ -143,30 +151,11 @@ def mesh_strategy(graph, name: str, world: int, k: int):
     return fixed_strategy(name, graph, world, machines=2)
 
 
-def mesh_grads(rank, world, cases):
-    out = {}
-    for name, strategy_name, k in cases:
-        spec = get_model(name, gpus=world)
-        model = build_model(spec)
-        graph = capture(model, batch_of(spec, seed=0))
-        strategy = mesh_strategy(graph, strategy_name, world, k)
-        if strategy is None:
-            continue
-        program = lower(graph, strategy, world, k, name)
-        ex = Executor(graph, strategy, program, dict(model.named_parameters()),
-                      buffers=dict(model.named_buffers()))
-        inputs = dict(zip([n.source for n in graph.user_inputs], batch_of(spec)))
-        loss = ex.step(inputs, update=False)
-        grads = {graph.node(p).source: ex.full(p, g) for p, g in ex.grads.items()}
-        out[(name, strategy_name, k)] = (float(loss), grads, str(strategy))
-    return out
-
-
 @pytest.mark.slow
 def test_2d_mesh_plans_match_single_device():
     """2 machines x 2 ranks: dp-megatron, dp-expert, plans searched on the mesh and random
     strategies inside each machine, Duplex on and off, equal single-device training."""
-    results = run_ranks(4, mesh_grads, MESH_CASES)
+    results = run_ranks(4, distributed_grads, MESH_CASES, mesh_strategy)
     assert sum(case[1].startswith("random") for case in results[0]) >= 4, results[0].keys()
     refs = {name: reference(name, 4) for name in {case[0] for case in MESH_CASES}}
     for case in results[0]:

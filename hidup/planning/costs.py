@@ -216,6 +216,14 @@ class Profile:
         nodes = sorted({rank // self.gpus_per_node for rank in group})
         return tuple(nodes) if len(nodes) > 1 and self.inter_node else ()
 
+    def mesh(self, gpus: int) -> tuple[int, int]:
+        """The default device mesh of `gpus` on this cluster: its machines x GPUs per machine
+        when `gpus` fills whole machines (2-D), else (1, gpus)."""
+        per = self.gpus_per_node
+        if gpus > per and gpus % per == 0:
+            return gpus // per, per
+        return 1, gpus
+
     def link_load(self, group: tuple[int, ...], parts: tuple[tuple[int, ...], ...]) -> int:
         """How many of a collective's groups `parts` (run at once, one per rank) cross the
         busiest inter-node link that `group` crosses: they share it, each at 1/n of its speed

@@ -1,7 +1,8 @@
 """The planner's fast cost estimate of a Program: one pass over its tasks with the simulator's
 rules for one rank (identical ranks; every collective starts when the communication stream is free
-and its inputs are written; a 2-D mesh's groups that cross one machine's link at once share it; kernels run in order on the compute stream, after their Waits; with
-a GPU profile's host figures, nothing starts before the host has issued it). Equal to the SimPy
+and its inputs are written; a 2-D mesh's groups that cross one machine's link at once share it;
+kernels run in order on the compute stream, after their Waits; with a GPU profile's host figures,
+nothing starts before the host has issued it). Equal to the SimPy
 simulator when the profile has no interference (a test checks it)."""
 from __future__ import annotations
 

@@ -196,11 +196,10 @@ class _TaskRunner:
         elif task.kind == "slice":
             self.accumulate(out_key, x.chunk(self.world, dim=task.dst.dim)[self.rank].contiguous(),
                             root)
-        elif len(self.members(task)) == 1:  # a group of one: every collective is the identity
+        elif (n := len(self.members(task))) == 1:  # a group of one: the identity
             self.pending[task.id] = lambda: self.accumulate(out_key, x, root)
         else:
             pack, unpack = _PACKING[task.kind]
-            n = len(self.members(task))
             sent = pack(x, task, n)
             with fx_traceback.annotate({"task": task.id, "standin": True}):
                 result = self.collective(task, sent)
