@@ -1,21 +1,26 @@
 """Duplex-aware sharding search (the paper's Algorithm 1): a dynamic programme over the cuts of the
 graph in topological order. A state is the placements of the tensors live at a cut; each label
-on it carries two costs, the time so far T and the debt D, the other micro-batch's computation
-still pending that the next stage's communication can hide, plus the memory M the plan holds.
-Only labels that no other label beats on all three are kept: at most `labels` per state (the
-cheapest, and the one using least memory), and the `beam` cheapest states (and the one whose
-plan uses least memory, so that a memory limit further on can still be met).
+on it carries the time so far T, the debt D (the other micro-batch's computation still pending
+that the next stage's communication can hide), the gradients' timeline, and the memory M the
+plan holds. Only labels that no other label beats on all of these are kept: at most `labels` per
+state (the cheapest, and the one using least memory), and the `beam` cheapest states (and the one
+whose plan uses least memory, so that a memory limit further on can still be met).
 
 Stage model for k micro-batches, a node costing c of computation (forward + backward, per
 micro-batch) and m of communication (its input conversions and their backward duals, per
-micro-batch, plus its parameters' gradient reduction spread over the step):
+micro-batch):
   m = 0:  T += c,  D += (k-1) c            (micro-batch 0 runs on; the others owe it)
   m > 0:  T += max(D, m) + c,  D = (k-1) c + max(0, m - c)
-and the plan costs T + D. The optimizer's update of the node's parameter shards (at the
+With k = 1 it is plain SPMD: T += m + c. Parameter gradients are reduced once per step, as the
+lowering does: each as soon as it is complete, under the backward of the nodes before it, on a
+timeline of their own. A label carries that timeline as `run` (the gradients' transfer so far,
+less the backward time before them) and `tail` (the most of it, with the reduction's latency,
+that the backward cannot hide: max over nodes i of sum_{j<=i} g_j - sum_{j<i} k b_j + latency).
+The plan costs T + D + tail. The optimizer's update of the node's parameter shards (at the
 parameter's first consumer, where its placement is chosen) adds to T: it runs after the backward,
 hiding nothing and hidden by nothing. Memory counts each parameter, its gradient and the
-optimizer's state tensors (hidup.program.OPTIMIZERS). With k = 1 it is plain SPMD: T += m + c. The few best plans, with the
-expert strategies beside them, are then lowered and ranked by the fast estimate
+optimizer's state tensors (hidup.program.OPTIMIZERS). The few best plans, with the expert
+strategies beside them, are then lowered and ranked by the fast estimate
 (hidup.planning.estimate).
 
 On a 2-D mesh of `machines` (hidup.planning.strategy) the programme chooses each op's option over
@@ -52,17 +57,30 @@ class _Label(NamedTuple):  # a NamedTuple: the search makes hundreds of thousand
     time: float
     debt: float
     memory: float
+    run: float = 0.0  # gradient transfer so far less the backward computation that can hide it
+    tail: float = 0.0  # the gradient reduction left exposed after the backward, so far
     node: str = ""
     option: ShardingOption | None = None
     back: _Label | None = None
 
     @property
     def cost(self) -> float:
-        return self.time + self.debt
+        return self.time + self.debt + self.tail
 
     def dominated_by(self, other: _Label) -> bool:
         return (other.time <= self.time and other.debt <= self.debt
-                and other.memory <= self.memory)
+                and other.memory <= self.memory and other.run <= self.run
+                and other.tail <= self.tail)
+
+
+class _NodeCost(NamedTuple):
+    """What one option of one node costs (seconds, bytes)."""
+    compute: float  # forward + backward computation per micro-batch
+    backward: float  # of which the backward
+    grads: float  # transfer of its parameters' gradient reductions, per step
+    latency: float  # the latency of that reduction (0 if none)
+    memory: float  # its output per step, and the parameters it is the home of
+    update: float  # the optimizer's update of those parameters, per step
 
 
 @dataclass(frozen=True)
@@ -134,28 +152,29 @@ class Search:
             if self.g.node(t).out.is_float else 0.0
         return (fwd + bwd) * self.per_mb(t)
 
-    def node_cost(self, node: Node, opt: ShardingOption) -> tuple[float, float, float, float]:
-        """(computation per micro-batch, gradient-reduction time per step, memory, optimizer
-        update time per step) of an option."""
+    def node_cost(self, node: Node, opt: ShardingOption) -> _NodeCost:
+        """What the option costs; objective 'comm' counts bytes, its gradients' as `grads`."""
         ins = [self.shape(t, p) for t, p in zip(node.inputs, opt.inputs)]
         out = self.shape(node.name, opt.output)
         fwd = forward_flops(node.op, ins, out, node.args)
         nbytes = sum(math.prod(s) for s in ins + [out]) * node.out.itemsize
-        compute = self.profile.kernel_time(fwd, nbytes) + \
-            self.profile.kernel_time(backward_flops(node.op, fwd), 2 * nbytes)
+        backward = self.profile.kernel_time(backward_flops(node.op, fwd), 2 * nbytes)
+        compute = self.profile.kernel_time(fwd, nbytes) + backward
         if self.mbs.home(node.name) == R:
-            compute /= self.k  # runs once per step
-        grads, memory = 0.0, math.prod(out) * node.out.itemsize * self.k
-        update = numel = 0
+            compute, backward = compute / self.k, backward / self.k  # runs once per step
+        grads = latency = 0.0
+        memory, update, numel = math.prod(out) * node.out.itemsize * self.k, 0.0, 0
         for t, p in zip(node.inputs, opt.inputs):
             param = self.g.node(t)
             if param.kind == "param":
                 size = self.nbytes(t, p)
+                reduced = None
                 if p == R and opt.output != R:  # its gradient is a Partial sum: all-reduced
-                    grads += size if self.objective == "comm" else \
-                        self.profile.collective_time("all_reduce", size, self.everyone)
+                    reduced = self.reduction(size, self.everyone, ())
                 elif self.machines > 1 and self.first[t] == self.position[node.name]:
-                    grads += self.across_machines(size)  # whole on a machine: summed across
+                    reduced = self.reduction(size, self.column, self.columns)  # summed across
+                if reduced is not None:
+                    grads, latency = grads + reduced[1], max(latency, reduced[0])
                 if self.first[t] == self.position[node.name]:  # its home: where it lives
                     memory += (2 + self.optimizer.states) * size  # parameter, gradient, state
                     if param.out.is_float:
@@ -164,15 +183,17 @@ class Search:
             update = self.profile.kernel_time(self.optimizer.flops * numel,
                                               self.optimizer.bytes * numel) \
                 - self.profile.op_overhead
-        return (0.0 if self.objective == "comm" else compute), grads, memory, update
-
-    def across_machines(self, nbytes: int) -> float:
-        """A gradient whole on each machine, all-reduced over its mesh column, every column at
-        once on the machines' links."""
         if self.objective == "comm":
-            return nbytes
-        latency, transfer = self.profile.collective_split("all_reduce", nbytes, self.column)
-        return latency + transfer * self.profile.link_load(self.column, self.columns)
+            compute = backward = 0.0
+        return _NodeCost(compute, backward, grads, latency, memory, update)
+
+    def reduction(self, nbytes: int, group: tuple[int, ...], parts: tuple) -> tuple[float, float]:
+        """(latency, transfer) of a gradient's all-reduce over `group`, all of `parts` at once
+        (a 2-D mesh's columns share each machine's link); objective 'comm': (0, bytes)."""
+        if self.objective == "comm":
+            return 0.0, float(nbytes)
+        latency, transfer = self.profile.collective_split("all_reduce", nbytes, group)
+        return latency, transfer * self.profile.link_load(group, parts)
 
     # -- the dynamic programme ----------------------------------------------------------------
     def run(self) -> list[_Label]:
@@ -196,15 +217,13 @@ class Search:
         out: dict[tuple, list[_Label]] = {}
         for key, labels in states.items():
             placed = dict(key)
-            for opt, (compute, grads, memory, update) in options:
+            for opt, cost in options:
                 step = self.transition(placed, node, opt)
                 if step is None:
                     continue
                 comm, new_key = step
-                comm += grads / self.k
                 for label in labels:
-                    self.add(out, new_key, self.advance(label, node, opt, comm, compute, memory,
-                                                        update))
+                    self.add(out, new_key, self.advance(label, node, opt, comm, cost))
         return self.prune(out)
 
     def transition(self, placed: dict, node: Node, opt: ShardingOption):
@@ -232,17 +251,42 @@ class Search:
         new = {t: p for t, p in new.items() if self.last.get(t, -1) > i}
         return comm, tuple(sorted(new.items(), key=lambda kv: kv[0]))
 
-    def advance(self, label: _Label, node, opt, comm: float, compute: float, memory: float,
-                update: float = 0.0) -> _Label:
-        if self.k == 1 or self.objective == "comm":
+    def advance(self, label: _Label, node, opt, comm: float, cost: _NodeCost) -> _Label:
+        """The label after the node: its stage (computation, and the communication of its
+        input conversions) on the micro-batches' timeline, then its parameters' gradients on
+        the reduction's: they are reduced once per step, as soon as they are complete, under
+        the backward of the nodes before it; what that backward cannot hide is the tail."""
+        compute = cost.compute
+        if self.objective == "comm":
+            t, d = label.time + comm + cost.grads / self.k, 0.0
+        elif self.k == 1:
             t, d = label.time + comm + compute, 0.0
         elif comm == 0.0:
             t, d = label.time + compute, label.debt + (self.k - 1) * compute
         else:
             t = label.time + max(label.debt, comm) + compute
             d = (self.k - 1) * compute + max(0.0, comm - compute)
+        run, tail = label.run, label.tail
+        if self.objective == "time":
+            if cost.grads or cost.latency:
+                tail = max(tail, run + cost.grads + cost.latency)
+            run += cost.grads - self.k * cost.backward
         self.labels += 1
-        return _Label(t + update, d, label.memory + memory, node.name, opt, label)
+        return _Label(t + cost.update, d, label.memory + cost.memory, run, tail, node.name, opt,
+                      label)
+
+    def price(self, strategy: Strategy) -> float:
+        """The programme's cost of one given plan (as its own labels would price it)."""
+        label, key = _Label(0.0, 0.0, 0.0), ()
+        for node in self.g.ops:
+            opt = strategy.options[node.name]
+            step = self.transition(dict(key), node, opt)
+            if step is None:
+                raise ValueError(f"plan {strategy.name}: node {node.name} takes an input it "
+                                 f"cannot have")
+            comm, key = step
+            label = self.advance(label, node, opt, comm, self.node_cost(node, opt))
+        return label.cost
 
     def add(self, out: dict, key: tuple, label: _Label) -> None:
         if label.memory > self.memory:
