@@ -47,6 +47,9 @@ def parse_args(argv=None):
                     help="the optimizer whose update time and state memory the plan is priced "
                          "with: the one hidup.train runs by default (default: adamw)")
     ap.add_argument("--beam", type=int, default=16, help="states kept per cut of the search")
+    ap.add_argument("--exact", type=float, default=60.0, metavar="SECONDS",
+                    help="time for the integer programme that proves the k=1 cost model's best "
+                         "plan on each mesh (the beam can miss it); 0 skips it")
     ap.add_argument("--out", type=Path, default=None, help="write the chosen plan to this file")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("-v", "--verbose", action="store_true", help="log the search's progress")
@@ -54,6 +57,8 @@ def parse_args(argv=None):
     for flag in ("gpus", "micro_batches", "beam"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if not 0 <= args.exact < math.inf:
+        ap.error(f"--exact {args.exact}: give seconds, 0 or more (0 skips the proof)")
     if args.memory is not None and not 0 < args.memory < math.inf:
         ap.error(f"--memory {args.memory}: must be a positive number of GiB")
     if args.mesh is not None:
@@ -88,9 +93,10 @@ def plan(args) -> dict:
     baselines["min-comm"] = mincomm.strategy
     log.info("min-comm search: %.2f s", time.perf_counter() - started)
     found = search(graph, args.gpus, profile, args.micro_batches, memory, beam=args.beam,
-                   baselines=baselines, optimizer=args.optimizer, machines=machines)
+                   baselines=baselines, optimizer=args.optimizer, machines=machines,
+                   exact=args.exact)
     origin = found.candidates[0][0].split()[0]  # 'search#0', or a baseline the search kept
-    searched = origin.startswith("search")
+    searched = origin.startswith(("search", "exact"))
     chosen = replace(found.strategy, name="hidup" if searched else origin)
     rows = {"hidup": _times(graph, chosen, args.gpus, args.micro_batches, profile,
                             args.optimizer)}
@@ -106,6 +112,8 @@ def plan(args) -> dict:
             "memory_limit_gib": None if memory is None else memory / 2**30,
             "duplex": found.k > 1,
             "search_seconds": found.seconds, "labels": found.states,
+            "exact": [{"machines": m, "exact_ms": c * 1e3, "bound_ms": b * 1e3, "optimal": o,
+                       "beam_ms": beam * 1e3} for m, c, b, o, beam in found.exact],
             "dp_estimate_ms": found.dp_cost * 1e3, "plans": rows,
             "strategy": chosen, "graph": graph}
 
@@ -137,6 +145,12 @@ def report(res: dict) -> list[str]:
              f"{res['optimizer']}: searched in "
              f"{res['search_seconds']:.2f} s ({res['labels']} labels)",
              f"chose {what}, {duplex}"]
+    for proof in res["exact"]:
+        where = f"on {proof['machines']} machines" if proof["machines"] > 1 else "over all GPUs"
+        status = "proven optimal" if proof["optimal"] else \
+            f"the best found in --exact's time; none is below {proof['bound_ms']:.2f} ms"
+        lines.append(f"k=1 cost model {where}: best plan {proof['exact_ms']:.2f} ms ({status}); "
+                     f"the beam's {proof['beam_ms']:.2f} ms")
     graph, strategy = res["graph"], res["strategy"]
     machines, per = res["mesh"]
     if machines > 1:

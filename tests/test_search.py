@@ -177,3 +177,51 @@ def test_a_tensor_is_converted_once_per_placement_however_many_read_it():
                 assert alone - again == pytest.approx(dp.conversion_cost(t, R, want))
                 return
     pytest.fail("no tensor with two consumers wanting the same split in gpt:tiny")
+
+
+@pytest.mark.parametrize("model, world", [("mlp:tiny", 2), ("gpt:tiny", 2), ("bert-sgmoe:tiny", 2),
+                                          ("bert-switch:tiny", 2), ("gpt:small", 4)])
+def test_the_programme_finds_the_integer_programmes_proven_optimum_at_k1(model, world):
+    """Exactness at k = 1: the integer programme states the programme's own cost model; its plan,
+    priced by the programme, costs what it claims and is proven optimal; no fixed strategy and no
+    random plan is cheaper; and the programme's beam reaches that optimum."""
+    import random
+
+    from hidup.planning.exact import exact_plan
+    from hidup.planning.search import Search
+    from hidup.planning.strategy import fitting_options
+
+    spec = get_model(model, gpus=world)
+    graph = capture_model(spec, spec.batch)
+    dp = Search(graph, world, load_profile("v100-1x4-nvlink"), k=1)
+    exact = exact_plan(dp)
+    assert exact.optimal and exact.cost == pytest.approx(exact.bound, rel=1e-6)
+    assert dp.price(exact.strategy) == exact.cost
+    others = [dp.price(s) for s in fixed_strategies(graph, world).values()]
+    rng = random.Random(0)
+    for _ in range(50):  # random plans: every op takes a random option valid after the others'
+        options, key = {}, ()
+        for node in graph.ops:
+            steps = [(o, dp.transition(dict(key), node, o))
+                     for o in fitting_options(graph, node, world)]
+            options[node.name], (_, key) = rng.choice([(o, st) for o, st in steps if st])
+        others.append(dp.price(dp.plan(options, "random")))
+    assert min(others) >= exact.cost * (1 - 1e-9)
+    assert dp.run()[0].cost == pytest.approx(exact.cost, rel=1e-9)
+
+
+def test_search_with_exact_ranks_the_proven_plan_the_beam_missed():
+    """A narrow beam (1 state a cut) misses the k = 1 model's best plan of gpt:small on 4 GPUs;
+    search(exact=...) proves that plan optimal and ranks it, and the chosen plan is then at least
+    as fast as the one the beam alone found."""
+    spec = get_model("gpt:small", gpus=4)
+    graph = capture_model(spec, spec.batch)
+    profile = load_profile("v100-1x4-nvlink")
+    beam_only = search(graph, 4, profile, k=2, beam=1)
+    proven = search(graph, 4, profile, k=2, beam=1, exact=60)
+    [(machines, cost, bound, optimal, beam_cost)] = proven.exact
+    assert machines == 1 and optimal and cost == pytest.approx(bound, rel=1e-6)
+    assert beam_cost > cost * 1.05  # the beam's miss
+    assert any(name.startswith("exact#0") for name, _ in proven.candidates)
+    assert proven.estimate.step_time <= beam_only.estimate.step_time * (1 + 1e-9)
+    assert beam_only.exact == ()

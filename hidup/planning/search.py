@@ -41,6 +41,7 @@ from hidup.graph.flops import backward_flops, forward_flops
 from hidup.graph.placement import Partial, Placement, R, Replicate, ShardingOption
 from hidup.planning.costs import Profile
 from hidup.planning.estimate import Estimate, estimate
+from hidup.planning.exact import exact_plan
 from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import check
 from hidup.planning.strategy import Strategy, conversion, fitting_options, microbatch_split
@@ -92,6 +93,9 @@ class SearchResult:
     candidates: tuple[tuple[str, float], ...]  # (name, estimated step time) of every plan ranked
     seconds: float  # wall time of the search
     states: int  # labels created
+    # per mesh searched, the k = 1 cost model's integer programme (search(exact=...)):
+    # (machines, cost of its plan, proven lower bound, proven optimal, beam's cost), seconds
+    exact: tuple[tuple[int, float, float, bool, float], ...] = ()
 
 
 class Search:
@@ -314,6 +318,11 @@ class Search:
         while label is not None and label.option is not None:
             options[label.node] = label.option
             label = label.back
+        return self.plan(options, name)
+
+    def plan(self, options: dict[str, ShardingOption], name: str) -> Strategy:
+        """The strategy of one option per node: parameters and inputs live where their first
+        consumer reads them."""
         options = {n.name: options[n.name] for n in self.g.ops}
         placements: dict[str, Placement] = {}
         for node in self.g.ops:
@@ -327,17 +336,20 @@ class Search:
 def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float | None = None,
            objective: str = "time", beam: int = 16, keep: int = 3,
            baselines: dict[str, Strategy] | None = None, optimizer: str = "sgd",
-           machines: int = 1) -> SearchResult:
+           machines: int = 1, exact: float = 0.0) -> SearchResult:
     """The best plan: the dynamic programme's `keep` cheapest plans and the `baselines`, each lowered
     with k micro-batches and with one, ranked by the fast estimate (objective 'comm': by its own
     count). With k > 1 the programme also runs priced for plain SPMD (k = 1) and its plans are
     ranked too, so that a search for Duplex finds every plan the plain search finds. On a 2-D
     mesh of `machines` > 1 it runs on the mesh and over every rank (1-D), and ranks both. Every
-    plan is priced and held to `memory` with `optimizer`'s update and state."""
+    plan is priced and held to `memory` with `optimizer`'s update and state. With `exact` > 0
+    seconds the k = 1 programme's best plan on each mesh is also sought by the integer
+    programme (hidup.planning.exact), proven optimal for that cost model unless the time runs
+    out, and ranked as exact#0 (exact-2d#0); the beam can miss it (experiments.search_exactness)."""
     started = time.perf_counter()
     ranked: list[tuple[float, str, Strategy, float, Estimate, int]] = []
     seen: list[tuple] = []
-    labels = 0
+    labels, proofs = 0, []
     for mesh in ([machines, 1] if machines > 1 else [1]):
         for dp_k in ([k, 1] if k > 1 and objective == "time" else [k]):
             try:
@@ -353,6 +365,18 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
             tag = ("search" if dp_k == k else "search-k1") + ("-2d" if mesh > 1 else "")
             _rank_finals(ranked, seen, dp, finals, keep, tag, graph, world, k, profile,
                          optimizer)
+            if exact > 0 and dp_k == 1 and objective == "time":
+                proof = exact_plan(dp, "hidup", exact)
+                proofs.append((mesh, proof.cost, proof.bound, proof.optimal, finals[0].cost))
+                log.info("exact k=1 plan on %d machines: %.4g s (bound %.4g, %s) in %.1f s; "
+                         "the beam's %.4g s", mesh, proof.cost, proof.bound,
+                         "optimal" if proof.optimal else "time ran out", proof.seconds,
+                         finals[0].cost)
+                if (proof.strategy.machines, proof.strategy.options) not in seen:
+                    seen.append((proof.strategy.machines, proof.strategy.options))
+                    _rank(ranked, graph, proof.strategy, world, k, profile,
+                          "exact-2d#0" if mesh > 1 else "exact#0", proof.cost, dp.memory,
+                          optimizer)
     for name, strategy in (baselines or {}).items():
         _rank(ranked, graph, strategy, world, k, profile, name, math.nan, dp.memory, optimizer)
     if not ranked:
@@ -363,7 +387,7 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
     log.info("search: %d labels, %d plans ranked in %.2f s", labels, len(ranked),
              time.perf_counter() - started)
     return SearchResult(best, best_k, dp_cost, est, tuple((r[1], r[0]) for r in ranked),
-                        time.perf_counter() - started, labels)
+                        time.perf_counter() - started, labels, tuple(proofs))
 
 
 def _rank_finals(ranked, seen, dp: Search, finals, keep: int, tag: str, graph, world, k,

@@ -1,0 +1,191 @@
+"""The exact plan for plain SPMD (k = 1): the search's own cost model (hidup.planning.search) as an
+integer programme, solved to optimality by HiGHS (scipy.optimize.milp).
+
+With one micro-batch the programme's cost of a plan is linear in its choices but for two maxima
+that an integer programme states exactly:
+  sum over nodes of the chosen option's computation and optimizer update
+  + sum over (tensor, placement it is converted to) of that conversion, charged once, from the
+    tensor's home (its producer's output, or a parameter's or input's first consumer's choice)
+  + the gradients' tail: max(0, max over nodes i of sum_{j<=i} g_j - sum_{j<i} b_j + latency_i)
+Variables: x[v, o] = 1 when node v takes option o (one per node); need[t, p] >= every consumer's
+wish to read t at p; z[t, h, p] >= home[t, h] + need[t, p] - 1 pays conversion h -> p; run[i]
+the gradients' transfer so far less the backward before them, tail >= run[i-1] + g_i + latency_i.
+A consumer that reads t as a Partial sum needs t's home to be that Partial. The memory the
+programme counts is held to the limit. With Duplex (k > 1) the stage model's max(D, m) and its
+debt, reset only where a node communicates, are not linear; the search's dynamic programme prices
+them, and tests/test_search.py measures it against this programme and against the unbounded
+programme on graphs where that runs."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
+
+from hidup.graph.placement import Partial
+from hidup.planning.strategy import Strategy, fitting_options
+from hidup.program.tasks import LoweringError
+
+
+@dataclass(frozen=True)
+class ExactResult:
+    strategy: Strategy
+    cost: float  # the programme's cost of the plan (s; objective 'comm': bytes)
+    bound: float  # a proven lower bound on every plan's cost: = cost when `optimal`
+    optimal: bool
+    seconds: float
+    variables: int
+
+
+class _Model:
+    """Columns (cost, integer, upper bound) and sparse rows (lower <= a.x <= upper)."""
+
+    def __init__(self):
+        self.cost: list[float] = []
+        self.integer: list[int] = []
+        self.lower: list[float] = []
+        self.upper: list[float] = []
+        self.rows: list[tuple[dict[int, float], float, float]] = []
+
+    def var(self, cost=0.0, integer=False, lower=0.0, upper=1.0) -> int:
+        self.cost.append(cost)
+        self.integer.append(int(integer))
+        self.lower.append(lower)
+        self.upper.append(upper)
+        return len(self.cost) - 1
+
+    def row(self, terms: list[tuple[float, dict[int, float]]], lower=-math.inf, upper=math.inf):
+        """sum of coef * expression over `terms` between lower and upper."""
+        merged: dict[int, float] = {}
+        for coef, expr in terms:
+            for i, a in expr.items():
+                merged[i] = merged.get(i, 0.0) + coef * a
+        self.rows.append((merged, lower, upper))
+
+    def solve(self, time_limit: float):
+        r, c, v = [], [], []
+        for i, (expr, _, _) in enumerate(self.rows):
+            for j, a in expr.items():
+                r.append(i)
+                c.append(j)
+                v.append(a)
+        a = coo_matrix((v, (r, c)), shape=(len(self.rows), len(self.cost))).tocsr()
+        res = milp(np.array(self.cost),
+                   constraints=LinearConstraint(a, [lo for _, lo, _ in self.rows],
+                                                [hi for _, _, hi in self.rows]),
+                   integrality=np.array(self.integer),
+                   bounds=Bounds(np.array(self.lower), np.array(self.upper)),
+                   options={"time_limit": time_limit, "mip_rel_gap": 0.0})
+        return res
+
+
+def exact_plan(search, name: str = "exact", time_limit: float = 60.0) -> ExactResult:
+    """The cheapest plan of `search` (a hidup.planning.search.Search with k = 1) under its own
+    cost model, proven optimal unless `time_limit` seconds run out (then the best found and a
+    lower bound)."""
+    if search.k != 1:
+        raise ValueError(f"exact plan: k = {search.k}; the integer programme states the k = 1 "
+                         f"cost model only (Duplex's stage model is not linear)")
+    started = time.perf_counter()
+    g, model = search.g, _Model()
+    comm = search.objective == "comm"
+    unit = 2.0**-20 if comm else 1e6  # MiB or microseconds: HiGHS's tolerances suit O(1)
+    x: dict[str, list[tuple[int, object]]] = {}  # node -> [(column, option)]
+    costs = {}
+    for node in g.ops:
+        cols = []
+        for opt in fitting_options(g, node, search.world):
+            try:
+                cost = search.node_cost(node, opt)
+            except LoweringError:
+                continue
+            reads_partial_input = any(t in search.placeholders and isinstance(p, Partial)
+                                      for t, p in zip(node.inputs, opt.inputs))
+            own = cost.compute + cost.update + (cost.grads if comm else 0.0)
+            col = model.var(own * unit, integer=True, upper=0.0 if reads_partial_input else 1.0)
+            cols.append((col, opt))
+            costs[col] = cost
+        if not cols:
+            raise ValueError(f"exact plan: node {node.name} ({node.op}) has no option that "
+                             f"divides evenly")
+        x[node.name] = cols
+        model.row([(1.0, {col: 1.0 for col, _ in cols})], 1.0, 1.0)
+    readers: dict[str, list[tuple[str, int]]] = {}  # tensor -> [(consumer, input slot)]
+    for node in g.ops:
+        for slot, t in enumerate(node.inputs):
+            readers.setdefault(t, []).append((node.name, slot))
+    for t, reads in readers.items():
+        _conversions(search, model, x, t, reads, unit)
+    if not math.isinf(search.memory):
+        model.row([(1.0, {col: costs[col].memory / 2**30 for cols in x.values()
+                          for col, _ in cols})], upper=search.memory / 2**30)
+    if not comm:
+        _gradient_tail(search, model, x, costs, unit)
+    res = model.solve(time_limit)
+    if res.x is None:
+        raise ValueError(f"exact plan: no plan fits in {search.memory / 2**30:.3g} GiB per "
+                         f"device ({res.message})")
+    options = {n: next(opt for col, opt in cols if res.x[col] > 0.5) for n, cols in x.items()}
+    strategy = search.plan(options, name)
+    optimal = res.status == 0
+    bound = getattr(res, "mip_dual_bound", None)
+    bound = (res.fun if optimal or bound is None else bound) / unit
+    return ExactResult(strategy, search.price(strategy), bound, optimal,
+                       time.perf_counter() - started, len(model.cost))
+
+
+def _conversions(search, model: _Model, x, t: str, reads, unit: float) -> None:
+    """Rows and columns that charge tensor t's conversions once per placement it is read at."""
+    if t in search.placeholders:  # its home is what its first consumer's first slot reads
+        first, slot = reads[0]
+        home: dict = {}
+        for col, opt in x[first]:
+            home.setdefault(opt.inputs[slot], {})[col] = 1.0
+    else:
+        home = {}
+        for col, opt in x[t]:
+            home.setdefault(opt.output, {})[col] = 1.0
+    wants: dict = {}  # placement -> [expression of one consumer reading t there]
+    for consumer in dict.fromkeys(c for c, _ in reads):
+        slots = [s for c, s in reads if c == consumer]
+        per: dict = {}
+        for col, opt in x[consumer]:
+            for p in {opt.inputs[s] for s in slots}:
+                per.setdefault(p, {})[col] = 1.0
+        for p, expr in per.items():
+            wants.setdefault(p, []).append(expr)
+    for p, exprs in wants.items():
+        if isinstance(p, Partial):  # read as a Partial sum: only where it is one
+            for expr in exprs:
+                model.row([(1.0, home.get(p, {})), (-1.0, expr)], lower=0.0)
+            continue
+        paid = [(h, search.conversion_cost(t, h, p) * unit) for h in home if h != p]
+        paid = [(h, c) for h, c in paid if c > 0]
+        if not paid:
+            continue
+        need = model.var()
+        for expr in exprs:
+            model.row([(1.0, {need: 1.0}), (-1.0, expr)], lower=0.0)
+        for h, c in paid:
+            z = model.var(c)
+            model.row([(1.0, {z: 1.0}), (-1.0, {need: 1.0}), (-1.0, home[h])], lower=-1.0)
+
+
+def _gradient_tail(search, model: _Model, x, costs, unit: float) -> None:
+    """tail >= run[i-1] + g_i + latency_i at every node; run[i] = run[i-1] + g_i - b_i."""
+    tail = model.var(1.0, upper=math.inf)
+    run_before = None
+    for node in search.g.ops:
+        cols = [col for col, _ in x[node.name]]
+        prev = {run_before: 1.0} if run_before is not None else {}
+        grads = {c: (costs[c].grads + costs[c].latency) * unit for c in cols
+                 if costs[c].grads or costs[c].latency}
+        if grads:
+            model.row([(1.0, {tail: 1.0}), (-1.0, prev), (-1.0, grads)], lower=0.0)
+        run = model.var(lower=-math.inf, upper=math.inf)
+        step = {c: (costs[c].grads - search.k * costs[c].backward) * unit for c in cols}
+        model.row([(1.0, {run: 1.0}), (-1.0, prev), (-1.0, step)], 0.0, 0.0)
+        run_before = run
