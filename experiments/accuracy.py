@@ -37,12 +37,14 @@ from hidup.models import capture_model, get_model
 from hidup.planning.costs import kernel_coverage, load_profile
 from hidup.planning.planfile import resolve_strategy, save_plan
 from hidup.planning.search import search
+from hidup.planning.strategy import ACROSS, fixed_strategy
 from hidup.program import lower
 from simulator.montecarlo import expected_step
 
 log = logging.getLogger(__name__)
 PROG = "python -m experiments.accuracy"
-STRATEGIES = ("searched", "ddp", "megatron", "expert")
+STRATEGIES = ("searched", "ddp", "megatron", "expert")  # the default set
+MESH_STRATEGIES = tuple(ACROSS)  # 2-D: data parallel across the hosts, the named one inside
 OPTIMIZER = "sgd"  # what every run trains with, calibration.ops times and the Program prices
 ONE_RANK_BASE = "cpu-gloo-loopback"  # collectives of a one-rank calibration (none are run)
 
@@ -76,7 +78,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--models", nargs="+", default=["gpt:small", "bert-sgmoe:small"],
                     help="zoo models NAME:SIZE (CPU-feasible sizes)")
     ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES),
-                    help=f"of {STRATEGIES}; 'expert' only applies to mixture-of-experts models")
+                    help=f"of {STRATEGIES + MESH_STRATEGIES}; 'expert' and 'dp-expert' only "
+                         f"apply to mixture-of-experts models; the dp- ones (a 2-D mesh of hosts "
+                         f"x ranks per host) to clusters of 2 or more ranks per host")
     ap.add_argument("--bandwidths", nargs="+", default=["100mbit", "1gbit", "10gbit"],
                     help="link rates to emulate, e.g. 100mbit 1gbit 10gbit")
     ap.add_argument("--hosts", type=int, nargs="+", default=[2, 3],
@@ -113,9 +117,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.steps, args.warmup = 8, 3
     if args.ops_steps is None:
         args.ops_steps = 12 if args.quick else 5
-    bad = sorted(set(args.strategies) - set(STRATEGIES))
+    bad = sorted(set(args.strategies) - set(STRATEGIES + MESH_STRATEGIES))
     if bad:
-        ap.error(f"--strategies {bad}: choose from {list(STRATEGIES)}")
+        ap.error(f"--strategies {bad}: choose from {list(STRATEGIES + MESH_STRATEGIES)}")
     for rate in args.bandwidths:
         try:
             parse_rate(rate)
@@ -296,10 +300,11 @@ def model_profile(cluster: Cluster, model: str, strategies: list[str], base: Pat
     (calibration.ops on the cluster profile `base`), the plan searched with them, and its own
     kernels added. With --recalibrate-each: `base` (each run times its kernels before it)."""
     fixed = [s for s in strategies if s != "searched"]  # never empty: run_model checks
-    args_of = {s: s for s in fixed}
+    args_of = {s: mesh_plan(model, s, cluster, args.out) if s in ACROSS else s for s in fixed}
     if args.recalibrate_each and "searched" not in strategies:
         return base, args_of
-    kernels = measure_kernels(cluster, model, fixed, base, args.out, args.ops_steps)
+    kernels = measure_kernels(cluster, model, [args_of[s] for s in fixed], base, args.out,
+                              args.ops_steps)
     profile = base if args.recalibrate_each else kernels
     if "searched" in strategies:  # the search needs the model's kernels
         plan = plan_for(model, kernels, cluster.world, args.out)
@@ -310,16 +315,33 @@ def model_profile(cluster: Cluster, model: str, strategies: list[str], base: Pat
     return profile, args_of
 
 
-def runnable(model: str, strategies: list[str], world: int) -> list[str]:
-    """The strategies that lower for `model` on `world` ranks at k = 1 and 2 (the others are
-    logged with the reason and left out, e.g. a batch that does not split into 3 ranks)."""
+def mesh_plan(model: str, name: str, cluster: Cluster, folder: Path) -> str:
+    """The plan file of a 2-D strategy of ACROSS on the cluster's hosts x ranks per host (a
+    strategy name alone does not carry the mesh)."""
+    graph = captured(model, cluster.world)[1]
+    strategy = fixed_strategy(name, graph, cluster.world, cluster.hosts)
+    path = folder / f"plan-{model.replace(':', '-')}-{name}-{cluster.hosts}x" \
+                    f"{cluster.ranks_per_host}.json"
+    save_plan(path, graph, strategy, cluster.world, model, optimizer=OPTIMIZER)
+    return str(path)
+
+
+def runnable(model: str, strategies: list[str], cluster: Cluster) -> list[str]:
+    """The strategies that lower for `model` on the cluster's ranks at k = 1 and 2 (the others
+    are logged with the reason and left out, e.g. a batch that does not split into 3 ranks, or
+    a 2-D strategy on one rank per host)."""
+    world = cluster.world
     spec, graph = captured(model, world)
     out = []
     for s in strategies:
         try:
-            if s != "searched":
+            if s in ACROSS and cluster.ranks_per_host < 2:
+                raise ValueError("a 2-D mesh needs 2 or more ranks per host")
+            strategy = fixed_strategy(s, graph, world, cluster.hosts) if s in ACROSS else \
+                None if s == "searched" else resolve_strategy(s, graph, world)
+            if strategy is not None:
                 for k in (1, 2):
-                    lower(graph, resolve_strategy(s, graph, world), world, k, spec.name)
+                    lower(graph, strategy, world, k, spec.name)
             out.append(s)
         except ValueError as exc:
             log.warning("%s %s on %d ranks left out: %s", model, s, world, exc)
@@ -328,8 +350,8 @@ def runnable(model: str, strategies: list[str], world: int) -> list[str]:
 
 def run_model(cluster: Cluster, model: str, base: Path, args, started: float) -> list[Row]:
     """Every configuration of `model` on the cluster as it is now, over --rounds rounds."""
-    strategies = runnable(model, [s for s in args.strategies if s != "expert" or is_moe(model)],
-                          cluster.world)
+    strategies = runnable(model, [s for s in args.strategies
+                                  if s not in ("expert", "dp-expert") or is_moe(model)], cluster)
     if not [s for s in strategies if s != "searched"]:
         log.warning("%s: no strategy runs on %d ranks; left out", model, cluster.world)
         return []

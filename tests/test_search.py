@@ -225,3 +225,19 @@ def test_search_with_exact_ranks_the_proven_plan_the_beam_missed():
     assert any(name.startswith("exact#0") for name, _ in proven.candidates)
     assert proven.estimate.step_time <= beam_only.estimate.step_time * (1 + 1e-9)
     assert beam_only.exact == ()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_duplex_programme_matches_the_unbounded_one_where_that_runs(world):
+    """Exactness at k = 2, where the stage model is not linear: with no cap on states or labels
+    the programme keeps every non-dominated label and is exact (each step is monotone in every
+    label field); the default beam reaches the same cost. It runs in time on mlp:tiny only."""
+    from hidup.planning.search import Search
+
+    spec = get_model("mlp:tiny", gpus=world)
+    graph = capture_model(spec, spec.batch)
+    profile = load_profile("v100-1x4-nvlink")
+    unbounded = Search(graph, world, profile, k=2, beam=10**9, labels=10**9)
+    best = unbounded.run()[0]
+    assert unbounded.price(unbounded.strategy(best, "x")) == pytest.approx(best.cost, rel=1e-12)
+    assert Search(graph, world, profile, k=2).run()[0].cost == pytest.approx(best.cost, rel=1e-12)
