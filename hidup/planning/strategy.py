@@ -149,10 +149,14 @@ def microbatch_split(graph: Graph, k: int, batch_dim: int = 0, machines: int = 1
             raise ValueError(f"input {n.name}: batch of {n.out.shape[batch_dim]} (dim {batch_dim} of "
                              f"{n.out.shape}) does not split into {what}; choose a "
                              f"batch divisible by {parts}")
-    try:
-        return propagate(graph, parts, "micro-batches", seeds, shard_params=False, allowed=set())
-    except ValueError as exc:
-        raise ValueError(f"the batch cannot be split into micro-batches: {exc}") from exc
+    cache = graph.__dict__.setdefault("_microbatch_splits", {})  # the search lowers dozens
+    if (batch_dim, parts) not in cache:
+        try:
+            cache[batch_dim, parts] = propagate(graph, parts, "micro-batches", seeds,
+                                                shard_params=False, allowed=set())
+        except ValueError as exc:
+            raise ValueError(f"the batch cannot be split into micro-batches: {exc}") from exc
+    return cache[batch_dim, parts]
 
 
 def random_strategy(graph: Graph, world: int, rng, divide: int | None = None) -> Strategy:
