@@ -65,11 +65,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=0.3,
                     help="convergence: SGD learning rate (default 0.3: the loss falls visibly "
                          "within 300 steps)")
+    ap.add_argument("--exact", type=float, default=0.0, metavar="SECONDS",
+                    help="scaling, one-machine, bandwidth: also rank the integer programme's "
+                         "proven best plan for plain SPMD, this long per search (default 0: "
+                         "the beam alone, as the committed figures were made unless their "
+                         "command says otherwise)")
     ap.add_argument("--out", type=Path, default=outputs.default_out("paper"),
                     help="folder for FIGURE.csv and FIGURE.png (default out/paper, git-ignored; "
                          "experiments/results/paper holds the README's figures: refresh them "
                          "with a full run, never --quick)")
     args = ap.parse_args(argv)
+    if not 0 <= args.exact < float("inf"):
+        ap.error(f"--exact {args.exact}: give seconds, 0 or more")
     args.models = args.models or list(QUICK_MODELS if args.quick else MODELS)
     for model in args.models:
         try:

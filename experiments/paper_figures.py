@@ -69,13 +69,14 @@ def run(graph, strategy, gpus: int, k: int, profile):
         return None
 
 
-def hidup(graph, gpus: int, profile, k: int = 2, machines: int = 1):
+def hidup(graph, gpus: int, profile, k: int = 2, machines: int = 1, exact: float = 0.0):
     """HiDup: the searched plan (the dynamic programme's best, priced for Duplex and for plain
     SPMD, and the expert strategies, ranked with Duplex and without; on a 2-D mesh of `machines`
-    also the plans searched on it and its baselines), Duplex where it pays; (simulated Result,
-    search result)."""
+    also the plans searched on it and its baselines; with `exact` seconds also the integer
+    programme's proven k = 1 plan), Duplex where it pays; (simulated Result, search result)."""
     found = search(graph, gpus, profile, k=k, memory=MEMORY,
-                   baselines=fixed_strategies(graph, gpus, machines), machines=machines)
+                   baselines=fixed_strategies(graph, gpus, machines), machines=machines,
+                   exact=exact)
     return run(graph, found.strategy, gpus, found.k, profile), found
 
 
@@ -91,11 +92,11 @@ def best_estimates(found) -> tuple[float, float]:
     return best[0], best[1]
 
 
-def systems(graph, gpus: int, profile, names=("expert", "ddp"), machines: int = 1
-            ) -> tuple[dict, object]:
+def systems(graph, gpus: int, profile, names=("expert", "ddp"), machines: int = 1,
+            exact: float = 0.0) -> tuple[dict, object]:
     """({system: simulated Result or None}, HiDup's search result): HiDup (searched on a mesh of
     `machines` and over all GPUs) and the named baselines (one micro-batch each)."""
-    result, found = hidup(graph, gpus, profile, machines=machines)
+    result, found = hidup(graph, gpus, profile, machines=machines, exact=exact)
     out = {"hidup": result}
     fixed = fixed_strategies(graph, gpus)
     for name in names:
@@ -131,7 +132,7 @@ def scaling(args) -> Figure:
     for model in args.models:
         for gpus in args.gpus or ([8, 16] if args.quick else [8, 16, 32, 64]):
             got, found = systems(graph_of(model, gpus), gpus, profile, ("expert",),
-                                 profile.mesh(gpus)[0])
+                                 profile.mesh(gpus)[0], args.exact)
             flat, mesh = best_estimates(found)
             fig.add(model=model, gpus=gpus, hidup_ms=ms(got["hidup"]), expert_ms=ms(got["expert"]),
                     speedup=ms(got["expert"]) / ms(got["hidup"]), plan=found.candidates[0][0],
@@ -145,7 +146,7 @@ def one_machine(args) -> Figure:
     profile = load_profile("v100-8x8-10gbps")
     for model in args.models:
         for gpus in args.gpus or ([1, 4] if args.quick else [1, 2, 4, 8]):
-            got, found = systems(graph_of(model, gpus), gpus, profile)
+            got, found = systems(graph_of(model, gpus), gpus, profile, exact=args.exact)
             plan = found.candidates[0][0]
             fig.add(model=model, gpus=gpus, hidup_ms=ms(got["hidup"]), expert_ms=ms(got["expert"]),
                     ddp_ms=ms(got["ddp"]), plan=plan)
@@ -159,7 +160,7 @@ def bandwidth(args) -> Figure:
     for model in args.models:
         graph = graph_of(model, 8)
         for rate in rates:
-            got, found = systems(graph, 8, two_machines(rate))
+            got, found = systems(graph, 8, two_machines(rate), exact=args.exact)
             plan = found.candidates[0][0]
             best = best_baseline(got)
             fig.add(model=model, gbit=rate, hidup_ms=ms(got["hidup"]), expert_ms=ms(got["expert"]),
