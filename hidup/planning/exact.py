@@ -1,20 +1,17 @@
 """The exact plan for plain SPMD (k = 1): the search's own cost model (hidup.planning.search) as an
 integer programme, solved to optimality by HiGHS (scipy.optimize.milp).
 
-With one micro-batch the programme's cost of a plan is linear in its choices but for two maxima
-that an integer programme states exactly:
-  sum over nodes of the chosen option's computation and optimizer update
-  + sum over (tensor, placement it is converted to) of that conversion, charged once, from the
+With one micro-batch the programme's cost of a plan is linear in its choices:
+  sum over nodes of the chosen option's computation, optimizer update and gradient reductions
+  + sum over (tensor, placement it is read at) of that conversion, charged once, from the
     tensor's home (its producer's output, or a parameter's or input's first consumer's choice)
-  + the gradients' tail: max(0, max over nodes i of sum_{j<=i} g_j - sum_{j<i} b_j + latency_i)
-Variables: x[v, o] = 1 when node v takes option o (one per node); need[t, p] >= every consumer's
-wish to read t at p; z[t, h, p] >= home[t, h] + need[t, p] - 1 pays conversion h -> p; run[i]
-the gradients' transfer so far less the backward before them, tail >= run[i-1] + g_i + latency_i.
-A consumer that reads t as a Partial sum needs t's home to be that Partial. The memory the
-programme counts is held to the limit. With Duplex (k > 1) the stage model's max(D, m) and its
-debt, reset only where a node communicates, are not linear; the search's dynamic programme prices
-them, and tests/test_search.py measures it against this programme and against the unbounded
-programme on graphs where that runs."""
+Variables: x[v, o] = 1 when node v takes option o (one per node); q[t, h, p, j] >= home[t, h] +
+reads[j, t, p] - (reads of t at p by consumers before j) - 1 pays conversion h -> p at consumer
+j, the first to read t at p (as the programme charges it). A consumer that reads t as a Partial
+sum needs t's home to be that Partial. The memory the programme counts is held to the limit.
+With Duplex (k > 1) the stage model's max(D, m), and its debt reset only where a node
+communicates, are not linear; tests/test_search.py checks the programme there against the
+unbounded programme on a graph where that runs."""
 from __future__ import annotations
 
 import math
@@ -104,7 +101,7 @@ def exact_plan(search, name: str = "exact", time_limit: float = 60.0) -> ExactRe
                 continue
             reads_partial_input = any(t in search.placeholders and isinstance(p, Partial)
                                       for t, p in zip(node.inputs, opt.inputs))
-            own = cost.compute + cost.update + (cost.grads if comm else 0.0)
+            own = cost.compute + cost.update + cost.grads / search.k
             col = model.var(own * unit, integer=True, upper=0.0 if reads_partial_input else 1.0)
             cols.append((col, opt))
             costs[col] = cost
@@ -122,8 +119,6 @@ def exact_plan(search, name: str = "exact", time_limit: float = 60.0) -> ExactRe
     if not math.isinf(search.memory):
         model.row([(1.0, {col: costs[col].memory / 2**30 for cols in x.values()
                           for col, _ in cols})], upper=search.memory / 2**30)
-    if not comm:
-        _gradient_tail(search, model, x, costs, unit)
     res = model.solve(time_limit)
     if res.x is None:
         raise ValueError(f"exact plan: no plan fits in {search.memory / 2**30:.3g} GiB per "
@@ -138,7 +133,8 @@ def exact_plan(search, name: str = "exact", time_limit: float = 60.0) -> ExactRe
 
 
 def _conversions(search, model: _Model, x, t: str, reads, unit: float) -> None:
-    """Rows and columns that charge tensor t's conversions once per placement it is read at."""
+    """Rows and columns that charge tensor t's conversions once per placement it is read at, at
+    the first consumer that reads it there (as the programme does)."""
     if t in search.placeholders:  # its home is what its first consumer's first slot reads
         first, slot = reads[0]
         home: dict = {}
@@ -148,7 +144,7 @@ def _conversions(search, model: _Model, x, t: str, reads, unit: float) -> None:
         home = {}
         for col, opt in x[t]:
             home.setdefault(opt.output, {})[col] = 1.0
-    wants: dict = {}  # placement -> [expression of one consumer reading t there]
+    wants: dict = {}  # placement -> [(consumer, expression of it reading t there)], in order
     for consumer in dict.fromkeys(c for c, _ in reads):
         slots = [s for c, s in reads if c == consumer]
         per: dict = {}
@@ -156,36 +152,20 @@ def _conversions(search, model: _Model, x, t: str, reads, unit: float) -> None:
             for p in {opt.inputs[s] for s in slots}:
                 per.setdefault(p, {})[col] = 1.0
         for p, expr in per.items():
-            wants.setdefault(p, []).append(expr)
-    for p, exprs in wants.items():
+            wants.setdefault(p, []).append((consumer, expr))
+    for p, readers in wants.items():
         if isinstance(p, Partial):  # read as a Partial sum: only where it is one
-            for expr in exprs:
+            for _, expr in readers:
                 model.row([(1.0, home.get(p, {})), (-1.0, expr)], lower=0.0)
             continue
-        paid = [(h, search.conversion_cost(t, h, p) * unit) for h in home if h != p]
-        paid = [(h, c) for h, c in paid if c > 0]
-        if not paid:
-            continue
-        need = model.var()
-        for expr in exprs:
-            model.row([(1.0, {need: 1.0}), (-1.0, expr)], lower=0.0)
-        for h, c in paid:
-            z = model.var(c)
-            model.row([(1.0, {z: 1.0}), (-1.0, {need: 1.0}), (-1.0, home[h])], lower=-1.0)
-
-
-def _gradient_tail(search, model: _Model, x, costs, unit: float) -> None:
-    """tail >= run[i-1] + g_i + latency_i at every node; run[i] = run[i-1] + g_i - b_i."""
-    tail = model.var(1.0, upper=math.inf)
-    run_before = None
-    for node in search.g.ops:
-        cols = [col for col, _ in x[node.name]]
-        prev = {run_before: 1.0} if run_before is not None else {}
-        grads = {c: (costs[c].grads + costs[c].latency) * unit for c in cols
-                 if costs[c].grads or costs[c].latency}
-        if grads:
-            model.row([(1.0, {tail: 1.0}), (-1.0, prev), (-1.0, grads)], lower=0.0)
-        run = model.var(lower=-math.inf, upper=math.inf)
-        step = {c: (costs[c].grads - search.k * costs[c].backward) * unit for c in cols}
-        model.row([(1.0, {run: 1.0}), (-1.0, prev), (-1.0, step)], 0.0, 0.0)
-        run_before = run
+        for h in home:
+            cost = search.conversion_cost(t, h, p) if h != p else 0.0
+            if cost <= 0:
+                continue
+            earlier: dict[int, float] = {}
+            for consumer, expr in readers:  # q >= home h + reads here - read before - 1
+                q = model.var(cost * unit)
+                model.row([(1.0, {q: 1.0}), (-1.0, home[h]), (-1.0, expr), (1.0, earlier)],
+                          lower=-1.0)
+                for col in expr:
+                    earlier[col] = earlier.get(col, 0.0) + 1.0

@@ -1,27 +1,25 @@
 """Duplex-aware sharding search (the paper's Algorithm 1): a dynamic programme over the cuts of the
 graph in topological order. A state is the placements of the tensors live at a cut; each label
 on it carries the time so far T, the debt D (the other micro-batch's computation still pending
-that the next stage's communication can hide), the gradients' timeline, and the memory M the
-plan holds. Only labels that no other label beats on all of these are kept: at most `labels` per
+that the next stage's communication can hide) and the memory M the plan holds. Only labels that no other label beats on all of these are kept: at most `labels` per
 state (the cheapest, and the one using least memory), and the `beam` cheapest states (and the one
 whose plan uses least memory, so that a memory limit further on can still be met).
 
 Stage model for k micro-batches, a node costing c of computation (forward + backward, per
 micro-batch) and m of communication (its input conversions and their backward duals, per
-micro-batch):
+micro-batch, plus its parameters' gradient reduction spread over the step):
   m = 0:  T += c,  D += (k-1) c            (micro-batch 0 runs on; the others owe it)
   m > 0:  T += max(D, m) + c,  D = (k-1) c + max(0, m - c)
-With k = 1 it is plain SPMD: T += m + c. Parameter gradients are reduced once per step, as the
-lowering does: each as soon as it is complete, under the backward of the nodes before it, on a
-timeline of their own. A label carries that timeline as `run` (the gradients' transfer so far,
-less the backward time before them) and `tail` (the most of it, with the reduction's latency,
-that the backward cannot hide: max over nodes i of sum_{j<=i} g_j - sum_{j<i} k b_j + latency).
-The plan costs T + D + tail. The optimizer's update of the node's parameter shards (at the
+and the plan costs T + D. The optimizer's update of the node's parameter shards (at the
 parameter's first consumer, where its placement is chosen) adds to T: it runs after the backward,
 hiding nothing and hidden by nothing. Memory counts each parameter, its gradient and the
-optimizer's state tensors (hidup.program.OPTIMIZERS). The few best plans, with the expert
-strategies beside them, are then lowered and ranked by the fast estimate
-(hidup.planning.estimate).
+optimizer's state tensors (hidup.program.OPTIMIZERS). With k = 1 it is plain SPMD: T += m + c.
+(Pricing gradient reductions as hidden under the backward instead, as the lowering issues them,
+was tried for issue 19: it won 3-5% on two small models and lost 20-25% on the paper's BERT
+models at 16-32 GPUs, where the backward's conversions share the link; see the README.) With one
+micro-batch the model is linear: hidup.planning.exact solves it as an integer programme, and
+search(exact=...) ranks that proven plan too. The few best plans, with the expert strategies
+beside them, are then lowered and ranked by the fast estimate (hidup.planning.estimate).
 
 On a 2-D mesh of `machines` (hidup.planning.strategy) the programme chooses each op's option over
 one machine's ranks, on its part of the batch: conversions are priced inside a machine, a
@@ -58,28 +56,23 @@ class _Label(NamedTuple):  # a NamedTuple: the search makes hundreds of thousand
     time: float
     debt: float
     memory: float
-    run: float = 0.0  # gradient transfer so far less the backward computation that can hide it
-    tail: float = 0.0  # the gradient reduction left exposed after the backward, so far
     node: str = ""
     option: ShardingOption | None = None
     back: _Label | None = None
 
     @property
     def cost(self) -> float:
-        return self.time + self.debt + self.tail
+        return self.time + self.debt
 
     def dominated_by(self, other: _Label) -> bool:
         return (other.time <= self.time and other.debt <= self.debt
-                and other.memory <= self.memory and other.run <= self.run
-                and other.tail <= self.tail)
+                and other.memory <= self.memory)
 
 
 class _NodeCost(NamedTuple):
     """What one option of one node costs (seconds, bytes)."""
     compute: float  # forward + backward computation per micro-batch
-    backward: float  # of which the backward
-    grads: float  # transfer of its parameters' gradient reductions, per step
-    latency: float  # the latency of that reduction (0 if none)
+    grads: float  # its parameters' gradient reductions, per step
     memory: float  # its output per step, and the parameters it is the home of
     update: float  # the optimizer's update of those parameters, per step
 
@@ -139,6 +132,7 @@ class Search:
         return 1.0 / self.k if isinstance(self.mbs.home(t), Replicate) else 1.0
 
     def conversion_cost(self, t: str, src: Placement, dst: Placement) -> float:
+        """The conversion's time per micro-batch, forward and backward (its dual)."""
         key = (t, src, dst)
         if key not in self._conversions:
             self._conversions[key] = self._conversion_cost(t, src, dst)
@@ -162,23 +156,20 @@ class Search:
         out = self.shape(node.name, opt.output)
         fwd = forward_flops(node.op, ins, out, node.args)
         nbytes = sum(math.prod(s) for s in ins + [out]) * node.out.itemsize
-        backward = self.profile.kernel_time(backward_flops(node.op, fwd), 2 * nbytes)
-        compute = self.profile.kernel_time(fwd, nbytes) + backward
+        compute = self.profile.kernel_time(fwd, nbytes) + \
+            self.profile.kernel_time(backward_flops(node.op, fwd), 2 * nbytes)
         if self.mbs.home(node.name) == R:
-            compute, backward = compute / self.k, backward / self.k  # runs once per step
-        grads = latency = 0.0
+            compute /= self.k  # runs once per step
+        grads = 0.0
         memory, update, numel = math.prod(out) * node.out.itemsize * self.k, 0.0, 0
         for t, p in zip(node.inputs, opt.inputs):
             param = self.g.node(t)
             if param.kind == "param":
                 size = self.nbytes(t, p)
-                reduced = None
                 if p == R and opt.output != R:  # its gradient is a Partial sum: all-reduced
-                    reduced = self.reduction(size, self.everyone, ())
+                    grads += self.reduction(size, self.everyone, ())
                 elif self.machines > 1 and self.first[t] == self.position[node.name]:
-                    reduced = self.reduction(size, self.column, self.columns)  # summed across
-                if reduced is not None:
-                    grads, latency = grads + reduced[1], max(latency, reduced[0])
+                    grads += self.reduction(size, self.column, self.columns)  # summed across
                 if self.first[t] == self.position[node.name]:  # its home: where it lives
                     memory += (2 + self.optimizer.states) * size  # parameter, gradient, state
                     if param.out.is_float:
@@ -188,16 +179,16 @@ class Search:
                                               self.optimizer.bytes * numel) \
                 - self.profile.op_overhead
         if self.objective == "comm":
-            compute = backward = 0.0
-        return _NodeCost(compute, backward, grads, latency, memory, update)
+            compute = 0.0
+        return _NodeCost(compute, grads, memory, update)
 
-    def reduction(self, nbytes: int, group: tuple[int, ...], parts: tuple) -> tuple[float, float]:
-        """(latency, transfer) of a gradient's all-reduce over `group`, all of `parts` at once
-        (a 2-D mesh's columns share each machine's link); objective 'comm': (0, bytes)."""
+    def reduction(self, nbytes: int, group: tuple[int, ...], parts: tuple) -> float:
+        """A gradient's all-reduce over `group`, all of `parts` at once (a 2-D mesh's columns
+        share each machine's link); objective 'comm': its bytes."""
         if self.objective == "comm":
-            return 0.0, float(nbytes)
+            return float(nbytes)
         latency, transfer = self.profile.collective_split("all_reduce", nbytes, group)
-        return latency, transfer * self.profile.link_load(group, parts)
+        return latency + transfer * self.profile.link_load(group, parts)
 
     # -- the dynamic programme ----------------------------------------------------------------
     def run(self) -> list[_Label]:
@@ -231,10 +222,9 @@ class Search:
         return self.prune(out)
 
     def transition(self, placed: dict, node: Node, opt: ShardingOption):
-        """(communication per micro-batch, next state key), or None if the option is invalid. A
-        state holds each live tensor's home placement and the placements it was converted to
-        for earlier consumers: as the lowering does, a tensor is converted to a placement once,
-        however many consumers read it there."""
+        """(communication per micro-batch, next state key), or None if the option is invalid. A state holds each live tensor's home placement and the
+        placements it was converted to for earlier consumers: as the lowering does, a tensor is
+        converted to a placement once, however many consumers read it there."""
         comm, new = 0.0, dict(placed)
         for t, want in zip(node.inputs, opt.inputs):
             home, made = new.get(t, (None, frozenset()))
@@ -256,28 +246,18 @@ class Search:
         return comm, tuple(sorted(new.items(), key=lambda kv: kv[0]))
 
     def advance(self, label: _Label, node, opt, comm: float, cost: _NodeCost) -> _Label:
-        """The label after the node: its stage (computation, and the communication of its
-        input conversions) on the micro-batches' timeline, then its parameters' gradients on
-        the reduction's: they are reduced once per step, as soon as they are complete, under
-        the backward of the nodes before it; what that backward cannot hide is the tail."""
-        compute = cost.compute
-        if self.objective == "comm":
-            t, d = label.time + comm + cost.grads / self.k, 0.0
-        elif self.k == 1:
-            t, d = label.time + comm + compute, 0.0
+        """The label after the node: its stage on the micro-batches' timeline, its communication
+        the input conversions' and a k-th of its parameters' gradient reductions."""
+        comm += cost.grads / self.k
+        if self.k == 1 or self.objective == "comm":
+            t, d = label.time + comm + cost.compute, 0.0
         elif comm == 0.0:
-            t, d = label.time + compute, label.debt + (self.k - 1) * compute
+            t, d = label.time + cost.compute, label.debt + (self.k - 1) * cost.compute
         else:
-            t = label.time + max(label.debt, comm) + compute
-            d = (self.k - 1) * compute + max(0.0, comm - compute)
-        run, tail = label.run, label.tail
-        if self.objective == "time":
-            if cost.grads or cost.latency:
-                tail = max(tail, run + cost.grads + cost.latency)
-            run += cost.grads - self.k * cost.backward
+            t = label.time + max(label.debt, comm) + cost.compute
+            d = (self.k - 1) * cost.compute + max(0.0, comm - cost.compute)
         self.labels += 1
-        return _Label(t + cost.update, d, label.memory + cost.memory, run, tail, node.name, opt,
-                      label)
+        return _Label(t + cost.update, d, label.memory + cost.memory, node.name, opt, label)
 
     def price(self, strategy: Strategy) -> float:
         """The programme's cost of one given plan (as its own labels would price it)."""
