@@ -249,3 +249,21 @@ def test_the_duplex_programme_matches_the_unbounded_one_where_that_runs(world):
     best = unbounded.run()[0]
     assert unbounded.price(unbounded.strategy(best, "x")) == pytest.approx(best.cost, rel=1e-12)
     assert Search(graph, world, profile, k=2).run()[0].cost == pytest.approx(best.cost, rel=1e-12)
+
+
+def test_search_exactness_experiment_writes_its_table(tmp_path, capsys):
+    import csv
+
+    from experiments.search_exactness import main as exactness_main
+
+    assert exactness_main(["--models", "gpt:tiny", "--gpus", "2", "--cluster", "v100-1x4-nvlink",
+                           "--out", str(tmp_path)]) == 0
+    [row] = list(csv.DictReader(open(tmp_path / "search_exactness.csv")))
+    assert row["model"] == "gpt:tiny" and row["mesh"] == "1x2" and row["optimal"] == "True"
+    assert float(row["beam_ms"]) >= float(row["exact_ms"]) * (1 - 1e-9)
+    assert "gpt:tiny" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        exactness_main(["--beam", "0"])
+    with pytest.raises(SystemExit):
+        plan_main(["--model", "mlp:tiny", "--gpus", "2", "--exact", "-1"])
+    assert "--exact -1.0" in capsys.readouterr().err
