@@ -71,7 +71,7 @@ def test_the_search_alone_matches_or_beats_the_best_fixed_strategy(model, world,
     fixed_time, fixed_name = _best_fixed(graph, world, profile)
     assert fixed_name.startswith(best)
     found = search(graph, world, profile, k=2)  # no baselines
-    assert all(name.startswith(("search#", "search-k1#")) for name, _ in found.candidates)
+    assert all(name.startswith(("search#", "search-k2#")) for name, _ in found.candidates)
     assert found.estimate.step_time <= fixed_time * (1 + 1e-9), (found.candidates, fixed_name)
 
 
@@ -142,18 +142,29 @@ def test_a_plan_that_does_not_fit_is_never_returned():
     assert found.strategy.options != base["ddp"].options
 
 
-@pytest.mark.parametrize("model, world", [("bert-sgmoe:tiny", 2), ("gpt:small", 4),
-                                          ("gpt:tiny", 4), ("mlp:tiny", 2)])
-def test_the_duplex_search_finds_what_the_plain_search_finds(model, world):
-    """A search for k=2 ranks the plans the k=1 programme finds too: it is never slower than the
-    plain search (the experiments no longer run both)."""
+@pytest.mark.parametrize("model, world, cluster, machines", [
+    ("bert-sgmoe:tiny", 2, "v100-1x4-nvlink", 1), ("gpt:small", 4, "v100-1x4-nvlink", 1),
+    ("gpt:tiny", 4, "v100-1x4-nvlink", 1), ("mlp:tiny", 2, "v100-1x4-nvlink", 1),
+    ("bert-sgmoe:paper", 8, "v100-2x4", 2)])
+def test_the_duplex_search_alone_finds_what_the_plain_search_finds(model, world, cluster,
+                                                                     machines):
+    """One programme prices every plan with k = 2 micro-batches and with one: the search for
+    Duplex runs it alone (one per mesh) and finds a plan at least as fast as the plain search's;
+    its best plan with one micro-batch is within 0.1% of the plain programme's (measured: equal
+    on these but 0.06% over on bert-sgmoe:paper's 2 x 4 mesh)."""
+    from hidup.planning.search import Search
+
     spec = get_model(model, gpus=world)
     graph = capture_model(spec, spec.batch)
-    profile = load_profile("v100-1x4-nvlink")
-    plain = search(graph, world, profile, k=1)
-    duplex = search(graph, world, profile, k=2)
+    profile = load_profile(cluster)
+    plain = search(graph, world, profile, k=1, machines=machines)
+    duplex = search(graph, world, profile, k=2, machines=machines)
     assert duplex.estimate.step_time <= plain.estimate.step_time * (1 + 1e-9)
-    assert any(name.startswith("search-k1#") for name, _ in duplex.candidates)
+    for mesh in sorted({1, machines}):
+        alone = Search(graph, world, profile, 1, machines=mesh).run()[0].cost
+        both = Search(graph, world, profile, 2, machines=mesh).run()
+        assert min(label.plain for label in both) <= alone * 1.001
+        assert all(label.best == min(label.cost, label.plain) for label in both)
 
 
 def test_a_tensor_is_converted_once_per_placement_however_many_read_it():
@@ -176,11 +187,14 @@ def test_a_tensor_is_converted_once_per_placement_however_many_read_it():
                 want = oa.inputs[a.inputs.index(t)]
                 if want == R or ob.inputs[b.inputs.index(t)] != want:
                     continue
-                start = {x: (R, frozenset()) for x in set(a.inputs) | set(b.inputs)}
-                first, after_a = dp.transition(start, a, oa)
-                again, _ = dp.transition(dict(after_a), b, ob)
-                alone, _ = dp.transition(start, b, ob)
-                assert first > 0 and dict(after_a)[t] == (R, frozenset({want}))
+                start = dp.state(a, {x: (R, frozenset()) for x in dp.live(a)})
+                first, _, after_a = dp.transition(start, a, oa)
+                placed = dp.placed(a, after_a, after=True)
+                before_b = dp.state(b, {x: placed.get(x, (R, frozenset())) for x in dp.live(b)})
+                again, _, _ = dp.transition(before_b, b, ob)
+                alone, _, _ = dp.transition(
+                    dp.state(b, {x: (R, frozenset()) for x in dp.live(b)}), b, ob)
+                assert first > 0 and placed[t] == (R, frozenset({want}))
                 assert alone - again == pytest.approx(dp.conversion_cost(t, R, want))
                 return
     pytest.fail("no tensor with two consumers wanting the same split in gpt:tiny")
@@ -209,9 +223,8 @@ def test_the_programme_finds_the_integer_programmes_proven_optimum_at_k1(model, 
     for _ in range(50):  # random plans: every op takes a random option valid after the others'
         options, key = {}, ()
         for node in graph.ops:
-            steps = [(o, dp.transition(dict(key), node, o))
-                     for o in fitting_options(graph, node, world)]
-            options[node.name], (_, key) = rng.choice([(o, st) for o, st in steps if st])
+            steps = [(o, dp.transition(key, node, o)) for o in fitting_options(graph, node, world)]
+            options[node.name], (_, _, key) = rng.choice([(o, st) for o, st in steps if st])
         others.append(dp.price(dp.plan(options, "random")))
     assert min(others) >= exact.cost * (1 - 1e-9)
     beam = dp.run()[0].cost  # measured: 0-1.6% above the optimum on these five
@@ -261,6 +274,7 @@ def test_search_exactness_experiment_writes_its_table(tmp_path, capsys):
     [row] = list(csv.DictReader(open(tmp_path / "search_exactness.csv")))
     assert row["model"] == "gpt:tiny" and row["mesh"] == "1x2" and row["optimal"] == "True"
     assert float(row["beam_ms"]) >= float(row["exact_ms"]) * (1 - 1e-9)
+    assert float(row["duplex_ms"]) >= float(row["exact_ms"]) * (1 - 1e-9)
     assert "gpt:tiny" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         exactness_main(["--beam", "0"])

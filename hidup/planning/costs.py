@@ -21,7 +21,7 @@ import logging
 import math
 from bisect import bisect_left
 from dataclasses import asdict, dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from importlib import resources
 from pathlib import Path
 
@@ -48,6 +48,12 @@ _KEYS = {"format", "version", "name", "source", "collectives", "inter_node", "in
 _OPTIONAL = {"provenance", "kernels", "collective_points", "kernel_quantiles", "host",
              "device_memory", "kernels_in_situ"}
 TIERS = ("intra", "inter")
+
+
+@lru_cache(maxsize=4096)  # the search asks it for the same few groups tens of thousands of times
+def _machines(group: tuple[int, ...], gpus_per_node: int) -> tuple[int, ...]:
+    nodes = sorted({rank // gpus_per_node for rank in group})
+    return tuple(nodes) if len(nodes) > 1 else ()
 
 
 class ProfileError(ValueError):
@@ -213,8 +219,7 @@ class Profile:
 
     def machines(self, group: tuple[int, ...]) -> tuple[int, ...]:
         """The machines whose inter-node link a group crosses (none if it stays in one)."""
-        nodes = sorted({rank // self.gpus_per_node for rank in group})
-        return tuple(nodes) if len(nodes) > 1 and self.inter_node else ()
+        return _machines(group, self.gpus_per_node) if self.inter_node else ()
 
     def mesh(self, gpus: int) -> tuple[int, int]:
         """The default device mesh of `gpus` on this cluster: its machines x GPUs per machine

@@ -1,9 +1,14 @@
 """Duplex-aware sharding search (the paper's Algorithm 1): a dynamic programme over the cuts of the
 graph in topological order. A state is the placements of the tensors live at a cut; each label
 on it carries the time so far T, the debt D (the other micro-batch's computation still pending
-that the next stage's communication can hide) and the memory M the plan holds. Only labels that no other label beats on all of these are kept: at most `labels` per
-state (the cheapest, and the one using least memory), and the `beam` cheapest states (and the one
-whose plan uses least memory, so that a memory limit further on can still be met).
+that the next stage's communication can hide), the memory M the plan holds, and the plan's time
+so far with one micro-batch (plain SPMD), since a plan runs with k micro-batches or with one,
+whichever is faster. Only labels that no other label beats on all four are kept: at most
+`labels` per state (the best either way, and the leanest, the cheapest with k and with one), and
+the `beam` best states (a third of them the cheapest with k; and the one whose plan uses least
+memory, so that a memory limit further on can still be met). So one programme does what a
+Duplex-priced and a plain programme did (issue 19: the Duplex-priced one alone missed plans the
+plain one found; two cost the time twice).
 
 Stage model for k micro-batches, a node costing c of computation (forward + backward, per
 micro-batch) and m of communication (its input conversions and their backward duals, per
@@ -44,10 +49,10 @@ from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import check
 from hidup.planning.strategy import Strategy, conversion, fitting_options, microbatch_split
 from hidup.program.lowering import lower
-from hidup.program.tasks import (LoweringError, mesh_groups, optimizer_cost, tensor_nbytes,
-                                 tensor_shape)
+from hidup.program.tasks import (LoweringError, mesh_groups, optimizer_cost, tensor_shape)
 
 log = logging.getLogger(__name__)
+_NOTHING: frozenset = frozenset()
 _DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all",
          "all_reduce": "all_reduce", "slice": "all_gather"}
 
@@ -56,17 +61,24 @@ class _Label(NamedTuple):  # a NamedTuple: the search makes hundreds of thousand
     time: float
     debt: float
     memory: float
+    plain: float  # the same plan's time with one micro-batch (the k = 1 model)
     node: str = ""
     option: ShardingOption | None = None
     back: _Label | None = None
 
     @property
     def cost(self) -> float:
+        """With k micro-batches."""
         return self.time + self.debt
+
+    @property
+    def best(self) -> float:
+        """The plan runs with k micro-batches or with one, whichever is faster."""
+        return min(self.time + self.debt, self.plain)
 
     def dominated_by(self, other: _Label) -> bool:
         return (other.time <= self.time and other.debt <= self.debt
-                and other.memory <= self.memory)
+                and other.memory <= self.memory and other.plain <= self.plain)
 
 
 class _NodeCost(NamedTuple):
@@ -81,7 +93,8 @@ class _NodeCost(NamedTuple):
 class SearchResult:
     strategy: Strategy
     k: int  # micro-batches of the chosen plan: k, or 1 where Duplex does not pay
-    dp_cost: float  # the dynamic programme's own estimate of the chosen plan (s), if it chose one
+    dp_cost: float  # the dynamic programme's own estimate of the chosen plan (s, with k
+    #   micro-batches or one, the better), if it chose one
     estimate: Estimate  # the fast estimate of the chosen plan, as lowered
     candidates: tuple[tuple[str, float], ...]  # (name, estimated step time) of every plan ranked
     seconds: float  # wall time of the search
@@ -117,15 +130,28 @@ class Search:
                 self.last[t] = max(self.last.get(t, -1), self.position[node.name])
                 self.first.setdefault(t, self.position[node.name])
         self.placeholders = {n.name for n in graph.nodes if n.kind != "op"}
+        self._cuts = self._cut_plans()
+        self._values: list[tuple] = []  # a key holds each (home, converted-to) as its index here
+        self._ids: dict[tuple, int] = {}
         self.labels = 0
         self._conversions: dict[tuple, float] = {}  # (tensor, src, dst) -> seconds
+        self._shapes: dict[tuple[str, Placement], tuple[int, ...]] = {}
+        # what prices each label's `plain` time: this programme at k = 1, another (the same
+        # graph with one micro-batch) at k > 1; none for objective 'comm' at k > 1
+        self.plain: Search | None = self if k == 1 else None
+        if k > 1 and objective == "time":
+            self.plain = Search(graph, world, profile, 1, memory, objective, beam, labels,
+                                optimizer, machines)
 
     # -- costs --------------------------------------------------------------------------------
     def shape(self, t: str, p: Placement) -> tuple[int, ...]:
-        return tensor_shape(self.g, self.mbs, t, p, self.world, self.k * self.machines)
+        if (t, p) not in self._shapes:  # asked for every option of every node
+            self._shapes[t, p] = tensor_shape(self.g, self.mbs, t, p, self.world,
+                                              self.k * self.machines)
+        return self._shapes[t, p]
 
     def nbytes(self, t: str, p: Placement) -> int:
-        return tensor_nbytes(self.g, self.mbs, t, p, self.world, self.k * self.machines)
+        return math.prod(self.shape(t, p)) * self.g.node(t).out.itemsize
 
     def per_mb(self, t: str) -> float:
         """Share of a once-per-step cost carried by one micro-batch."""
@@ -192,62 +218,131 @@ class Search:
 
     # -- the dynamic programme ----------------------------------------------------------------
     def run(self) -> list[_Label]:
-        states: dict[tuple, list[_Label]] = {(): [_Label(0.0, 0.0, 0.0)]}
+        """The labels of the last cut, best first (each with k micro-batches or one)."""
+        states: dict[tuple, list[_Label]] = {(): [_Label(0.0, 0.0, 0.0, 0.0)]}
         for node in self.g.ops:
             states = self.extend(states, node)
             if not states:
                 raise ValueError(f"search: no option of node {node.name} ({node.op}) fits in "
                                  f"{self.memory / 2**30:.3g} GiB per device or divides evenly")
         finals = [label for labels in states.values() for label in labels]
-        return sorted(finals, key=lambda lab: lab.cost)
+        return sorted(finals, key=lambda lab: lab.best)
+
+    def costs(self, node: Node, opt: ShardingOption) -> tuple[_NodeCost | None, _NodeCost | None]:
+        """The option's cost with k micro-batches (None where its splits do not divide by
+        them) and with one (None where there is no plain pricing); LoweringError where it
+        divides by neither."""
+        if self.plain is self:
+            cost = self.node_cost(node, opt)
+            return cost, cost
+        plain = self.plain.node_cost(node, opt) if self.plain is not None else None
+        try:
+            return self.node_cost(node, opt), plain
+        except LoweringError:
+            if plain is None:
+                raise
+            return None, plain  # a plan that runs with one micro-batch only
 
     def extend(self, states, node: Node) -> dict[tuple, list[_Label]]:
         """Every label of every state, extended by every option of the node."""
         options = []
         for opt in fitting_options(self.g, node, self.world):
             try:
-                options.append((opt, self.node_cost(node, opt)))
+                options.append((opt, *self.costs(node, opt)))
             except LoweringError:
                 continue  # a split that does not divide with the micro-batches
         out: dict[tuple, list[_Label]] = {}
         for key, labels in states.items():
-            placed = dict(key)
-            for opt, cost in options:
-                step = self.transition(placed, node, opt)
+            for opt, cost, plain in options:
+                step = self.transition(key, node, opt, cost is not None)
                 if step is None:
                     continue
-                comm, new_key = step
+                comm, comm1, new_key = step
                 for label in labels:
-                    self.add(out, new_key, self.advance(label, node, opt, comm, cost))
+                    self.add(out, new_key, self.advance(label, node, opt, comm, cost, comm1,
+                                                        plain))
         return self.prune(out)
 
-    def transition(self, placed: dict, node: Node, opt: ShardingOption):
-        """(communication per micro-batch, next state key), or None if the option is invalid. A state holds each live tensor's home placement and the
-        placements it was converted to for earlier consumers: as the lowering does, a tensor is
-        converted to a placement once, however many consumers read it there."""
-        comm, new = 0.0, dict(placed)
+    # A state (the key of the programme's labels at a cut) holds, for each tensor live at that
+    # cut, its home placement and the placements it was converted to for earlier consumers: as
+    # the lowering does, a tensor is converted to a placement once, however many read it there.
+    # The live tensors of a cut are the same in every state, so a key is just their values, in
+    # the order live(node) names them, each value interned as a number (fast to hash).
+    def _cut_plans(self) -> list[tuple[tuple[str, ...], dict[str, int], tuple, tuple]]:
+        """Per node: the tensors live before it, where each sits in the key, where each slot of
+        the key after it comes from (a slot before, or a tensor the node reads or makes), and
+        the tensors live after it."""
+        plans, live = [], ()
+        for i, node in enumerate(self.g.ops):
+            slots = {t: s for s, t in enumerate(live)}
+            after = tuple(sorted(t for t in {*live, *node.inputs, node.name}
+                                 if self.last.get(t, -1) > i))
+            sources = tuple(t if t in node.inputs or t == node.name else slots[t] for t in after)
+            plans.append((live, slots, sources, after))
+            live = after
+        return plans
+
+    def live(self, node: Node, after: bool = False) -> tuple[str, ...]:
+        """The tensors a state before (or after) the node holds, in its key's order."""
+        return self._cuts[self.position[node.name]][3 if after else 0]
+
+    def _id(self, value: tuple) -> int:
+        if value not in self._ids:
+            self._ids[value] = len(self._values)
+            self._values.append(value)
+        return self._ids[value]
+
+    def state(self, node: Node, placed: dict[str, tuple]) -> tuple:
+        """The key before the node of {tensor: (home, converted-to)} for each live tensor."""
+        return tuple(self._id(placed[t]) for t in self.live(node))
+
+    def placed(self, node: Node, key: tuple, after: bool = False) -> dict[str, tuple]:
+        """What a key before (or after) the node holds: {tensor: (home, converted-to)}."""
+        return {t: self._values[v] for t, v in zip(self.live(node, after), key)}
+
+    def transition(self, key: tuple, node: Node, opt: ShardingOption, duplex: bool = True):
+        """(communication per micro-batch with k micro-batches (infinite where not `duplex`),
+        the same with one, the key after the node), from the key before it, or None if the
+        option is invalid there."""
+        _, slots, sources, _ = self._cuts[self.position[node.name]]
+        comm, comm1, updated = 0.0 if duplex else math.inf, 0.0, {}
         for t, want in zip(node.inputs, opt.inputs):
-            home, made = new.get(t, (None, frozenset()))
-            if home is None and t in self.placeholders:
-                if isinstance(want, Partial):
+            if t in updated:  # read twice by the node
+                home, made = self._values[updated[t]]
+            elif t in slots:
+                home, made = self._values[key[slots[t]]]
+            elif t in self.placeholders:  # an input or parameter goes where its first
+                if isinstance(want, Partial):  # consumer wants it
                     return None
-                home = want  # an input or parameter goes where its first consumer wants
-            if home is None:
+                home, made = want, _NOTHING
+            else:
                 return None
             if isinstance(want, Partial) and home != want:
                 return None
             if want != home and want not in made:
-                comm += self.conversion_cost(t, home, want)
+                if duplex:
+                    comm += self.conversion_cost(t, home, want)
+                if self.plain is not None and self.plain is not self:
+                    comm1 += self.plain.conversion_cost(t, home, want)
                 made = made | {want}
-            new[t] = (home, made)
-        new[node.name] = (opt.output, frozenset())
-        i = self.position[node.name]  # keep what a later node still reads
-        new = {t: p for t, p in new.items() if self.last.get(t, -1) > i}
-        return comm, tuple(sorted(new.items(), key=lambda kv: kv[0]))
+            updated[t] = self._id((home, made))
+        updated[node.name] = self._id((opt.output, _NOTHING))
+        if self.plain is self:
+            comm1 = comm
+        return comm, comm1, tuple(updated[s] if s.__class__ is str else key[s] for s in sources)
 
-    def advance(self, label: _Label, node, opt, comm: float, cost: _NodeCost) -> _Label:
+    def advance(self, label: _Label, node, opt, comm: float, cost: _NodeCost | None,
+                comm1: float = math.inf, plain: _NodeCost | None = None) -> _Label:
         """The label after the node: its stage on the micro-batches' timeline, its communication
-        the input conversions' and a k-th of its parameters' gradient reductions."""
+        the input conversions' and a k-th of its parameters' gradient reductions; and its time
+        with one micro-batch (`comm1`, `plain`: the same priced at k = 1)."""
+        self.labels += 1
+        p = math.inf
+        if plain is not None and self.plain is not self:
+            p = label.plain + comm1 + plain.grads + plain.compute + plain.update
+        if cost is None:  # its splits do not divide by k micro-batches
+            return _Label(math.inf, math.inf, label.memory + plain.memory, p, node.name, opt,
+                          label)
         comm += cost.grads / self.k
         if self.k == 1 or self.objective == "comm":
             t, d = label.time + comm + cost.compute, 0.0
@@ -256,42 +351,66 @@ class Search:
         else:
             t = label.time + max(label.debt, comm) + cost.compute
             d = (self.k - 1) * cost.compute + max(0.0, comm - cost.compute)
-        self.labels += 1
-        return _Label(t + cost.update, d, label.memory + cost.memory, node.name, opt, label)
+        if self.plain is self:
+            p = t + cost.update
+        return _Label(t + cost.update, d, label.memory + cost.memory, p, node.name, opt, label)
 
     def price(self, strategy: Strategy) -> float:
-        """The programme's cost of one given plan (as its own labels would price it)."""
-        label, key = _Label(0.0, 0.0, 0.0), ()
+        """The programme's cost of one given plan with k micro-batches (as its own labels would
+        price it)."""
+        label, key = _Label(0.0, 0.0, 0.0, 0.0), ()
         for node in self.g.ops:
             opt = strategy.options[node.name]
-            step = self.transition(dict(key), node, opt)
+            step = self.transition(key, node, opt)
             if step is None:
                 raise ValueError(f"plan {strategy.name}: node {node.name} takes an input it "
                                  f"cannot have")
-            comm, key = step
+            comm, _, key = step
             label = self.advance(label, node, opt, comm, self.node_cost(node, opt))
         return label.cost
 
     def add(self, out: dict, key: tuple, label: _Label) -> None:
         if label.memory > self.memory:
             return
-        labels = out.setdefault(key, [])
-        if any(label.dominated_by(other) for other in labels):
+        labels = out.get(key)
+        if labels is None:
+            out[key] = [label]
             return
-        labels[:] = [other for other in labels if not other.dominated_by(label)] + [label]
-        if len(labels) > self.per_state:
-            leanest = min(labels, key=lambda lab: lab.memory)
-            labels.sort(key=lambda lab: lab.cost)
-            del labels[self.per_state - 1:]
-            if leanest not in labels:
-                labels.append(leanest)
+        t, d, m, p = label.time, label.debt, label.memory, label.plain
+        for o in labels:  # label.dominated_by(o), written out: it runs a million times
+            if o.time <= t and o.debt <= d and o.memory <= m and o.plain <= p:
+                return
+        labels[:] = [o for o in labels if not (t <= o.time and d <= o.debt and m <= o.memory
+                                                and p <= o.plain)]
+        labels.append(label)
 
     def prune(self, states: dict) -> dict:
-        if len(states) <= self.beam:
-            return states
-        best = sorted(states, key=lambda key: min(lab.cost for lab in states[key]))[:self.beam - 1]
-        best.append(min(states, key=lambda key: min(lab.memory for lab in states[key])))
-        return {key: states[key] for key in best}
+        """The `beam` best states (either way; with k > 1 a third of them the cheapest with k
+        micro-batches) and the one whose plan uses least memory; in each, `per_state` labels:
+        the best, and the leanest, cheapest with k and with one."""
+        if len(states) > self.beam:
+            keys = list(states)
+            kept = sorted(keys, key=lambda key: min(lab.best for lab in states[key]))
+            kept = kept[:self.beam - 1 - ((self.beam - 1) // 3 if self.k > 1 else 0)]
+            if self.k > 1:
+                for key in sorted(keys, key=lambda key: min(lab.cost for lab in states[key])):
+                    if len(kept) >= self.beam - 1:
+                        break
+                    if key not in kept:
+                        kept.append(key)
+            kept.append(min(keys, key=lambda key: min(lab.memory for lab in states[key])))
+            states = {key: states[key] for key in kept}
+        for labels in states.values():
+            if len(labels) > self.per_state:
+                extras = (min(labels, key=lambda lab: lab.memory),
+                          min(labels, key=lambda lab: lab.cost),
+                          min(labels, key=lambda lab: lab.plain))
+                labels.sort(key=lambda lab: lab.best)
+                del labels[self.per_state - 1:]
+                for extra in extras:
+                    if not any(extra is lab for lab in labels):
+                        labels.append(extra)
+        return states
 
     def strategy(self, label: _Label, name: str) -> Strategy:
         options: dict[str, ShardingOption] = {}
@@ -317,10 +436,10 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
            objective: str = "time", beam: int = 16, keep: int = 3,
            baselines: dict[str, Strategy] | None = None, optimizer: str = "sgd",
            machines: int = 1, exact: float = 0.0) -> SearchResult:
-    """The best plan: the dynamic programme's `keep` cheapest plans and the `baselines`, each lowered
+    """The best plan: the dynamic programme's `keep` best plans and the `baselines`, each lowered
     with k micro-batches and with one, ranked by the fast estimate (objective 'comm': by its own
-    count). With k > 1 the programme also runs priced for plain SPMD (k = 1) and its plans are
-    ranked too, so that a search for Duplex finds every plan the plain search finds. On a 2-D
+    count). The programme prices every plan with k micro-batches and with one and keeps what is
+    best either way, so that a search for Duplex finds the plans a plain search finds. On a 2-D
     mesh of `machines` > 1 it runs on the mesh and over every rank (1-D), and ranks both. Every
     plan is priced and held to `memory` with `optimizer`'s update and state. With `exact` > 0
     seconds the k = 1 programme's best plan on each mesh is also sought by the integer
@@ -331,32 +450,34 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
     seen: list[tuple] = []
     labels, proofs = 0, []
     for mesh in ([machines, 1] if machines > 1 else [1]):
-        for dp_k in ([k, 1] if k > 1 and objective == "time" else [k]):
-            try:
-                dp = Search(graph, world, profile, dp_k, memory, objective, beam,
-                            optimizer=optimizer, machines=mesh)
-                finals = dp.run()
-            except ValueError as exc:
-                if mesh == 1:
-                    raise
-                log.info("search on %d machines x %d: %s", mesh, world // mesh, exc)
-                continue
-            labels += dp.labels
-            tag = ("search" if dp_k == k else "search-k1") + ("-2d" if mesh > 1 else "")
-            _rank_finals(ranked, seen, dp, finals, keep, tag, graph, world, k, profile,
-                         optimizer)
-            if exact > 0 and dp_k == 1 and objective == "time":
-                proof = exact_plan(dp, "hidup", exact)
-                proofs.append((mesh, proof.cost, proof.bound, proof.optimal, finals[0].cost))
-                log.info("exact k=1 plan on %d machines: %.4g s (bound %.4g, %s) in %.1f s; "
-                         "the beam's %.4g s", mesh, proof.cost, proof.bound,
-                         "optimal" if proof.optimal else "time ran out", proof.seconds,
-                         finals[0].cost)
-                if (proof.strategy.machines, proof.strategy.options) not in seen:
-                    seen.append((proof.strategy.machines, proof.strategy.options))
-                    _rank(ranked, graph, proof.strategy, world, k, profile,
-                          "exact-2d#0" if mesh > 1 else "exact#0", proof.cost, dp.memory,
-                          optimizer)
+        try:
+            dp = Search(graph, world, profile, k, memory, objective, beam,
+                        optimizer=optimizer, machines=mesh)
+            finals = dp.run()
+        except ValueError as exc:
+            if mesh == 1:
+                raise
+            log.info("search on %d machines x %d: %s", mesh, world // mesh, exc)
+            continue
+        labels += dp.labels
+        mesh_tag = "-2d" if mesh > 1 else ""
+        _rank_finals(ranked, seen, dp, finals, keep, "search" + mesh_tag, graph, world, k,
+                     profile, optimizer)
+        if k > 1:  # and the best with k micro-batches, where that is not the best overall
+            _rank_finals(ranked, seen, dp, sorted(finals, key=lambda lab: lab.cost), keep,
+                         f"search-k{k}" + mesh_tag, graph, world, k, profile, optimizer)
+        if exact > 0 and objective == "time":
+            proof = exact_plan(dp.plain, "hidup", exact)
+            beam_cost = min(label.plain for label in finals)
+            proofs.append((mesh, proof.cost, proof.bound, proof.optimal, beam_cost))
+            log.info("exact k=1 plan on %d machines: %.4g s (bound %.4g, %s) in %.1f s; "
+                     "the beam's %.4g s", mesh, proof.cost, proof.bound,
+                     "optimal" if proof.optimal else "time ran out", proof.seconds, beam_cost)
+            if (proof.strategy.machines, proof.strategy.options) not in seen:
+                seen.append((proof.strategy.machines, proof.strategy.options))
+                _rank(ranked, graph, proof.strategy, world, k, profile,
+                      "exact-2d#0" if mesh > 1 else "exact#0", proof.cost, dp.memory,
+                      optimizer)
     for name, strategy in (baselines or {}).items():
         _rank(ranked, graph, strategy, world, k, profile, name, math.nan, dp.memory, optimizer)
     if not ranked:
@@ -372,18 +493,24 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
 
 def _rank_finals(ranked, seen, dp: Search, finals, keep: int, tag: str, graph, world, k,
                  profile, optimizer) -> None:
-    """Rank the programme's `keep` cheapest distinct plans that fit (named TAG#j)."""
+    """Rank the first `keep` distinct plans of `finals` that fit (named TAG#j), but for those
+    already ranked."""
+    mine: list[tuple] = []
     for j, label in enumerate(finals[:10 * keep]):
         strategy = dp.strategy(label, "hidup" if dp.objective == "time" else "min-comm")
-        if (strategy.machines, strategy.options) in seen:
-            continue  # the same plan reached through another state, or by the other programme
-        seen.append((strategy.machines, strategy.options))
-        check(graph, strategy)
-        before = len(ranked)
-        _rank(ranked, graph, strategy, world, k, profile, f"{tag}#{j}", label.cost, dp.memory,
-              optimizer)
-        if len(ranked) > before:  # it fits: the DP's memory model is an estimate, this is not
+        plan = (strategy.machines, strategy.options)
+        if plan in mine:
+            continue  # the same plan reached through another state
+        mine.append(plan)
+        if plan in seen:  # ranked already, from another order of the same labels
             keep -= 1
+        else:
+            seen.append(plan)
+            check(graph, strategy)
+            before = len(ranked)
+            _rank(ranked, graph, strategy, world, k, profile, f"{tag}#{j}", label.best,
+                  dp.memory, optimizer)
+            keep -= len(ranked) > before  # it fits: the DP's memory model is an estimate
         if keep == 0:
             break
 

@@ -209,13 +209,14 @@ class LoweringError(ValueError):
 
 
 def local_shape(shape, placement: Placement, mb_placement: Placement, world: int, k: int,
-                where: str = "") -> tuple[int, ...]:
-    """The shape one rank holds for one micro-batch: the micro-batch split first, then the mesh split."""
+                where=lambda: "") -> tuple[int, ...]:
+    """The shape one rank holds for one micro-batch: the micro-batch split first, then the mesh
+    split. `where` names the tensor in the error (a function: the search calls this a lot)."""
     out = list(shape)
     for p, n, what in ((mb_placement, k, "micro-batches"), (placement, world, "ranks")):
-        if isinstance(p, Shard) and n > 1:
+        if n > 1 and isinstance(p, Shard):
             if out[p.dim] % n:
-                raise LoweringError(f"{where}: dim {p.dim} of size {out[p.dim]} (shape "
+                raise LoweringError(f"{where()}: dim {p.dim} of size {out[p.dim]} (shape "
                                     f"{tuple(shape)}) does not split into {n} {what}; choose a "
                                     f"batch or model size divisible by it")
             out[p.dim] //= n
@@ -230,7 +231,7 @@ def tensor_shape(graph: Graph, mb_split: Strategy, t: str, p: Placement, world: 
                  k: int) -> tuple[int, ...]:
     """Local shape of tensor t held as p, with the micro-batch split `mb_split` gives it."""
     return local_shape(graph.node(t).out.shape, p, mb_split.home(t), world, k,
-                       f"tensor {t} as {p}")
+                       lambda: f"tensor {t} as {p}")
 
 
 def tensor_nbytes(graph: Graph, mb_split: Strategy, t: str, p: Placement, world: int,
