@@ -251,13 +251,18 @@ class Search:
                 options.append((opt, *self.costs(node, opt)))
             except LoweringError:
                 continue  # a split that does not divide with the micro-batches
+        _, slots, sources, _ = self._cuts[self.position[node.name]]
         out: dict[tuple, list[_Label]] = {}
-        for key, labels in states.items():
-            for opt, cost, plain in options:
-                step = self.transition(key, node, opt, cost is not None)
-                if step is None:
+        steps: dict[tuple, tuple | None] = {}  # states differ mostly in what the node does not
+        for key, labels in states.items():  # read: one step per option and values it reads
+            ins = tuple(key[slots[t]] if t in slots else -1 for t in node.inputs)
+            for i, (opt, cost, plain) in enumerate(options):
+                if (i, ins) not in steps:
+                    steps[i, ins] = self._step(node, opt, cost is not None, ins)
+                if steps[i, ins] is None:
                     continue
-                comm, comm1, new_key = step
+                comm, comm1, updated = steps[i, ins]
+                new_key = tuple(updated[s] if s.__class__ is str else key[s] for s in sources)
                 for label in labels:
                     self.add(out, new_key, self.advance(label, node, opt, comm, cost, comm1,
                                                         plain))
@@ -305,12 +310,22 @@ class Search:
         the same with one, the key after the node), from the key before it, or None if the
         option is invalid there."""
         _, slots, sources, _ = self._cuts[self.position[node.name]]
+        step = self._step(node, opt, duplex,
+                          tuple(key[slots[t]] if t in slots else -1 for t in node.inputs))
+        if step is None:
+            return None
+        comm, comm1, updated = step
+        return comm, comm1, tuple(updated[s] if s.__class__ is str else key[s] for s in sources)
+
+    def _step(self, node: Node, opt: ShardingOption, duplex: bool, ins: tuple):
+        """transition() for the node's inputs' values `ins` (-1: not placed yet): the
+        communication with k micro-batches and with one, and the values after it by tensor."""
         comm, comm1, updated = 0.0 if duplex else math.inf, 0.0, {}
-        for t, want in zip(node.inputs, opt.inputs):
+        for t, want, value in zip(node.inputs, opt.inputs, ins):
             if t in updated:  # read twice by the node
                 home, made = self._values[updated[t]]
-            elif t in slots:
-                home, made = self._values[key[slots[t]]]
+            elif value >= 0:
+                home, made = self._values[value]
             elif t in self.placeholders:  # an input or parameter goes where its first
                 if isinstance(want, Partial):  # consumer wants it
                     return None
@@ -327,9 +342,7 @@ class Search:
                 made = made | {want}
             updated[t] = self._id((home, made))
         updated[node.name] = self._id((opt.output, _NOTHING))
-        if self.plain is self:
-            comm1 = comm
-        return comm, comm1, tuple(updated[s] if s.__class__ is str else key[s] for s in sources)
+        return comm, comm if self.plain is self else comm1, updated
 
     def advance(self, label: _Label, node, opt, comm: float, cost: _NodeCost | None,
                 comm1: float = math.inf, plain: _NodeCost | None = None) -> _Label:
