@@ -476,9 +476,11 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
         mesh_tag = "-2d" if mesh > 1 else ""
         _rank_finals(ranked, seen, dp, finals, keep, "search" + mesh_tag, graph, world, k,
                      profile, optimizer)
-        if k > 1:  # and the best with k micro-batches, where that is not the best overall
-            _rank_finals(ranked, seen, dp, sorted(finals, key=lambda lab: lab.cost), keep,
-                         f"search-k{k}" + mesh_tag, graph, world, k, profile, optimizer)
+        if k > 1 and objective == "time":  # and the best with k micro-batches, and with
+            for by, tag in ((lambda lab: lab.cost, f"search-k{k}"),  # one, where those are not
+                            (lambda lab: lab.plain, "search-k1")):  # the best overall
+                _rank_finals(ranked, seen, dp, sorted(finals, key=by), keep, tag + mesh_tag,
+                             graph, world, k, profile, optimizer)
         if exact > 0 and objective == "time":
             proof = exact_plan(dp.plain, "hidup", exact)
             beam_cost = min(label.plain for label in finals)
