@@ -146,7 +146,8 @@ def test_a_plan_that_does_not_fit_is_never_returned():
 @pytest.mark.parametrize("model, world, cluster, machines", [
     ("bert-sgmoe:tiny", 2, "v100-1x4-nvlink", 1), ("gpt:small", 4, "v100-1x4-nvlink", 1),
     ("gpt:tiny", 4, "v100-1x4-nvlink", 1), ("mlp:tiny", 2, "v100-1x4-nvlink", 1),
-    ("bert-sgmoe:paper", 8, "v100-2x4", 2)])
+    ("bert-sgmoe:paper", 8, "v100-2x4", 2),
+    ("gpt:paper", 8, "v100-8x8-10gbps", 1)])  # some splits divide by 8 ranks but not by 16
 def test_the_duplex_search_alone_finds_what_the_plain_search_finds(model, world, cluster,
                                                                      machines):
     """One programme prices every plan with k = 2 micro-batches and with one: the search for
