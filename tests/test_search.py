@@ -283,3 +283,15 @@ def test_search_exactness_experiment_writes_its_table(tmp_path, capsys):
     with pytest.raises(SystemExit):
         plan_main(["--model", "mlp:tiny", "--gpus", "2", "--exact", "-1"])
     assert "--exact -1.0" in capsys.readouterr().err
+
+
+def test_a_mesh_whose_batch_does_not_split_into_micro_batches_is_searched_without_duplex():
+    """gpt:tiny, batch 2 on 2 machines x 2: each machine's one sequence does not split into two
+    micro-batches, so the 2-D programme runs with one (as a plain search would) and its plans
+    are ranked, without Duplex; the 1-D plans still have it."""
+    spec = get_model("gpt:tiny", gpus=4)
+    graph = capture_model(spec, 2)
+    found = search(graph, 4, load_profile("v100-2x4"), k=2, machines=2)
+    mesh = [name for name, _ in found.candidates if name.startswith("search-2d#")]
+    assert mesh and all(name.endswith(" k=1") for name in mesh)
+    assert any(name.startswith("search#") and name.endswith(" k=2") for name, _ in found.candidates)

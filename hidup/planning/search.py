@@ -479,8 +479,7 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
     labels, proofs = 0, []
     for mesh in ([machines, 1] if machines > 1 else [1]):
         try:
-            dp = Search(graph, world, profile, k, memory, objective, beam,
-                        optimizer=optimizer, machines=mesh)
+            dp = programme(graph, world, profile, k, memory, objective, beam, optimizer, mesh)
             finals = dp.run()
         except ValueError as exc:
             if mesh == 1:
@@ -519,6 +518,24 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
              time.perf_counter() - started)
     return SearchResult(best, best_k, dp_cost, est, tuple((r[1], r[0]) for r in ranked),
                         time.perf_counter() - started, labels, tuple(proofs))
+
+
+def programme(graph: Graph, world: int, profile: Profile, k: int, memory: float | None = None,
+              objective: str = "time", beam: int = 16, optimizer: str = "sgd",
+              machines: int = 1) -> Search:
+    """The search's programme on a mesh of `machines`; on a 2-D mesh whose machines' parts of
+    the batch do not split into k micro-batches, the programme with one (its plans run
+    without Duplex there)."""
+    try:
+        return Search(graph, world, profile, k, memory, objective, beam, optimizer=optimizer,
+                      machines=machines)
+    except ValueError as exc:
+        if machines == 1 or k == 1:
+            raise
+        log.info("search on %d machines x %d without Duplex: %s", machines, world // machines,
+                 exc)
+        return Search(graph, world, profile, 1, memory, objective, beam, optimizer=optimizer,
+                      machines=machines)
 
 
 def _rank_finals(ranked, seen, dp: Search, finals, keep: int, tag: str, graph, world, k,
