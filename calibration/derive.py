@@ -54,7 +54,7 @@ def with_inter_link(base: Profile, link_bytes_per_s: float, gpus_per_node: int |
                            f"profile measured across machines (e.g. v100-2x4)")
     scale = link_bytes_per_s / link_rate(base)
     inter = {k: LinkCost(c.alpha, c.beta * scale) for k, c in base.inter_node.items()}
-    kept = [p for p in base.collective_points or () if p[0] != "inter"]  # another link's times
+    kept = [p for p in base.collective_points or () if p[0] == "intra"]  # not another link's
     return replace(base, name=name or base.name, inter_node=inter,
                    gpus_per_node=gpus_per_node or base.gpus_per_node,
                    collective_points=kept or None)

@@ -188,7 +188,10 @@ def group_sizes(world: int, local: int) -> list[int]:
 
 def make_groups(ranks: Ranks) -> list[tuple[tuple[int, ...], str, object]]:
     """This rank's group of each size: (members, tier, process group). Ranks are split into
-    consecutive blocks; every rank creates every block's group, as dist.new_group requires."""
+    consecutive blocks; every rank creates every block's group, as dist.new_group requires. On
+    several nodes of several ranks, also a 2-D mesh's first column (one rank on each node, tier
+    'column'), measured alone: the other columns, which would share the nodes' links with it,
+    stay idle (the cost model shares a link among the columns that cross it at once)."""
     mine = []
     for size in group_sizes(ranks.world, ranks.local):
         for first in range(0, ranks.world - size + 1, size):
@@ -197,6 +200,11 @@ def make_groups(ranks: Ranks) -> list[tuple[tuple[int, ...], str, object]]:
             if ranks.rank in members:
                 tier = "intra" if len({ranks.node(r) for r in members}) == 1 else "inter"
                 mine.append((members, tier, handle))
+    if ranks.nnodes > 1 and ranks.local > 1:
+        column = tuple(range(0, ranks.world, ranks.local))
+        handle = dist.new_group(list(column))
+        if ranks.rank in column:
+            mine.append((column, "column", handle))
     return mine
 
 

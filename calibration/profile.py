@@ -203,6 +203,11 @@ def fit_profile(args, ranks: Ranks, kernel_points, link_points, factors, prov,
     summary = {"name": args.name, "out": str(args.out), "flops": flops, "mem_bandwidth": mem,
                "op_overhead": overhead, "roofline_fit": _fit_dict(roof), "collectives": {},
                "interference": {"compute": factors[0], "communication": factors[1]}}
+    columns = sorted({p[2] for p in link_points if p[0] == "column"})
+    if columns:
+        lines.append(f"mesh-column collectives (one rank on each node, groups of "
+                     f"{', '.join(map(str, columns))}): kept as measured, used before the "
+                     f"inter-node fit for such groups")
     for tier, costs in links.items():
         sizes = sorted({p[2] for p in link_points if p[0] == tier})
         lines.append(f"{tier}-node collectives (groups of {', '.join(map(str, sizes))} ranks):")

@@ -123,6 +123,27 @@ def test_sizes_groups_and_flags():
     assert (args.name, args.repeats, args.max_bytes) == ("cluster", 3, 4 * 2 ** 20)
 
 
+def test_several_nodes_of_several_ranks_also_measure_a_mesh_column(monkeypatch):
+    """2 nodes x 2 ranks: blocks of 2 (inside a node) and the world, and the first column (one
+    rank on each node), measured by its members alone; one node, or nodes of one rank: none."""
+    from calibration import measure
+
+    made = []
+    monkeypatch.setattr(measure.dist, "new_group", lambda ranks: made.append(tuple(ranks)) or
+                        tuple(ranks))
+    monkeypatch.setattr(measure.dist, "group", type("G", (), {"WORLD": "world"}))
+
+    def groups(rank, world, local):
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(local)}
+        return [(m, tier) for m, tier, _ in measure.make_groups(
+            measure.Ranks(env, "gloo", measure.torch.device("cpu")))]
+
+    assert groups(0, 4, 2) == [((0, 1), "intra"), ((0, 1, 2, 3), "inter"), ((0, 2), "column")]
+    assert groups(1, 4, 2) == [((0, 1), "intra"), ((0, 1, 2, 3), "inter")]
+    assert (0, 2) in made and (1, 3) not in made  # every rank makes the column's group
+    assert all(tier != "column" for _, tier in groups(0, 2, 2) + groups(0, 2, 1))
+
+
 def test_bad_output_paths_are_named_with_the_fix(tmp_path):
     assert check_out(tmp_path / "p.json") is None
     assert "does not exist; create it" in check_out(tmp_path / "nope" / "p.json")

@@ -191,6 +191,29 @@ def test_measured_collective_times_come_before_the_fit():
         from_dict(bad)
 
 
+def test_a_mesh_column_takes_its_own_measured_times():
+    """Machines of 2 ranks: a group of one rank on each machine (a 2-D mesh's column) takes the
+    'column' points, a group of consecutive ranks across machines the 'inter' ones, a group in
+    one machine the fit; a what-if link drops both measured tiers."""
+    from dataclasses import replace
+
+    from calibration.derive import with_inter_link
+
+    pts = [["inter", "all_reduce", 2, 1e6, 0.004], ["inter", "all_reduce", 2, 4e6, 0.010],
+           ["column", "all_reduce", 2, 1e6, 0.006], ["column", "all_reduce", 2, 4e6, 0.020]]
+    p = replace(_measured(pts), gpus_per_node=2)
+    fit = replace(_measured(None), gpus_per_node=2)
+    assert p.collective_time("all_reduce", 4e6, (0, 2)) == pytest.approx(0.020)  # a column
+    assert p.collective_time("all_reduce", 1e6, (1, 3)) == pytest.approx(0.006)
+    assert p.collective_time("all_reduce", 4e6, (0, 1)) == fit.collective_time(
+        "all_reduce", 4e6, (0, 1))  # inside a machine: the fit (no intra points)
+    four = [["inter", "all_reduce", 4, 1e6, 0.007], ["inter", "all_reduce", 4, 4e6, 0.030]]
+    p4 = replace(_measured(pts + four), gpus_per_node=2)
+    assert p4.collective_time("all_reduce", 4e6, (0, 1, 2, 3)) == pytest.approx(0.030)
+    assert from_dict(p.to_dict()).collective_points == pts
+    assert with_inter_link(p, 1e10).collective_points is None
+
+
 def test_a_what_if_link_or_a_perturbed_profile_moves_the_measured_times_too():
     import random
 

@@ -13,7 +13,10 @@ A measured profile also keeps the collective times it was fitted to (`collective
 collective of a measured kind and group size takes the time interpolated between the measured
 sizes (beyond the largest, the last two points' slope), split into latency and transfer as the
 fit splits it. The fit alone smooths over what a real stack does at some sizes (gloo on a
-rate-limited link ran 13-26% slower at 16-32 MB than the fit said)."""
+rate-limited link ran 13-26% slower at 16-32 MB than the fit said). A group of one rank on each
+of several machines (a 2-D mesh's column) takes its own measured times where the profile has
+them: the inter-node fit, from groups of consecutive ranks, said 116 ms for an 8 MB all-reduce
+over two such columns at once on the emulated 2 x 2 cluster, which took 140 ms."""
 from __future__ import annotations
 
 import json
@@ -35,8 +38,9 @@ _KEYS = {"format", "version", "name", "source", "collectives", "inter_node", "in
          *_SCALARS}
 # provenance: where a measured profile was taken (host, devices, date, versions);
 # kernels: measured seconds of kernels by kernel_key (calibration.ops), used before the roofline;
-# collective_points: [tier ("intra"/"inter"), kind, group size, bytes, seconds] as measured by
-# calibration.profile, interpolated before the fitted formulas;
+# collective_points: [tier ("intra"/"inter"/"column"), kind, group size, bytes, seconds] as
+# measured by calibration.profile, interpolated before the fitted formulas ("column": one rank on
+# each of several machines, alone on their links, as a 2-D mesh's columns are);
 # kernel_quantiles: each measured kernel's spread (calibration.ops): its seconds at evenly spaced
 # quantiles over every rank's runs, from which simulator.montecarlo draws per rank;
 # host: on a GPU, seconds the host spends issuing one task, per executor mode or plain PyTorch
@@ -47,7 +51,7 @@ _KEYS = {"format", "version", "name", "source", "collectives", "inter_node", "in
 # simulator does not slow them again by the interference factor
 _OPTIONAL = {"provenance", "kernels", "collective_points", "kernel_quantiles", "host",
              "device_memory", "kernels_in_situ"}
-TIERS = ("intra", "inter")
+TIERS = ("intra", "inter", "column")  # of collective_points
 
 
 @lru_cache(maxsize=4096)  # the search asks it for the same few groups tens of thousands of times
@@ -202,7 +206,12 @@ class Profile:
             raise ProfileError(f"profile {self.name} has no figures for collective {kind!r}; "
                                f"add it under \"collectives\"")
         latency, transfer = tier[kind].split(kind, nbytes, len(group))
-        curve = self._curves.get(("inter" if self.machines(group) else "intra", kind, len(group)))
+        crossed = self.machines(group)
+        curve = self._curves.get(("intra", kind, len(group))) if not crossed else None
+        if crossed and len(crossed) == len(group):  # one rank on each machine: a mesh column
+            curve = self._curves.get(("column", kind, len(group)))
+        if crossed and curve is None:
+            curve = self._curves.get(("inter", kind, len(group)))
         if curve is None or latency + transfer <= 0:
             return latency, transfer
         scale = _interpolate(curve, nbytes) / (latency + transfer)
