@@ -364,6 +364,8 @@ class Search:
         if cost is None:  # its splits do not divide by k micro-batches
             return _Label(math.inf, math.inf, label.memory + plain.memory, p, node.name, opt,
                           label)
+        memory = cost.memory if plain is None else min(cost.memory, plain.memory)  # where it
+        # fits with one micro-batch, it can run (the limit, and which label is leanest)
         comm += cost.grads / self.k
         if self.k == 1 or self.objective == "comm":
             t, d = label.time + comm + cost.compute, 0.0
@@ -374,7 +376,7 @@ class Search:
             d = (self.k - 1) * cost.compute + max(0.0, comm - cost.compute)
         if self.plain is self:
             p = t + cost.update
-        return _Label(t + cost.update, d, label.memory + cost.memory, p, node.name, opt, label)
+        return _Label(t + cost.update, d, label.memory + memory, p, node.name, opt, label)
 
     def price(self, strategy: Strategy) -> float:
         """The programme's cost of one given plan with k micro-batches (as its own labels would
@@ -408,7 +410,7 @@ class Search:
     def prune(self, states: dict) -> dict:
         """The `beam` best states (with k > 1: some best either way, some cheapest with k
         micro-batches, some with one; _BEAM_SHARES) and the one whose plan uses least memory;
-        in each, `per_state` labels: the best, and the leanest, cheapest with k and with one."""
+        in each, the labels _trim() keeps."""
         if len(states) > self.beam:
             keys, kept = list(states), []
             for field, upto in self._quotas():
@@ -419,17 +421,34 @@ class Search:
                     if key not in kept:
                         kept.append(key)
             states = {key: states[key] for key in kept}
-        for labels in states.values():
+        for key, labels in states.items():
             if len(labels) > self.per_state:
-                extras = (min(labels, key=lambda lab: lab.memory),
-                          min(labels, key=lambda lab: lab.cost),
-                          min(labels, key=lambda lab: lab.plain))
-                labels.sort(key=lambda lab: lab.best)
-                del labels[self.per_state - 1:]
-                for extra in extras:
-                    if not any(extra is lab for lab in labels):
-                        labels.append(extra)
+                states[key] = self._trim(labels)
         return states
+
+    def _trim(self, labels: list[_Label]) -> list[_Label]:
+        """A state's labels: the `per_state` - 1 best, and with k > 1 the `per_state` - 1 that a
+        plain programme and a Duplex-priced one would keep (cheapest with one micro-batch, and
+        with k, among the labels that their own criteria do not dominate), and the leanest."""
+        n = self.per_state - 1
+        orders = [(lambda lab: lab.best, None)]
+        if self.k > 1:
+            orders += [(lambda lab: lab.plain, lambda a, b: a.plain <= b.plain and
+                        a.memory <= b.memory)]
+        kept: list[_Label] = []
+        for order, beats in orders:
+            mine: list[_Label] = []
+            for lab in sorted(labels, key=order):
+                if len(mine) == n:
+                    break
+                if beats is None or not any(beats(other, lab) for other in mine):
+                    mine.append(lab)
+            kept += [lab for lab in mine if not any(lab is other for other in kept)]
+        for extra in (min(labels, key=lambda lab: lab.memory),
+                      min(labels, key=lambda lab: lab.cost)):
+            if not any(extra is other for other in kept):
+                kept.append(extra)
+        return kept
 
     def _quotas(self) -> list[tuple[str, int]]:
         """How prune() fills the beam: (label field, states kept once it is done), in turn."""
@@ -475,7 +494,7 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
     out, and ranked as exact#0 (exact-2d#0); the beam can miss it (experiments.search_exactness)."""
     started = time.perf_counter()
     ranked: list[tuple[float, str, Strategy, float, Estimate, int]] = []
-    seen: list[tuple] = []
+    seen: dict[tuple, set[int]] = {}  # plans ranked so far: the micro-batch counts that fit
     labels, proofs = 0, []
     for mesh in ([machines, 1] if machines > 1 else [1]):
         try:
@@ -489,12 +508,12 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
         labels += dp.labels
         mesh_tag = "-2d" if mesh > 1 else ""
         _rank_finals(ranked, seen, dp, finals, keep, "search" + mesh_tag, graph, world, k,
-                     profile, optimizer)
+                     profile, optimizer, {1, k})
         if k > 1 and objective == "time":  # and the best with k micro-batches, and with
-            for by, tag in ((lambda lab: lab.cost, f"search-k{k}"),  # one, where those are not
-                            (lambda lab: lab.plain, "search-k1")):  # the best overall
+            for by, tag, at in ((lambda lab: lab.cost, f"search-k{k}", {k}),  # one, where those
+                                (lambda lab: lab.plain, "search-k1", {1})):  # are not the best
                 _rank_finals(ranked, seen, dp, sorted(finals, key=by), keep, tag + mesh_tag,
-                             graph, world, k, profile, optimizer)
+                             graph, world, k, profile, optimizer, at)
         if exact > 0 and objective == "time":
             proof = exact_plan(dp.plain, "hidup", exact)
             beam_cost = min(label.plain for label in finals)
@@ -502,11 +521,10 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
             log.info("exact k=1 plan on %d machines: %.4g s (bound %.4g, %s) in %.1f s; "
                      "the beam's %.4g s", mesh, proof.cost, proof.bound,
                      "optimal" if proof.optimal else "time ran out", proof.seconds, beam_cost)
-            if (proof.strategy.machines, proof.strategy.options) not in seen:
-                seen.append((proof.strategy.machines, proof.strategy.options))
-                _rank(ranked, graph, proof.strategy, world, k, profile,
-                      "exact-2d#0" if mesh > 1 else "exact#0", proof.cost, dp.memory,
-                      optimizer)
+            if _plan_key(proof.strategy) not in seen:
+                seen[_plan_key(proof.strategy)] = _rank(
+                    ranked, graph, proof.strategy, world, k, profile,
+                    "exact-2d#0" if mesh > 1 else "exact#0", proof.cost, dp.memory, optimizer)
     for name, strategy in (baselines or {}).items():
         _rank(ranked, graph, strategy, world, k, profile, name, math.nan, dp.memory, optimizer)
     if not ranked:
@@ -538,35 +556,36 @@ def programme(graph: Graph, world: int, profile: Profile, k: int, memory: float 
                       machines=machines)
 
 
+def _plan_key(strategy: Strategy) -> tuple:
+    return strategy.machines, tuple(strategy.options.items())
+
+
 def _rank_finals(ranked, seen, dp: Search, finals, keep: int, tag: str, graph, world, k,
-                 profile, optimizer) -> None:
-    """Rank the first `keep` distinct plans of `finals` that fit (named TAG#j), but for those
-    already ranked."""
+                 profile, optimizer, at: set[int]) -> None:
+    """Rank the first `keep` distinct plans of `finals` that fit with a micro-batch count in
+    `at` (named TAG#j), but for those ranked already (`seen`: plan -> the counts that fit)."""
     mine: list[tuple] = []
     for j, label in enumerate(finals[:10 * keep]):
         strategy = dp.strategy(label, "hidup" if dp.objective == "time" else "min-comm")
-        plan = (strategy.machines, strategy.options)
+        plan = _plan_key(strategy)
         if plan in mine:
             continue  # the same plan reached through another state
         mine.append(plan)
-        if plan in seen:  # ranked already, from another order of the same labels
-            keep -= 1
-        else:
-            seen.append(plan)
+        if plan not in seen:  # not ranked yet, from another order of the same labels
             check(graph, strategy)
-            before = len(ranked)
-            _rank(ranked, graph, strategy, world, k, profile, f"{tag}#{j}", label.best,
-                  dp.memory, optimizer)
-            keep -= len(ranked) > before  # it fits: the DP's memory model is an estimate
+            seen[plan] = _rank(ranked, graph, strategy, world, k, profile, f"{tag}#{j}",
+                               label.best, dp.memory, optimizer)
+        keep -= bool(seen[plan] & at)  # it fits: the DP's memory model is an estimate
         if keep == 0:
             break
 
 
 def _rank(ranked, graph, strategy, world, k, profile, name, dp_cost, memory,
-          optimizer: str = "sgd") -> None:
+          optimizer: str = "sgd") -> set[int]:
     """Estimate the plan with k micro-batches and without (Duplex pays only where it hides more
     than it costs), `optimizer` updating it; add each variant that lowers and fits in `memory`
-    bytes per device."""
+    bytes per device; the micro-batch counts added."""
+    added = set()
     for kk in sorted({1, k}):
         try:
             program = lower(graph, strategy, world, kk, optimizer=optimizer)
@@ -580,3 +599,5 @@ def _rank(ranked, graph, strategy, world, k, profile, name, dp_cost, memory,
             continue
         est = estimate(program, profile)
         ranked.append((est.step_time, f"{name} k={kk}", strategy, dp_cost, est, kk))
+        added.add(kk)
+    return added
