@@ -3,12 +3,12 @@ graph in topological order. A state is the placements of the tensors live at a c
 on it carries the time so far T, the debt D (the other micro-batch's computation still pending
 that the next stage's communication can hide), the memory M the plan holds, and the plan's time
 so far with one micro-batch (plain SPMD), since a plan runs with k micro-batches or with one,
-whichever is faster. Only labels that no other label beats on all four are kept: at most
-`labels` per state (the best either way, and the leanest, the cheapest with k and with one), and
-the `beam` best states (some best either way, some cheapest with k, some with one; and the one
-whose plan uses least memory, so that a memory limit further on can still be met). So one
-programme does what a Duplex-priced and a plain programme did (issue 19: the Duplex-priced one
-alone missed plans the plain one found; two cost the time twice).
+whichever is faster. Only labels that no other label beats on all four are kept: per state
+`labels` - 1 best either way, as many as a plain programme would keep, the leanest and the
+cheapest with k (_trim), and the `beam` best states (some best either way, some cheapest with
+k, some with one; and the one whose plan uses least memory, so that a memory limit further on
+can still be met). So one programme does what a Duplex-priced and a plain programme did (issue
+19: the Duplex-priced one alone missed plans the plain one found; two cost the time twice).
 
 Stage model for k micro-batches, a node costing c of computation (forward + backward, per
 micro-batch) and m of communication (its input conversions and their backward duals, per
