@@ -49,7 +49,7 @@ from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import check
 from hidup.planning.strategy import Strategy, conversion, fitting_options, microbatch_split
 from hidup.program.lowering import lower
-from hidup.program.tasks import (LoweringError, mesh_groups, optimizer_cost, tensor_shape)
+from hidup.program.tasks import LoweringError, Shapes, mesh_groups, optimizer_cost
 
 log = logging.getLogger(__name__)
 _NOTHING: frozenset = frozenset()
@@ -80,10 +80,6 @@ class _Label(NamedTuple):  # a NamedTuple: the search makes hundreds of thousand
     def best(self) -> float:
         """The plan runs with k micro-batches or with one, whichever is faster."""
         return min(self.time + self.debt, self.plain)
-
-    def dominated_by(self, other: _Label) -> bool:
-        return (other.time <= self.time and other.debt <= self.debt
-                and other.memory <= self.memory and other.plain <= self.plain)
 
 
 class _NodeCost(NamedTuple):
@@ -140,7 +136,7 @@ class Search:
         self._ids: dict[tuple, int] = {}
         self.labels = 0
         self._conversions: dict[tuple, float] = {}  # (tensor, src, dst) -> seconds
-        self._shapes: dict[tuple[str, Placement], tuple[int, ...]] = {}
+        self._shapes = Shapes(graph, self.mbs, self.world, k * machines)
         # what prices each label's `plain` time: this programme at k = 1, another (the same
         # graph with one micro-batch) at k > 1; none for objective 'comm' at k > 1
         self.plain: Search | None = self if k == 1 else None
@@ -150,13 +146,10 @@ class Search:
 
     # -- costs --------------------------------------------------------------------------------
     def shape(self, t: str, p: Placement) -> tuple[int, ...]:
-        if (t, p) not in self._shapes:  # asked for every option of every node
-            self._shapes[t, p] = tensor_shape(self.g, self.mbs, t, p, self.world,
-                                              self.k * self.machines)
-        return self._shapes[t, p]
+        return self._shapes.shape(t, p)
 
     def nbytes(self, t: str, p: Placement) -> int:
-        return math.prod(self.shape(t, p)) * self.g.node(t).out.itemsize
+        return self._shapes.nbytes(t, p)
 
     def per_mb(self, t: str) -> float:
         """Share of a once-per-step cost carried by one micro-batch."""
@@ -400,7 +393,7 @@ class Search:
             out[key] = [label]
             return
         t, d, m, p = label.time, label.debt, label.memory, label.plain
-        for o in labels:  # label.dominated_by(o), written out: it runs a million times
+        for o in labels:  # dominated on all four: this runs a million times
             if o.time <= t and o.debt <= d and o.memory <= m and o.plain <= p:
                 return
         labels[:] = [o for o in labels if not (t <= o.time and d <= o.debt and m <= o.memory

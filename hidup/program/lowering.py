@@ -20,7 +20,7 @@ from hidup.graph.placement import Partial, Placement, R, Replicate, Shard
 from hidup.planning.strategy import Strategy, conversion, microbatch_split
 from hidup.program.tasks import (BUCKET_BYTES, COLLECTIVES, FIRST_BUCKET_BYTES, Compute, Convert,
                                  LoweringError, Program, Task, Wait, gkey, mesh_groups,
-                                 optimizer_cost, tensor_shape, vkey)
+                                 optimizer_cost, Shapes, vkey)
 
 
 class Lowering:
@@ -44,7 +44,7 @@ class Lowering:
         self.scopes = {"row": (rows[0], rows if self.machines > 1 else ()),
                        "column": (columns[0], columns if self.world > 1 else ()),
                        "world": (tuple(range(world)), ())}
-        self._shapes: dict[tuple[str, Placement], tuple[int, ...]] = {}
+        self._shapes = Shapes(graph, self.mbs_split, self.world, k * self.machines)
         self.tasks: list[Task] = []
         self.pending: dict[str, list[int]] = {}  # value key -> collectives that write it
         self.waited: set[int] = set()  # collectives already waited for
@@ -65,13 +65,10 @@ class Lowering:
         return None if isinstance(self.mb_place(t), Replicate) else m
 
     def shape(self, t: str, p: Placement) -> tuple[int, ...]:
-        if (t, p) not in self._shapes:  # asked thousands of times
-            self._shapes[t, p] = tensor_shape(self.g, self.mbs_split, t, p, self.world,
-                                              self.k * self.machines)
-        return self._shapes[t, p]
+        return self._shapes.shape(t, p)
 
     def nbytes(self, t: str, p: Placement) -> int:
-        return math.prod(self.shape(t, p)) * self.g.node(t).out.itemsize
+        return self._shapes.nbytes(t, p)
 
     # -- gradients: which tensors get one, and replicated gradients' kind (R or P) ------------
     def _grad_analysis(self) -> None:

@@ -238,3 +238,21 @@ def tensor_nbytes(graph: Graph, mb_split: Strategy, t: str, p: Placement, world:
                   k: int) -> int:
     shape = tensor_shape(graph, mb_split, t, p, world, k)
     return math.prod(shape) * graph.node(t).out.itemsize
+
+
+class Shapes:
+    """tensor_shape and tensor_nbytes of one graph, micro-batch split, world and number of
+    parts, each (tensor, placement) computed once: the search and the lowering ask thousands
+    of times."""
+
+    def __init__(self, graph: Graph, mb_split: Strategy, world: int, k: int):
+        self.g, self.mb_split, self.world, self.k = graph, mb_split, world, k
+        self._shapes: dict[tuple[str, Placement], tuple[int, ...]] = {}
+
+    def shape(self, t: str, p: Placement) -> tuple[int, ...]:
+        if (t, p) not in self._shapes:
+            self._shapes[t, p] = tensor_shape(self.g, self.mb_split, t, p, self.world, self.k)
+        return self._shapes[t, p]
+
+    def nbytes(self, t: str, p: Placement) -> int:
+        return math.prod(self.shape(t, p)) * self.g.node(t).out.itemsize
