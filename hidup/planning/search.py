@@ -33,10 +33,13 @@ there over its mesh column, the columns sharing each machine's link. The search 
 runs the 1-D programme over every rank and ranks both kinds of plan."""
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import NamedTuple
 
 from hidup.graph.capture import Graph, Node
@@ -82,6 +85,11 @@ class _Label(NamedTuple):  # a NamedTuple: the search makes hundreds of thousand
         return min(self.time + self.debt, self.plain)
 
 
+_FIELDS = {"best": lambda lab: min(lab.time + lab.debt, lab.plain),
+           "cost": lambda lab: lab.time + lab.debt, "plain": attrgetter("plain"),
+           "memory": attrgetter("memory")}  # what prune() orders states by
+
+
 class _NodeCost(NamedTuple):
     """What one option of one node costs (seconds, bytes)."""
     compute: float  # forward + backward computation per micro-batch
@@ -94,8 +102,8 @@ class _NodeCost(NamedTuple):
 class SearchResult:
     strategy: Strategy
     k: int  # micro-batches of the chosen plan: k, or 1 where Duplex does not pay
-    dp_cost: float  # the dynamic programme's own estimate of the chosen plan (s, with k
-    #   micro-batches or one, the better), if it chose one
+    dp_cost: float  # the dynamic programme's own estimate of the chosen plan (s, with the
+    #   micro-batch count it was chosen with; a k = 1 price for exact#0), if it chose one
     estimate: Estimate  # the fast estimate of the chosen plan, as lowered
     candidates: tuple[tuple[str, float], ...]  # (name, estimated step time) of every plan ranked
     seconds: float  # wall time of the search
@@ -135,8 +143,10 @@ class Search:
         self._values: list[tuple] = []  # a key holds each (home, converted-to) as its index here
         self._ids: dict[tuple, int] = {}
         self.labels = 0
-        self._conversions: dict[tuple, float] = {}  # (tensor, src, dst) -> seconds
-        self._shapes = Shapes(graph, self.mbs, self.world, k * machines)
+        self._converts: dict[tuple, float] = {}  # (tensor, src, dst) -> seconds
+        self._conversions: dict[tuple, float] = {}  # _collectives' key -> seconds
+        shapes = Shapes(graph, self.mbs, self.world, k * machines)
+        self.shape, self.nbytes = shapes.shape, shapes.nbytes  # (tensor, placement) -> local
         # what prices each label's `plain` time: this programme at k = 1, another (the same
         # graph with one micro-batch) at k > 1; none for objective 'comm' at k > 1
         self.plain: Search | None = self if k == 1 else None
@@ -145,12 +155,6 @@ class Search:
                                 optimizer, machines)
 
     # -- costs --------------------------------------------------------------------------------
-    def shape(self, t: str, p: Placement) -> tuple[int, ...]:
-        return self._shapes.shape(t, p)
-
-    def nbytes(self, t: str, p: Placement) -> int:
-        return self._shapes.nbytes(t, p)
-
     def per_mb(self, t: str) -> float:
         """Share of a once-per-step cost carried by one micro-batch."""
         return 1.0 / self.k if isinstance(self.mbs.home(t), Replicate) else 1.0
@@ -158,21 +162,32 @@ class Search:
     def conversion_cost(self, t: str, src: Placement, dst: Placement) -> float:
         """The conversion's time per micro-batch, forward and backward (its dual)."""
         key = (t, src, dst)
-        if key not in self._conversions:
-            self._conversions[key] = self._conversion_cost(t, src, dst)
-        return self._conversions[key]
+        if key not in self._converts:
+            self._converts[key] = self._conversion_cost(t, src, dst)
+        return self._converts[key]
 
     def _conversion_cost(self, t: str, src: Placement, dst: Placement) -> float:
         kind = conversion(src, dst)
         if kind is None:
             return 0.0
         size = max(self.nbytes(t, src), self.nbytes(t, dst))
-        if self.objective == "comm":
-            return size * self.per_mb(t) * (kind != "slice")
-        fwd = 0.0 if kind == "slice" else self.profile.collective_time(kind, size, self.group)
-        bwd = self.profile.collective_time(_DUAL[kind], size, self.group) \
-            if self.g.node(t).out.is_float else 0.0
-        return (fwd + bwd) * self.per_mb(t)
+        return self._collectives(kind, size, self.g.node(t).out.is_float, self.per_mb(t))
+
+    def _collectives(self, kind: str, size: int, backward: bool, share: float) -> float:
+        """A conversion's collective of `size` bytes, and its dual where the tensor has a
+        gradient, `share` of it per micro-batch (the layers' tensors repeat: computed once)."""
+        key = (kind, size, backward, share)
+        if key not in self._conversions:
+            if self.objective == "comm":
+                cost = size * share * (kind != "slice")
+            else:
+                fwd = 0.0 if kind == "slice" else \
+                    self.profile.collective_time(kind, size, self.group)
+                bwd = self.profile.collective_time(_DUAL[kind], size, self.group) \
+                    if backward else 0.0
+                cost = (fwd + bwd) * share
+            self._conversions[key] = cost
+        return self._conversions[key]
 
     def node_cost(self, node: Node, opt: ShardingOption) -> _NodeCost:
         """What the option costs; objective 'comm' counts bytes, its gradients' as `grads`."""
@@ -261,9 +276,7 @@ class Search:
                     continue
                 comm, comm1, updated = steps[i, ins]
                 new_key = tuple(updated[s] if s.__class__ is str else key[s] for s in sources)
-                for label in labels:
-                    self.add(out, new_key, self.advance(label, node, opt, comm, cost, comm1,
-                                                        plain))
+                self.add(out, new_key, self.advance(labels, node, opt, comm, cost, comm1, plain))
         return self.prune(out)
 
     # A state (the key of the programme's labels at a cut) holds, for each tensor live at that
@@ -345,31 +358,40 @@ class Search:
         updated[node.name] = self._id((opt.output, _NOTHING))
         return comm, comm if self.plain is self else comm1, updated
 
-    def advance(self, label: _Label, node, opt, comm: float, cost: _NodeCost | None,
-                comm1: float = math.inf, plain: _NodeCost | None = None) -> _Label:
-        """The label after the node: its stage on the micro-batches' timeline, its communication
-        the input conversions' and a k-th of its parameters' gradient reductions; and its time
-        with one micro-batch (`comm1`, `plain`: the same priced at k = 1)."""
-        self.labels += 1
-        p = math.inf
-        if plain is not None and self.plain is not self:
-            p = label.plain + comm1 + plain.grads + plain.compute + plain.update
+    def advance(self, labels: list[_Label], node, opt, comm: float, cost: _NodeCost | None,
+                comm1: float = math.inf, plain: _NodeCost | None = None) -> list[_Label]:
+        """The labels after the node (one per label before it): its stage on the micro-batches'
+        timeline, its communication the input conversions' and a k-th of its parameters'
+        gradient reductions; and its time with one micro-batch (`comm1`, `plain`: the same
+        priced at k = 1). One call per state and option: this runs a million times."""
+        self.labels += len(labels)
+        name, k = node.name, self.k
+        if plain is not None and self.plain is not self:  # its time with one micro-batch
+            g1, c1, u1 = plain.grads, plain.compute, plain.update
+            plains = [lab.plain + comm1 + g1 + c1 + u1 for lab in labels]
+        else:
+            plains = [math.inf] * len(labels)
+        new = tuple.__new__  # _Label(...) without its Python-level __new__: twice as fast
         if cost is None:  # its splits do not divide by k micro-batches
-            return _Label(math.inf, math.inf, label.memory + plain.memory, p, node.name, opt,
-                          label)
+            return [new(_Label, (math.inf, math.inf, lab.memory + plain.memory, p, name, opt,
+                                 lab)) for lab, p in zip(labels, plains)]
         memory = cost.memory if plain is None else min(cost.memory, plain.memory)  # where it
         # fits with one micro-batch, it can run (the limit, and which label is leanest)
-        comm += cost.grads / self.k
-        if self.k == 1 or self.objective == "comm":
-            t, d = label.time + comm + cost.compute, 0.0
+        comm += cost.grads / k
+        compute, update = cost.compute, cost.update
+        if k == 1 or self.objective == "comm":
+            times = [(lab.time + comm + compute, 0.0) for lab in labels]
         elif comm == 0.0:
-            t, d = label.time + cost.compute, label.debt + (self.k - 1) * cost.compute
+            owed = (k - 1) * compute
+            times = [(lab.time + compute, lab.debt + owed) for lab in labels]
         else:
-            t = label.time + max(label.debt, comm) + cost.compute
-            d = (self.k - 1) * cost.compute + max(0.0, comm - cost.compute)
+            owed = (k - 1) * compute + max(0.0, comm - compute)
+            times = [(lab.time + max(lab.debt, comm) + compute, owed) for lab in labels]
         if self.plain is self:
-            p = t + cost.update
-        return _Label(t + cost.update, d, label.memory + memory, p, node.name, opt, label)
+            return [new(_Label, (t + update, d, lab.memory + memory, t + update, name, opt, lab))
+                    for lab, (t, d) in zip(labels, times)]
+        return [new(_Label, (t + update, d, lab.memory + memory, p, name, opt, lab))
+                for lab, (t, d), p in zip(labels, times, plains)]
 
     def price(self, strategy: Strategy) -> float:
         """The programme's cost of one given plan with k micro-batches (as its own labels would
@@ -382,37 +404,42 @@ class Search:
                 raise ValueError(f"plan {strategy.name}: node {node.name} takes an input it "
                                  f"cannot have")
             comm, _, key = step
-            label = self.advance(label, node, opt, comm, self.node_cost(node, opt))
+            label, = self.advance([label], node, opt, comm, self.node_cost(node, opt))
         return label.cost
 
-    def add(self, out: dict, key: tuple, label: _Label) -> None:
-        if label.memory > self.memory:
-            return
+    def add(self, out: dict, key: tuple, new: list[_Label]) -> None:
+        """Add the labels to the state `key` but those over the memory limit or dominated on
+        all four fields (time, debt, memory, plain); drop those they dominate."""
+        limit = self.memory
         labels = out.get(key)
-        if labels is None:
-            out[key] = [label]
-            return
-        t, d, m, p = label.time, label.debt, label.memory, label.plain
-        for o in labels:  # dominated on all four: this runs a million times
-            if o.time <= t and o.debt <= d and o.memory <= m and o.plain <= p:
-                return
-        labels[:] = [o for o in labels if not (t <= o.time and d <= o.debt and m <= o.memory
-                                                and p <= o.plain)]
-        labels.append(label)
+        for label in new:
+            if label.memory > limit:
+                continue
+            if labels is None:
+                labels = out[key] = [label]
+                continue
+            t, d, m, p = label.time, label.debt, label.memory, label.plain
+            for o in labels:
+                if o.time <= t and o.debt <= d and o.memory <= m and o.plain <= p:
+                    break
+            else:
+                labels[:] = [o for o in labels if not (t <= o.time and d <= o.debt and
+                                                        m <= o.memory and p <= o.plain)]
+                labels.append(label)
 
     def prune(self, states: dict) -> dict:
         """The `beam` best states (with k > 1: some best either way, some cheapest with k
         micro-batches, some with one; _BEAM_SHARES) and the one whose plan uses least memory;
         in each, the labels _trim() keeps."""
         if len(states) > self.beam:
-            keys, kept = list(states), []
+            keys, kept = list(states), {}
             for field, upto in self._quotas():
-                for key in sorted(keys, key=lambda key: min(getattr(lab, field)
-                                                             for lab in states[key])):
+                get = _FIELDS[field]
+                least = {key: min(map(get, states[key])) for key in keys}
+                for key in sorted(keys, key=least.__getitem__):
                     if len(kept) >= upto:
                         break
-                    if key not in kept:
-                        kept.append(key)
+                    kept.setdefault(key)
             states = {key: states[key] for key in kept}
         for key, labels in states.items():
             if len(labels) > self.per_state:
@@ -476,18 +503,39 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
            objective: str = "time", beam: int = 16, keep: int = 3,
            baselines: dict[str, Strategy] | None = None, optimizer: str = "sgd",
            machines: int = 1, exact: float = 0.0) -> SearchResult:
-    """The best plan: the dynamic programme's `keep` best plans and the `baselines`, each lowered
-    with k micro-batches and with one, ranked by the fast estimate (objective 'comm': by its own
-    count). The programme prices every plan with k micro-batches and with one and keeps what is
-    best either way, so that a search for Duplex finds the plans a plain search finds. On a 2-D
+    """The best plan: the dynamic programme's `keep` cheapest plans with k micro-batches, its
+    `keep` cheapest with one (its `keep` best either way are among them) and the `baselines`,
+    each lowered with k and with one, ranked by the fast estimate (objective 'comm': by its own
+    count). The programme prices every plan with
+    k micro-batches and with one and keeps what is best either way, so that a search for Duplex
+    finds the plans a plain search finds. On a 2-D
     mesh of `machines` > 1 it runs on the mesh and over every rank (1-D), and ranks both. Every
     plan is priced and held to `memory` with `optimizer`'s update and state. With `exact` > 0
     seconds the k = 1 programme's best plan on each mesh is also sought by the integer
     programme (hidup.planning.exact), proven optimal for that cost model unless the time runs
     out, and ranked as exact#0 (exact-2d#0); the beam can miss it (experiments.search_exactness)."""
+    with _no_gc():  # it makes a million small objects, none in a cycle: the collector's
+        # passes over them (and over the labels alive while plans are lowered) cost a tenth
+        return _search(graph, world, profile, k, memory, objective, beam, keep, baselines,
+                       optimizer, machines, exact)
+
+
+@contextmanager
+def _no_gc():
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _search(graph, world, profile, k, memory, objective, beam, keep, baselines, optimizer,
+            machines, exact) -> SearchResult:
     started = time.perf_counter()
     ranked: list[tuple[float, str, Strategy, float, Estimate, int]] = []
-    seen: dict[tuple, set[int]] = {}  # plans ranked so far: the micro-batch counts that fit
+    seen: dict[tuple, dict[int, bool]] = {}  # plans ranked so far: count tried -> it fits
     labels, proofs = 0, []
     for mesh in ([machines, 1] if machines > 1 else [1]):
         try:
@@ -500,13 +548,11 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
             continue
         labels += dp.labels
         mesh_tag = "-2d" if mesh > 1 else ""
-        _rank_finals(ranked, seen, dp, finals, keep, "search" + mesh_tag, graph, world, k,
-                     profile, optimizer, {1, k})
-        if k > 1 and objective == "time":  # and the best with k micro-batches, and with
-            for by, tag, at in ((lambda lab: lab.cost, f"search-k{k}", {k}),  # one, where those
-                                (lambda lab: lab.plain, "search-k1", {1})):  # are not the best
-                _rank_finals(ranked, seen, dp, sorted(finals, key=by), keep, tag + mesh_tag,
-                             graph, world, k, profile, optimizer, at)
+        # the `keep` cheapest plans with k micro-batches and the `keep` cheapest with one:
+        # the `keep` best either way are among them
+        for by, tag, at in _orders(dp.k, objective):
+            _rank_finals(ranked, seen, dp, sorted(finals, key=by), by, keep, tag + mesh_tag,
+                         graph, world, profile, optimizer, at)
         if exact > 0 and objective == "time":
             proof = exact_plan(dp.plain, "hidup", exact)
             beam_cost = min(label.plain for label in finals)
@@ -514,12 +560,12 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
             log.info("exact k=1 plan on %d machines: %.4g s (bound %.4g, %s) in %.1f s; "
                      "the beam's %.4g s", mesh, proof.cost, proof.bound,
                      "optimal" if proof.optimal else "time ran out", proof.seconds, beam_cost)
-            if _plan_key(proof.strategy) not in seen:
-                seen[_plan_key(proof.strategy)] = _rank(
-                    ranked, graph, proof.strategy, world, k, profile,
-                    "exact-2d#0" if mesh > 1 else "exact#0", proof.cost, dp.memory, optimizer)
+            _rank(ranked, seen.setdefault(_plan_key(proof.strategy), {}), graph,
+                  proof.strategy, world, sorted({1, k}), profile,
+                  "exact-2d#0" if mesh > 1 else "exact#0", proof.cost, dp.memory, optimizer)
     for name, strategy in (baselines or {}).items():
-        _rank(ranked, graph, strategy, world, k, profile, name, math.nan, dp.memory, optimizer)
+        _rank(ranked, {}, graph, strategy, world, sorted({1, k}), profile, name, math.nan,
+              dp.memory, optimizer)
     if not ranked:
         raise ValueError(f"search: no plan fits in {dp.memory / 2**30:.3g} GiB per device and "
                          f"lowers for this model and world size")
@@ -553,10 +599,21 @@ def _plan_key(strategy: Strategy) -> tuple:
     return strategy.machines, tuple(strategy.options.items())
 
 
-def _rank_finals(ranked, seen, dp: Search, finals, keep: int, tag: str, graph, world, k,
-                 profile, optimizer, at: set[int]) -> None:
-    """Rank the first `keep` distinct plans of `finals` that fit with a micro-batch count in
-    `at` (named TAG#j), but for those ranked already (`seen`: plan -> the counts that fit)."""
+def _orders(k: int, objective: str) -> list[tuple]:
+    """How the programme's final labels are ranked: (order, name, the micro-batch counts at
+    which a plan counts as one of the order's best). Every plan is lowered with k and with
+    one: the programme's prices differ from the estimate's, and a plan it prices best with k
+    can be the fastest with one."""
+    if k == 1 or objective != "time":  # one order: the cost (with k, or the bytes)
+        return [(lambda lab: lab.cost, "search", [k])]
+    return [(lambda lab: lab.cost, "search", [k]), (lambda lab: lab.plain, "search-k1", [1])]
+
+
+def _rank_finals(ranked, seen, dp: Search, finals, cost, keep: int, tag: str, graph, world,
+                 profile, optimizer, at: list[int]) -> None:
+    """Rank the first `keep` distinct plans of `finals` that fit with a micro-batch count of
+    `at` (named TAG#j, the programme's `cost` of its label beside it), each lowered with k and
+    with one but where tried already (`seen`: plan -> {count: it fits})."""
     mine: list[tuple] = []
     for j, label in enumerate(finals[:10 * keep]):
         strategy = dp.strategy(label, "hidup" if dp.objective == "time" else "min-comm")
@@ -564,22 +621,25 @@ def _rank_finals(ranked, seen, dp: Search, finals, keep: int, tag: str, graph, w
         if plan in mine:
             continue  # the same plan reached through another state
         mine.append(plan)
-        if plan not in seen:  # not ranked yet, from another order of the same labels
+        if plan not in seen:
             check(graph, strategy)
-            seen[plan] = _rank(ranked, graph, strategy, world, k, profile, f"{tag}#{j}",
-                               label.best, dp.memory, optimizer)
-        keep -= bool(seen[plan] & at)  # it fits: the DP's memory model is an estimate
+        tried = seen.setdefault(plan, {})
+        _rank(ranked, tried, graph, strategy, world, sorted({1, dp.k}), profile, f"{tag}#{j}",
+              cost(label), dp.memory, optimizer)
+        keep -= any(tried[kk] for kk in at)  # it fits: the DP's memory model is an estimate
         if keep == 0:
             break
 
 
-def _rank(ranked, graph, strategy, world, k, profile, name, dp_cost, memory,
-          optimizer: str = "sgd") -> set[int]:
-    """Estimate the plan with k micro-batches and without (Duplex pays only where it hides more
-    than it costs), `optimizer` updating it; add each variant that lowers and fits in `memory`
-    bytes per device; the micro-batch counts added."""
-    added = set()
-    for kk in sorted({1, k}):
+def _rank(ranked, tried: dict[int, bool], graph, strategy, world, counts, profile, name,
+          dp_cost, memory, optimizer: str = "sgd") -> None:
+    """Estimate the plan with each micro-batch count of `counts` not `tried` yet (Duplex pays
+    only where it hides more than it costs), `optimizer` updating it; add each variant that
+    lowers and fits in `memory` bytes per device; record in `tried` whether each fits."""
+    for kk in counts:
+        if kk in tried:
+            continue
+        tried[kk] = False
         try:
             program = lower(graph, strategy, world, kk, optimizer=optimizer)
         except (LoweringError, ValueError) as exc:
@@ -592,5 +652,4 @@ def _rank(ranked, graph, strategy, world, k, profile, name, dp_cost, memory,
             continue
         est = estimate(program, profile)
         ranked.append((est.step_time, f"{name} k={kk}", strategy, dp_cost, est, kk))
-        added.add(kk)
-    return added
+        tried[kk] = True

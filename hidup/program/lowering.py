@@ -44,7 +44,14 @@ class Lowering:
         self.scopes = {"row": (rows[0], rows if self.machines > 1 else ()),
                        "column": (columns[0], columns if self.world > 1 else ()),
                        "world": (tuple(range(world)), ())}
-        self._shapes = Shapes(graph, self.mbs_split, self.world, k * self.machines)
+        shapes = Shapes(graph, self.mbs_split, self.world, k * self.machines)
+        self.shape, self.nbytes = shapes.shape, shapes.nbytes  # (tensor, placement) -> local
+        self._kernels: dict[str, tuple] = {}  # node -> kernel()
+        self.home = {n.name: strategy.home(n.name) for n in graph.nodes}.__getitem__  # tensor ->
+        #   where it lives after it is produced
+        self.once = {n.name for n in graph.nodes if isinstance(self.mbs_split.home(n.name),
+                                                              Replicate)}
+        #   the tensors held once per step, not per micro-batch (parameters, what they make)
         self.tasks: list[Task] = []
         self.pending: dict[str, list[int]] = {}  # value key -> collectives that write it
         self.waited: set[int] = set()  # collectives already waited for
@@ -55,20 +62,12 @@ class Lowering:
         self._grad_analysis()
 
     # -- shapes and micro-batches -------------------------------------------------------------
-    def mb_place(self, t: str) -> Placement:
-        return self.mbs_split.home(t)
-
     def mbs(self, t: str) -> list[int | None]:
-        return [None] if isinstance(self.mb_place(t), Replicate) else list(range(self.k))
+        """The micro-batches tensor t is held for: [None] where it is once per step."""
+        return [None] if t in self.once else list(range(self.k))
 
     def in_mb(self, t: str, m: int | None) -> int | None:
-        return None if isinstance(self.mb_place(t), Replicate) else m
-
-    def shape(self, t: str, p: Placement) -> tuple[int, ...]:
-        return self._shapes.shape(t, p)
-
-    def nbytes(self, t: str, p: Placement) -> int:
-        return self._shapes.nbytes(t, p)
+        return None if t in self.once else m
 
     # -- gradients: which tensors get one, and replicated gradients' kind (R or P) ------------
     def _grad_analysis(self) -> None:
@@ -104,11 +103,11 @@ class Lowering:
         for t in self.has_grad:  # each conversion's backward adds once to t's own gradient
             for _ in self.converted(t):
                 for m in self.mbs(t):
-                    key = gkey(t, self.s.home(t), m)
+                    key = gkey(t, self.home(t), m)
                     self.expected[key] = self.expected.get(key, 0) + 1
 
     def _conversion_kinds(self, t: str) -> None:
-        if self.s.home(t) == R and any(p != R for p in self.converted(t)):
+        if self.home(t) == R and any(p != R for p in self.converted(t)):
             self.r_kinds.setdefault(t, set()).add("R")  # a slice's gradient is all-gathered
 
     def gplace(self, t: str, p: Placement) -> Placement:
@@ -121,7 +120,7 @@ class Lowering:
 
     def converted(self, t: str) -> list[Placement]:
         """Placements that consumers need t in, other than its home (each needs a conversion)."""
-        home = self.s.home(t)
+        home = self.home(t)
         return list(dict.fromkeys(p for _, _, p in self.uses[t] if p != home))
 
     # -- emitting tasks -----------------------------------------------------------------------
@@ -141,7 +140,7 @@ class Lowering:
                 self.tasks.append(Wait(len(self.tasks), cid))
 
     def convert_for_consumers(self, t: str, m: int | None) -> None:
-        home = self.s.home(t)
+        home = self.home(t)
         for p in self.converted(t):
             kind = conversion(home, p)
             nbytes = max(self.nbytes(t, home), self.nbytes(t, p))
@@ -198,23 +197,32 @@ class Lowering:
         keys = self.in_keys(node, m)
         for key in keys:
             self.wait_for(key)
-        ins = tuple(self.shape(t, p) for t, p in zip(node.inputs, opt.inputs))
-        out = self.shape(node.name, opt.output)
-        flops = forward_flops(node.op, ins, out, node.args)
-        nbytes = sum(self.nbytes(t, p) for t, p in zip(node.inputs, opt.inputs))
+        ins, out, flops, nbytes, partial = self.kernel(node)
         self.tasks.append(Compute(
-            len(self.tasks), node.name, node.op, "fwd", m, flops,
-            nbytes + self.nbytes(node.name, opt.output), ins, out, tuple(keys),
-            (vkey(node.name, opt.output, m),), opt,
-            isinstance(self.mbs_split.options[node.name].output, Partial)))
+            len(self.tasks), node.name, node.op, "fwd", m, flops, nbytes, ins, out, tuple(keys),
+            (vkey(node.name, opt.output, m),), opt, partial))
         self.convert_for_consumers(node.name, m)
         if node.name == self.g.loss:
             self.loss_keys.append(self._report_loss(m))
 
+    def kernel(self, node) -> tuple:
+        """The node's forward kernel, the same for every micro-batch: (input shapes, output
+        shape, FLOPs, bytes moved, whether its output is a partial sum over micro-batches)."""
+        if node.name not in self._kernels:
+            opt = self.s.options[node.name]
+            ins = tuple(self.shape(t, p) for t, p in zip(node.inputs, opt.inputs))
+            out = self.shape(node.name, opt.output)
+            nbytes = sum(self.nbytes(t, p) for t, p in zip(node.inputs, opt.inputs))
+            self._kernels[node.name] = (
+                ins, out, forward_flops(node.op, ins, out, node.args),
+                nbytes + self.nbytes(node.name, opt.output),
+                isinstance(self.mbs_split.options[node.name].output, Partial))
+        return self._kernels[node.name]
+
     def _report_loss(self, m) -> str:
         """The loss of micro-batch m, replicated: summed over a machine's ranks where it is a
         partial sum there, and over the machines on a 2-D mesh (each has its part of the batch)."""
-        t, home = self.g.loss, self.s.home(self.g.loss)
+        t, home = self.g.loss, self.home(self.g.loss)
         if home == R and self.machines == 1:
             return vkey(t, R, m)
         scope = "row" if self.machines == 1 else "world" if home != R else "column"
@@ -228,17 +236,17 @@ class Lowering:
         self.final: dict[str, str] = {}
         loss = self.g.loss
         for m in self.mbs(loss):
-            shape = self.shape(loss, self.s.home(loss))
+            shape = self.shape(loss, self.home(loss))
             self.tasks.append(Compute(len(self.tasks), loss, "hidup.ones", "bwd", m, 0.0, 0.0, (),
-                                      shape, (), (gkey(loss, self.s.home(loss), m),)))
+                                      shape, (), (gkey(loss, self.home(loss), m),)))
         nodes = [n for n in reversed(self.g.ops) if n.name in self.has_grad]
         per_mb = [n for n in nodes if self.mbs(n.name) != [None]]
         reduced = {p.name for p in self.g.params if p.name in self.has_grad
-                   and isinstance(self.gplace(p.name, self.s.home(p.name)), Partial)}
+                   and isinstance(self.gplace(p.name, self.home(p.name)), Partial)}
         # a parameter's gradient is reduced once every micro-batch has added to it: no micro-batch
         # runs far ahead past nodes that add to one, so reductions start early, under the backward
         self.interleave(per_mb, self.backward_node,
-                        lambda n, m: [gkey(n.name, self.s.home(n.name), m)],
+                        lambda n, m: [gkey(n.name, self.home(n.name), m)],
                         {n.name for n in per_mb if reduced & set(n.inputs)})
         for node in nodes:  # once per step, after every micro-batch's contribution
             if self.mbs(node.name) == [None]:
@@ -246,7 +254,7 @@ class Lowering:
         return self.final
 
     def backward_node(self, node, m) -> None:
-        opt, home = self.s.options[node.name], self.s.home(node.name)
+        opt, home = self.s.options[node.name], self.home(node.name)
         grad_in = gkey(node.name, home, m)
         self.wait_for(grad_in)
         fwd_keys = tuple(vkey(t, p, self.in_mb(t, m)) for t, p in zip(node.inputs, opt.inputs))
@@ -261,14 +269,11 @@ class Lowering:
             out_kind_r = opt.output == R and self.gplace(node.name, home) == R
             if p == R and out_kind_r and self.gplace(t, p) != R:
                 root.append(key)
-        ins = tuple(self.shape(t, p) for t, p in zip(node.inputs, opt.inputs))
-        out = self.shape(node.name, home)
-        fwd = forward_flops(node.op, ins, out, node.args)
-        nbytes = 2 * sum(self.nbytes(t, p) for t, p in zip(node.inputs, opt.inputs))
-        self.tasks.append(Compute(
+        ins, out, fwd, nbytes, partial = self.kernel(node)  # the backward reads what the
+        nbytes += sum(self.nbytes(t, p) for t, p in zip(node.inputs, opt.inputs))  # forward
+        self.tasks.append(Compute(  # did and writes its inputs' gradients
             len(self.tasks), node.name, node.op, "bwd", m, backward_flops(node.op, fwd),
-            nbytes + self.nbytes(node.name, home), ins, out, (grad_in,) + fwd_keys, tuple(outs),
-            opt, isinstance(self.mbs_split.options[node.name].output, Partial), tuple(root)))
+            nbytes, ins, out, (grad_in,) + fwd_keys, tuple(outs), opt, partial, tuple(root)))
         for t, p, mm in done:
             self.contributed(t, p, mm)
 
@@ -278,7 +283,7 @@ class Lowering:
         self.expected[key] -= 1
         if self.expected[key]:
             return
-        home = self.s.home(t)
+        home = self.home(t)
         if p != home:
             self.grad_conversion(t, p, home, m)
         elif self.g.node(t).kind == "param":
@@ -310,7 +315,7 @@ class Lowering:
         # DDP's first bucket is small, so that communication starts early in the backward
         cap = self.bucket_bytes if scope in self.flushed else \
             min(self.bucket_bytes, FIRST_BUCKET_BYTES)
-        if sum(self.nbytes(p, self.s.home(p)) for p in bucket) >= cap:
+        if sum(self.nbytes(p, self.home(p)) for p in bucket) >= cap:
             self.flush_bucket(scope)
             self.flushed.add(scope)
 
@@ -319,7 +324,7 @@ class Lowering:
         names, self.buckets[scope] = self.buckets[scope], []
         if not names:
             return
-        homes = [self.s.home(p) for p in names]
+        homes = [self.home(p) for p in names]
         group, groups = self.scopes[scope]
         task = Convert(len(self.tasks), "all_reduce", names[0] if len(names) == 1 else
                        f"bucket({names[0]}..{names[-1]})", Partial(), R, "bwd", None,
@@ -336,7 +341,7 @@ class Lowering:
             self.flush_bucket(scope)
         for key in self.final.values():
             self.wait_for(key)
-        numel = sum(math.prod(self.shape(p, self.s.home(p))) for p in self.final)
+        numel = sum(math.prod(self.shape(p, self.home(p))) for p in self.final)
         opt = self.optimizer  # one kernel over the local parameter shards, costed per element
         self.tasks.append(Compute(len(self.tasks), "", opt.op, "update", None,
                                   float(opt.flops * numel), float(opt.bytes * numel), (), (),

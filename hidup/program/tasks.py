@@ -248,11 +248,16 @@ class Shapes:
     def __init__(self, graph: Graph, mb_split: Strategy, world: int, k: int):
         self.g, self.mb_split, self.world, self.k = graph, mb_split, world, k
         self._shapes: dict[tuple[str, Placement], tuple[int, ...]] = {}
+        self._nbytes: dict[tuple[str, Placement], int] = {}
 
     def shape(self, t: str, p: Placement) -> tuple[int, ...]:
-        if (t, p) not in self._shapes:
-            self._shapes[t, p] = tensor_shape(self.g, self.mb_split, t, p, self.world, self.k)
-        return self._shapes[t, p]
+        key = t, p
+        if key not in self._shapes:
+            self._shapes[key] = tensor_shape(self.g, self.mb_split, t, p, self.world, self.k)
+        return self._shapes[key]
 
     def nbytes(self, t: str, p: Placement) -> int:
-        return math.prod(self.shape(t, p)) * self.g.node(t).out.itemsize
+        key = t, p
+        if key not in self._nbytes:
+            self._nbytes[key] = math.prod(self.shape(t, p)) * self.g.node(t).out.itemsize
+        return self._nbytes[key]
