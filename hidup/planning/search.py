@@ -85,9 +85,25 @@ class _Label(NamedTuple):  # a NamedTuple: the search makes hundreds of thousand
         return min(self.time + self.debt, self.plain)
 
 
-_FIELDS = {"best": lambda lab: min(lab.time + lab.debt, lab.plain),
-           "cost": lambda lab: lab.time + lab.debt, "plain": attrgetter("plain"),
-           "memory": attrgetter("memory")}  # what prune() orders states by
+_PLAIN, _MEMORY = attrgetter("plain"), attrgetter("memory")
+
+
+def _frontier(labels: list[_Label]) -> list[_Label]:
+    """The labels that no other beats on all four fields (time, debt, memory, plain), the
+    first of equal ones. In this order, a label can only be beaten by one before it."""
+    labels = sorted(labels, key=_VALUES)
+    kept: list[_Label] = []
+    for label in labels:
+        d, m, p = label.debt, label.memory, label.plain
+        for o in kept:  # o.time <= label.time
+            if o.debt <= d and o.memory <= m and o.plain <= p:
+                break
+        else:
+            kept.append(label)
+    return kept
+
+
+_VALUES = attrgetter("time", "debt", "memory", "plain")
 
 
 class _NodeCost(NamedTuple):
@@ -408,42 +424,36 @@ class Search:
         return label.cost
 
     def add(self, out: dict, key: tuple, new: list[_Label]) -> None:
-        """Add the labels to the state `key` but those over the memory limit or dominated on
-        all four fields (time, debt, memory, plain); drop those they dominate."""
+        """Add the labels to the state `key` but those over the memory limit (prune() drops
+        the dominated ones of the states it keeps)."""
         limit = self.memory
-        labels = out.get(key)
-        for label in new:
-            if label.memory > limit:
-                continue
-            if labels is None:
-                labels = out[key] = [label]
-                continue
-            t, d, m, p = label.time, label.debt, label.memory, label.plain
-            for o in labels:
-                if o.time <= t and o.debt <= d and o.memory <= m and o.plain <= p:
-                    break
-            else:
-                labels[:] = [o for o in labels if not (t <= o.time and d <= o.debt and
-                                                        m <= o.memory and p <= o.plain)]
-                labels.append(label)
+        fits = [label for label in new if label.memory <= limit]
+        if fits:
+            out.setdefault(key, []).extend(fits)
 
     def prune(self, states: dict) -> dict:
         """The `beam` best states (with k > 1: some best either way, some cheapest with k
         micro-batches, some with one; _BEAM_SHARES) and the one whose plan uses least memory;
-        in each, the labels _trim() keeps."""
+        in each, the labels that no other label beats on all four fields (time, debt, memory,
+        plain), and of those the ones _trim() keeps."""
         if len(states) > self.beam:
             keys, kept = list(states), {}
+            least = {"cost": {key: min([lab.time + lab.debt for lab in labels])
+                              for key, labels in states.items()},
+                     "plain": {key: min(map(_PLAIN, labels)) for key, labels in states.items()},
+                     "memory": {key: min(map(_MEMORY, labels))
+                                for key, labels in states.items()}}
+            least["best"] = {key: min(cost, least["plain"][key])  # the least of min(cost, plain)
+                             for key, cost in least["cost"].items()}
             for field, upto in self._quotas():
-                get = _FIELDS[field]
-                least = {key: min(map(get, states[key])) for key in keys}
-                for key in sorted(keys, key=least.__getitem__):
+                for key in sorted(keys, key=least[field].__getitem__):
                     if len(kept) >= upto:
                         break
                     kept.setdefault(key)
             states = {key: states[key] for key in kept}
         for key, labels in states.items():
-            if len(labels) > self.per_state:
-                states[key] = self._trim(labels)
+            labels = _frontier(labels)
+            states[key] = self._trim(labels) if len(labels) > self.per_state else labels
         return states
 
     def _trim(self, labels: list[_Label]) -> list[_Label]:
@@ -451,22 +461,18 @@ class Search:
         plain programme and a Duplex-priced one would keep (cheapest with one micro-batch, and
         with k, among the labels that their own criteria do not dominate), and the leanest."""
         n = self.per_state - 1
-        orders = [(lambda lab: lab.best, None)]
+        kept = sorted(labels, key=lambda lab: min(lab.time + lab.debt, lab.plain))[:n]
         if self.k > 1:
-            orders += [(lambda lab: lab.plain, lambda a, b: a.plain <= b.plain and
-                        a.memory <= b.memory)]
-        kept: list[_Label] = []
-        for order, beats in orders:
-            mine: list[_Label] = []
-            for lab in sorted(labels, key=order):
+            mine: list[_Label] = []  # the plain programme's: by plain time, then memory
+            for lab in sorted(labels, key=_PLAIN):
                 if len(mine) == n:
                     break
-                if beats is None or not any(beats(other, lab) for other in mine):
+                p, m = lab.plain, lab.memory
+                if not any(o.plain <= p and o.memory <= m for o in mine):
                     mine.append(lab)
-            kept += [lab for lab in mine if not any(lab is other for other in kept)]
-        for extra in (min(labels, key=lambda lab: lab.memory),
-                      min(labels, key=lambda lab: lab.cost)):
-            if not any(extra is other for other in kept):
+            kept += [lab for lab in mine if all(lab is not o for o in kept)]
+        for extra in (min(labels, key=_MEMORY), min(labels, key=lambda lab: lab.time + lab.debt)):
+            if all(extra is not o for o in kept):
                 kept.append(extra)
         return kept
 
