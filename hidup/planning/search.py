@@ -106,6 +106,16 @@ def _frontier(labels: list[_Label]) -> list[_Label]:
 _VALUES = attrgetter("time", "debt", "memory", "plain")
 
 
+class _Cut(NamedTuple):
+    """The programme's keys around one node. A key holds a value per live tensor: first those
+    the node neither reads nor makes, in the order they had before it, then those it does."""
+    live: tuple[str, ...]  # the tensors live before the node, in its key's order
+    reads: tuple[int, ...]  # per input of the node, its position in that key (-1: none yet)
+    kept: tuple[int, ...]  # the positions in that key of the tensors that pass the node
+    touched: tuple[str, ...]  # the tensors it reads or makes that stay live after it
+    after: tuple[str, ...]  # the tensors live after it, in the next key's order
+
+
 class _NodeCost(NamedTuple):
     """What one option of one node costs (seconds, bytes)."""
     compute: float  # forward + backward computation per micro-batch
@@ -280,19 +290,20 @@ class Search:
                 options.append((opt, *self.costs(node, opt)))
             except LoweringError:
                 continue  # a split that does not divide with the micro-batches
-        _, slots, sources, _ = self._cuts[self.position[node.name]]
+        cut = self._cuts[self.position[node.name]]
         out: dict[tuple, list[_Label]] = {}
         steps: dict[tuple, tuple | None] = {}  # states differ mostly in what the node does not
         for key, labels in states.items():  # read: one step per option and values it reads
-            ins = tuple(key[slots[t]] if t in slots else -1 for t in node.inputs)
+            ins = tuple(key[s] if s >= 0 else -1 for s in cut.reads)
+            untouched = tuple(key[s] for s in cut.kept)
             for i, (opt, cost, plain) in enumerate(options):
                 if (i, ins) not in steps:
                     steps[i, ins] = self._step(node, opt, cost is not None, ins)
                 if steps[i, ins] is None:
                     continue
-                comm, comm1, updated = steps[i, ins]
-                new_key = tuple(updated[s] if s.__class__ is str else key[s] for s in sources)
-                self.add(out, new_key, self.advance(labels, node, opt, comm, cost, comm1, plain))
+                comm, comm1, touched = steps[i, ins]
+                self.add(out, untouched + touched,
+                         self.advance(labels, node, opt, comm, cost, comm1, plain))
         return self.prune(out)
 
     # A state (the key of the programme's labels at a cut) holds, for each tensor live at that
@@ -300,23 +311,22 @@ class Search:
     # the lowering does, a tensor is converted to a placement once, however many read it there.
     # The live tensors of a cut are the same in every state, so a key is just their values, in
     # the order live(node) names them, each value interned as a number (fast to hash).
-    def _cut_plans(self) -> list[tuple[tuple[str, ...], dict[str, int], tuple, tuple]]:
-        """Per node: the tensors live before it, where each sits in the key, where each slot of
-        the key after it comes from (a slot before, or a tensor the node reads or makes), and
-        the tensors live after it."""
+    def _cut_plans(self) -> list[_Cut]:
         plans, live = [], ()
         for i, node in enumerate(self.g.ops):
             slots = {t: s for s, t in enumerate(live)}
-            after = tuple(sorted(t for t in {*live, *node.inputs, node.name}
-                                 if self.last.get(t, -1) > i))
-            sources = tuple(t if t in node.inputs or t == node.name else slots[t] for t in after)
-            plans.append((live, slots, sources, after))
-            live = after
+            touched = tuple(t for t in dict.fromkeys((*node.inputs, node.name))
+                            if self.last.get(t, -1) > i)
+            kept = tuple(s for s, t in enumerate(live) if t not in touched and self.last[t] > i)
+            plans.append(_Cut(live, tuple(slots.get(t, -1) for t in node.inputs), kept, touched,
+                              tuple(live[s] for s in kept) + touched))
+            live = plans[-1].after
         return plans
 
     def live(self, node: Node, after: bool = False) -> tuple[str, ...]:
         """The tensors a state before (or after) the node holds, in its key's order."""
-        return self._cuts[self.position[node.name]][3 if after else 0]
+        cut = self._cuts[self.position[node.name]]
+        return cut.after if after else cut.live
 
     def _id(self, value: tuple) -> int:
         if value not in self._ids:
@@ -336,17 +346,17 @@ class Search:
         """(communication per micro-batch with k micro-batches (infinite where not `duplex`),
         the same with one, the key after the node), from the key before it, or None if the
         option is invalid there."""
-        _, slots, sources, _ = self._cuts[self.position[node.name]]
-        step = self._step(node, opt, duplex,
-                          tuple(key[slots[t]] if t in slots else -1 for t in node.inputs))
+        cut = self._cuts[self.position[node.name]]
+        step = self._step(node, opt, duplex, tuple(key[s] if s >= 0 else -1 for s in cut.reads))
         if step is None:
             return None
-        comm, comm1, updated = step
-        return comm, comm1, tuple(updated[s] if s.__class__ is str else key[s] for s in sources)
+        comm, comm1, touched = step
+        return comm, comm1, tuple(key[s] for s in cut.kept) + touched
 
     def _step(self, node: Node, opt: ShardingOption, duplex: bool, ins: tuple):
         """transition() for the node's inputs' values `ins` (-1: not placed yet): the
-        communication with k micro-batches and with one, and the values after it by tensor."""
+        communication with k micro-batches and with one, and the values after it of the
+        tensors it reads or makes that stay live (_Cut.touched)."""
         comm, comm1, updated = 0.0 if duplex else math.inf, 0.0, {}
         for t, want, value in zip(node.inputs, opt.inputs, ins):
             if t in updated:  # read twice by the node
@@ -372,7 +382,8 @@ class Search:
                 made = made | {want}
             updated[t] = self._id((home, made))
         updated[node.name] = self._id((opt.output, _NOTHING))
-        return comm, comm if self.plain is self else comm1, updated
+        return (comm, comm if self.plain is self else comm1,
+                tuple(updated[t] for t in self._cuts[self.position[node.name]].touched))
 
     def advance(self, labels: list[_Label], node, opt, comm: float, cost: _NodeCost | None,
                 comm1: float = math.inf, plain: _NodeCost | None = None) -> list[_Label]:
