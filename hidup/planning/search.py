@@ -85,7 +85,8 @@ class _Label(NamedTuple):  # a NamedTuple: the search makes hundreds of thousand
         return min(self.time + self.debt, self.plain)
 
 
-_PLAIN, _MEMORY = attrgetter("plain"), attrgetter("memory")
+_BEST, _COST, _PLAIN, _MEMORY = (attrgetter(field) for field in ("best", "cost", "plain",
+                                                                 "memory"))
 
 
 def _frontier(labels: list[_Label]) -> list[_Label]:
@@ -472,7 +473,7 @@ class Search:
         plain programme and a Duplex-priced one would keep (cheapest with one micro-batch, and
         with k, among the labels that their own criteria do not dominate), and the leanest."""
         n = self.per_state - 1
-        kept = sorted(labels, key=lambda lab: min(lab.time + lab.debt, lab.plain))[:n]
+        kept = sorted(labels, key=_BEST)[:n]
         if self.k > 1:
             mine: list[_Label] = []  # the plain programme's: by plain time, then memory
             for lab in sorted(labels, key=_PLAIN):
@@ -482,7 +483,7 @@ class Search:
                 if not any(o.plain <= p and o.memory <= m for o in mine):
                     mine.append(lab)
             kept += [lab for lab in mine if all(lab is not o for o in kept)]
-        for extra in (min(labels, key=_MEMORY), min(labels, key=lambda lab: lab.time + lab.debt)):
+        for extra in (min(labels, key=_MEMORY), min(labels, key=_COST)):
             if all(extra is not o for o in kept):
                 kept.append(extra)
         return kept
@@ -523,9 +524,8 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
     """The best plan: the dynamic programme's `keep` cheapest plans with k micro-batches, its
     `keep` cheapest with one (its `keep` best either way are among them) and the `baselines`,
     each lowered with k and with one, ranked by the fast estimate (objective 'comm': by its own
-    count). The programme prices every plan with
-    k micro-batches and with one and keeps what is best either way, so that a search for Duplex
-    finds the plans a plain search finds. On a 2-D
+    count). The programme prices every plan with k micro-batches and with one and keeps what is
+    best either way, so that a search for Duplex finds the plans a plain search finds. On a 2-D
     mesh of `machines` > 1 it runs on the mesh and over every rank (1-D), and ranks both. Every
     plan is priced and held to `memory` with `optimizer`'s update and state. With `exact` > 0
     seconds the k = 1 programme's best plan on each mesh is also sought by the integer
@@ -622,8 +622,8 @@ def _orders(k: int, objective: str) -> list[tuple]:
     one: the programme's prices differ from the estimate's, and a plan it prices best with k
     can be the fastest with one."""
     if k == 1 or objective != "time":  # one order: the cost (with k, or the bytes)
-        return [(lambda lab: lab.cost, "search", [k])]
-    return [(lambda lab: lab.cost, "search", [k]), (lambda lab: lab.plain, "search-k1", [1])]
+        return [(_COST, "search", [k])]
+    return [(_COST, "search", [k]), (_PLAIN, "search-k1", [1])]
 
 
 def _rank_finals(ranked, seen, dp: Search, finals, cost, keep: int, tag: str, graph, world,
