@@ -36,8 +36,13 @@ def test_conversions_run_inside_machines_and_gradients_across(tiny_graphs):
     grads = [t for t in program.collectives if t.inputs[0].startswith("d") and t.mb is None]
     kinds = {t.outputs[0].removeprefix("grad:"): t.groups for t in grads}
     assert set(kinds) == {p.name for p in graph.params}  # every gradient summed across machines
-    for p in graph.params:  # split inside a machine: over its column; else over the world
-        assert kinds[p.name] == (COLUMNS if strategy.placements[p.name] != R else ())
+    for p in graph.params:  # a Partial sum inside a machine (a consumer reads it replicated
+        partial = any(  # and makes a split output) over the world; else over its column
+            strategy.options[c.name].output != R and
+            strategy.options[c.name].inputs[c.inputs.index(p.name)] == R
+            for c in graph.consumers(p.name))
+        assert kinds[p.name] == (() if partial else COLUMNS), p.name
+    assert () in kinds.values() and COLUMNS in kinds.values()
     loss = [t for t in program.collectives if t.tensor == graph.loss]
     assert [t.mb for t in loss] == [0, 1] and all(t.kind == "all_reduce" for t in loss)
     # a machine's part of the batch, then its micro-batch, then the ranks' split: 8 / 2 / 2

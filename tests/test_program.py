@@ -22,11 +22,12 @@ def test_duplex_issues_one_micro_batch_comm_before_the_other_computes(tiny_graph
     wait0 = first(tasks, lambda t: isinstance(t, Wait) and t.collective == tasks[ar0].id)
     assert ar0 < fwd1 < wait0
     assert tasks[ar0].kind == "all_reduce" and tasks[ar0].bytes == 4 * 16 * 4  # (8/2 rows, 16) fp32
-    # the same in backward: the gradient all-reduce of mb 0 overlaps mb 1's backward
-    bw = [t for t in tasks if isinstance(t, Convert) and t.phase == "bwd" and t.tensor == "linear_1"]
-    assert [t.mb for t in bw] == [0, 1]
-    bwd1 = first(tasks, lambda t: isinstance(t, Compute) and t.phase == "bwd" and t.node == "add"
-                 and t.mb == 1)
+    # the same in backward: the all-reduce of mb 0's gradient of the second block's input (made
+    # a Partial sum by its column-parallel linear_2) overlaps mb 1's backward
+    bw = [t for t in tasks if isinstance(t, Convert) and t.phase == "bwd" and t.tensor == "add"]
+    assert [(t.kind, t.mb) for t in bw] == [("all_reduce", 0), ("all_reduce", 1)]
+    bwd1 = first(tasks, lambda t: isinstance(t, Compute) and t.phase == "bwd"
+                 and t.node == "linear_2" and t.mb == 1)
     assert bw[0].id < bwd1 < first(tasks, lambda t: isinstance(t, Wait) and t.collective == bw[0].id)
 
 

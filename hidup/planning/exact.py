@@ -5,9 +5,12 @@ With one micro-batch the programme's cost of a plan is linear in its choices:
   sum over nodes of the chosen option's computation, optimizer update and gradient reductions
   + sum over (tensor, placement it is read at) of that conversion, charged once, from the
     tensor's home (its producer's output, or a parameter's or input's first consumer's choice)
+  + sum over tensors whose replicated value's gradient is a Partial sum (a consumer reads it at
+    R and outputs no R) of its reduction (Search.partial_grad_cost, by the tensor's home), once
 Variables: x[v, o] = 1 when node v takes option o (one per node); q[t, h, p, j] >= home[t, h] +
 reads[j, t, p] - (reads of t at p by consumers before j) - 1 pays conversion h -> p at consumer
-j, the first to read t at p (as the programme charges it). A consumer that reads t as a Partial
+j, the first to read t at p (as the programme charges it); g[t, h] >= home[t, h] + partial[j, t]
+- 1 for every consumer j pays the gradient's reduction. A consumer that reads t as a Partial
 sum needs t's home to be that Partial. The memory the programme counts is held to the limit.
 With Duplex (k > 1) the stage model's max(D, m), and its debt reset only where a node
 communicates, are not linear; tests/test_search.py checks the programme there against the
@@ -22,7 +25,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from hidup.graph.placement import Partial
+from hidup.graph.placement import Partial, R
 from hidup.planning.strategy import Strategy, fitting_options
 from hidup.program.tasks import LoweringError
 
@@ -153,6 +156,21 @@ def _conversions(search, model: _Model, x, t: str, reads, unit: float) -> None:
                 per.setdefault(p, {})[col] = 1.0
         for p, expr in per.items():
             wants.setdefault(p, []).append((consumer, expr))
+    if t in search.reduced:  # its replicated gradient made whole once, where one of its
+        partial = []  # consumers makes it a Partial sum (reads it at R, outputs no R)
+        for consumer in dict.fromkeys(c for c, _ in reads):
+            slots = [s for c, s in reads if c == consumer]
+            expr = {col: 1.0 for col, opt in x[consumer]
+                    if opt.output != R and any(opt.inputs[s] == R for s in slots)}
+            if expr:
+                partial.append(expr)
+        for h in home:
+            cost = search.partial_grad_cost(t, h) if partial else 0.0
+            if cost <= 0:
+                continue
+            q = model.var(cost * unit)
+            for expr in partial:  # q >= home h + a consumer that makes it Partial - 1
+                model.row([(1.0, {q: 1.0}), (-1.0, home[h]), (-1.0, expr)], lower=-1.0)
     for p, readers in wants.items():
         if isinstance(p, Partial):  # read as a Partial sum: only where it is one
             for _, expr in readers:

@@ -12,7 +12,11 @@ can still be met). So one programme does what a Duplex-priced and a plain progra
 
 Stage model for k micro-batches, a node costing c of computation (forward + backward, per
 micro-batch) and m of communication (its input conversions and their backward duals, per
-micro-batch, plus its parameters' gradient reduction spread over the step):
+micro-batch, plus its parameters' gradient reduction spread over the step). A replicated
+tensor's gradient is a Partial sum where a consumer reads it replicated and makes a split or
+Partial output (a column-parallel matmul): the lowering makes it whole once, at the tensor (the
+dual of its conversion to R, or an all-reduce where its home is R); the first such consumer pays
+that, and the dual of a conversion to R is charged nowhere else:
   m = 0:  T += c,  D += (k-1) c            (micro-batch 0 runs on; the others owe it)
   m > 0:  T += max(D, m) + c,  D = (k-1) c + max(0, m - c)
 and the plan costs T + D. The optimizer's update of the node's parameter shards (at the
@@ -44,7 +48,7 @@ from typing import NamedTuple
 
 from hidup.graph.capture import Graph, Node
 from hidup.graph.flops import backward_flops, forward_flops
-from hidup.graph.placement import Partial, Placement, R, Replicate, ShardingOption
+from hidup.graph.placement import Partial, Placement, R, Replicate, Shard, ShardingOption
 from hidup.planning.costs import Profile
 from hidup.planning.estimate import Estimate, estimate
 from hidup.planning.exact import exact_plan
@@ -56,6 +60,8 @@ from hidup.program.tasks import LoweringError, Shapes, mesh_groups, optimizer_co
 
 log = logging.getLogger(__name__)
 _NOTHING: frozenset = frozenset()
+_GRAD = "grad"  # in a state's converted-to set: the tensor's replicated gradient is a Partial
+#   sum, whose reduction is charged (to the first consumer that makes it one)
 # With k > 1, the share of the beam kept for the states best either way, then for the cheapest
 # with k micro-batches; the rest for the cheapest with one. Measured on 7 models: with (0.4, 0.3)
 # the programme's best plan with one micro-batch is never worse than a plain programme's, nor its
@@ -166,6 +172,11 @@ class Search:
                 self.last[t] = max(self.last.get(t, -1), self.position[node.name])
                 self.first.setdefault(t, self.position[node.name])
         self.placeholders = {n.name for n in graph.nodes if n.kind != "op"}
+        grads = graph.gradients()
+        self.grads = grads  # the tensors with a gradient
+        self.reduced = grads - {p.name for p in graph.params}  # whose replicated value's
+        #   Partial gradient a conversion's dual or an all-reduce makes whole (parameters':
+        #   node_cost's `grads`)
         self._cuts = self._cut_plans()
         self._values: list[tuple] = []  # a key holds each (home, converted-to) as its index here
         self._ids: dict[tuple, int] = {}
@@ -198,7 +209,25 @@ class Search:
         if kind is None:
             return 0.0
         size = max(self.nbytes(t, src), self.nbytes(t, dst))
-        return self._collectives(kind, size, self.g.node(t).out.is_float, self.per_mb(t))
+        # the dual of a conversion to R runs only where the gradient comes back as a Partial
+        # sum: partial_grad_cost charges it then
+        return self._collectives(kind, size, t in self.grads and dst != R, self.per_mb(t))
+
+    def partial_grad_cost(self, t: str, home: Placement) -> float:
+        """Per micro-batch, making whole the Partial gradient of t's replicated value, which the
+        lowering does once, however many consumers make it Partial: the dual of its conversion
+        to R (a reduce-scatter to a split home, an all-reduce to a Partial one), or an
+        all-reduce where t's home is R (hidup.program.lowering's reduced_at)."""
+        key = (t, home, "grad")
+        if key not in self._converts:
+            size = max(self.nbytes(t, home), self.nbytes(t, R))
+            kind = "reduce_scatter" if isinstance(home, Shard) else "all_reduce"
+            if self.objective == "comm":
+                cost = float(size)
+            else:
+                cost = self.profile.collective_time(kind, size, self.group)
+            self._converts[key] = cost * self.per_mb(t)
+        return self._converts[key]
 
     def _collectives(self, kind: str, size: int, backward: bool, share: float) -> float:
         """A conversion's collective of `size` bytes, and its dual where the tensor has a
@@ -381,6 +410,15 @@ class Search:
                 if self.plain is not None and self.plain is not self:
                     comm1 += self.plain.conversion_cost(t, home, want)
                 made = made | {want}
+            if want == R and opt.output != R and t in self.reduced and _GRAD not in made:
+                if duplex:  # the first consumer to make t's gradient a Partial sum
+                    try:
+                        comm += self.partial_grad_cost(t, home)
+                    except LoweringError:  # as above
+                        comm = math.inf
+                if self.plain is not None and self.plain is not self:
+                    comm1 += self.plain.partial_grad_cost(t, home)
+                made = made | {_GRAD}
             updated[t] = self._id((home, made))
         updated[node.name] = self._id((opt.output, _NOTHING))
         return (comm, comm if self.plain is self else comm1,

@@ -71,26 +71,28 @@ class Lowering:
 
     # -- gradients: which tensors get one, and replicated gradients' kind (R or P) ------------
     def _grad_analysis(self) -> None:
+        """A replicated value's gradient is a Partial sum where a consumer reads it replicated
+        and makes a split or Partial output (as a column-parallel matmul does), else replicated.
+        An op's replicated output whose gradient is Partial is all-reduced there, once its
+        gradient is complete (Megatron's f), so its producer's backward, and every op before it
+        in the replicated region, sees a replicated gradient: the region computes it on every
+        rank and its parameters' gradients are whole. (Carried back instead, the Partial sum
+        would make every parameter there all-reduced, a cost the search does not see.)"""
         g, s = self.g, self.s
-        needs = {n.name for n in g.params if n.out.is_float}
-        for node in g.ops:
-            if node.out.is_float and any(t in needs for t in node.inputs):
-                needs.add(node.name)
-        self.has_grad = {g.loss} & needs
+        self.has_grad = set(g.gradients())
         self.r_kinds: dict[str, set[str]] = {}  # tensor -> kinds of contributions to grad of its R value
-        for node in reversed(g.ops):
+        for node in g.ops:
             if node.name not in self.has_grad:
                 continue
             self._conversion_kinds(node.name)
-            out_g = self.gplace(node.name, s.home(node.name))
             for t, p in zip(node.inputs, s.options[node.name].inputs):
-                if t in needs:
-                    self.has_grad.add(t)
-                    if p == R:
-                        kind = "R" if (s.options[node.name].output == R and out_g == R) else "P"
-                        self.r_kinds.setdefault(t, set()).add(kind)
+                if t in self.has_grad and p == R:
+                    kind = "R" if s.options[node.name].output == R else "P"
+                    self.r_kinds.setdefault(t, set()).add(kind)
         for p in g.params:
             self._conversion_kinds(p.name)
+        self.reduced_at = {t for t in self.has_grad if g.node(t).kind == "op"
+                           and self.home(t) == R and "P" in self.r_kinds.get(t, ())}
         self.expected: dict[str, int] = {}
         for node in g.ops:
             if node.name not in self.has_grad:
@@ -110,6 +112,12 @@ class Lowering:
         if self.home(t) == R and any(p != R for p in self.converted(t)):
             self.r_kinds.setdefault(t, set()).add("R")  # a slice's gradient is all-gathered
 
+    def out_grad(self, t: str, m: int | None) -> str:
+        """The key of the gradient that op t's backward reads: its home's, all-reduced first
+        where that is a Partial sum (reduced_at)."""
+        key = gkey(t, self.home(t), m)
+        return key + "+reduced" if t in self.reduced_at else key
+
     def gplace(self, t: str, p: Placement) -> Placement:
         """Placement of the gradient of tensor t held as p."""
         if isinstance(p, Partial):
@@ -126,6 +134,7 @@ class Lowering:
     # -- emitting tasks -----------------------------------------------------------------------
     def emit_convert(self, kind, t, src, dst, phase, m, in_key, out_key, shape, nbytes,
                      root_only=False, scope: str = "row") -> None:
+        self.wait_for(in_key)  # its input complete: no collective still writing it
         group, groups = self.scopes[scope] if kind in COLLECTIVES else ((), ())
         task = Convert(len(self.tasks), kind, t, src, dst, phase, m, shape, nbytes, group,
                        (in_key,), (out_key,), (out_key,) if root_only else (), groups)
@@ -246,7 +255,7 @@ class Lowering:
         # a parameter's gradient is reduced once every micro-batch has added to it: no micro-batch
         # runs far ahead past nodes that add to one, so reductions start early, under the backward
         self.interleave(per_mb, self.backward_node,
-                        lambda n, m: [gkey(n.name, self.home(n.name), m)],
+                        lambda n, m: [self.out_grad(n.name, m)],
                         {n.name for n in per_mb if reduced & set(n.inputs)})
         for node in nodes:  # once per step, after every micro-batch's contribution
             if self.mbs(node.name) == [None]:
@@ -254,8 +263,8 @@ class Lowering:
         return self.final
 
     def backward_node(self, node, m) -> None:
-        opt, home = self.s.options[node.name], self.home(node.name)
-        grad_in = gkey(node.name, home, m)
+        opt = self.s.options[node.name]
+        grad_in = self.out_grad(node.name, m)
         self.wait_for(grad_in)
         fwd_keys = tuple(vkey(t, p, self.in_mb(t, m)) for t, p in zip(node.inputs, opt.inputs))
         outs, root, done = [], [], []
@@ -266,8 +275,8 @@ class Lowering:
             key = gkey(t, p, self.in_mb(t, m))
             outs.append(key)
             done.append((t, p, self.in_mb(t, m)))
-            out_kind_r = opt.output == R and self.gplace(node.name, home) == R
-            if p == R and out_kind_r and self.gplace(t, p) != R:
+            if p == R and opt.output == R and self.gplace(t, p) != R:  # a whole contribution
+                #   to a Partial sum: one rank adds it
                 root.append(key)
         ins, out, fwd, nbytes, partial = self.kernel(node)  # the backward reads what the
         nbytes += sum(self.nbytes(t, p) for t, p in zip(node.inputs, opt.inputs))  # forward
@@ -288,6 +297,9 @@ class Lowering:
             self.grad_conversion(t, p, home, m)
         elif self.g.node(t).kind == "param":
             self.param_grad(t, home)
+        elif t in self.reduced_at:
+            self.emit_convert("all_reduce", t, Partial(), R, "bwd", m, key, self.out_grad(t, m),
+                              self.shape(t, home), self.nbytes(t, home))
 
     def grad_conversion(self, t, p, home, m) -> None:
         src, dst = self.gplace(t, p), self.gplace(t, home)
@@ -325,6 +337,8 @@ class Lowering:
         if not names:
             return
         homes = [self.home(p) for p in names]
+        for p, h in zip(names, homes):
+            self.wait_for(gkey(p, h, None))
         group, groups = self.scopes[scope]
         task = Convert(len(self.tasks), "all_reduce", names[0] if len(names) == 1 else
                        f"bucket({names[0]}..{names[-1]})", Partial(), R, "bwd", None,
