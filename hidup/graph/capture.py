@@ -9,6 +9,7 @@ import hashlib
 import math
 import operator
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -85,7 +86,6 @@ class Graph:
     loss: str
     fingerprint: str
     _index: dict = field(default_factory=dict, compare=False, repr=False)
-    _gradients: list = field(default_factory=list, compare=False, repr=False)  # gradients()
 
     def __post_init__(self) -> None:
         self._index.update({n.name: n for n in self.nodes})
@@ -108,20 +108,19 @@ class Graph:
     def user_inputs(self) -> list[Node]:
         return [n for n in self.nodes if n.kind == "input"]
 
+    @cached_property
     def gradients(self) -> frozenset[str]:
         """The tensors that get a gradient in training: float ones that depend on a parameter
         and that the loss depends on."""
-        if not self._gradients:
-            needs = {n.name for n in self.params if n.out.is_float}
-            for node in self.ops:
-                if node.out.is_float and any(t in needs for t in node.inputs):
-                    needs.add(node.name)
-            grads = {self.loss} & needs
-            for node in reversed(self.ops):
-                if node.name in grads:
-                    grads.update(t for t in node.inputs if t in needs)
-            self._gradients.append(frozenset(grads))
-        return self._gradients[0]
+        needs = {n.name for n in self.params if n.out.is_float}
+        for node in self.ops:
+            if node.out.is_float and any(t in needs for t in node.inputs):
+                needs.add(node.name)
+        grads = {self.loss} & needs
+        for node in reversed(self.ops):
+            if node.name in grads:
+                grads.update(t for t in node.inputs if t in needs)
+        return frozenset(grads)
 
     def __str__(self) -> str:
         return "\n".join(str(n) for n in self.nodes)

@@ -65,6 +65,12 @@ class ShardingOption:
     def __str__(self) -> str:
         return f"({', '.join(map(str, self.inputs))}) -> {self.output}"
 
+    def partial_gradient(self, read: Placement) -> bool:
+        """Does this op make the gradient of an input it reads as `read` a Partial sum on each
+        rank? It does where it reads the input replicated and makes a split or Partial output
+        (a column-parallel matmul): each rank differentiates only its part."""
+        return read == R and self.output != R
+
 
 def parse_option(text: str) -> ShardingOption:
     """Inverse of `str(option)`, e.g. '(S(0), R) -> S(0)'."""

@@ -25,7 +25,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from hidup.graph.placement import Partial, R
+from hidup.graph.placement import Partial
 from hidup.planning.strategy import Strategy, fitting_options
 from hidup.program.tasks import LoweringError
 
@@ -148,6 +148,7 @@ def _conversions(search, model: _Model, x, t: str, reads, unit: float) -> None:
         for col, opt in x[t]:
             home.setdefault(opt.output, {})[col] = 1.0
     wants: dict = {}  # placement -> [(consumer, expression of it reading t there)], in order
+    partial = []  # per consumer, the expression of it making t's gradient a Partial sum
     for consumer in dict.fromkeys(c for c, _ in reads):
         slots = [s for c, s in reads if c == consumer]
         per: dict = {}
@@ -156,21 +157,18 @@ def _conversions(search, model: _Model, x, t: str, reads, unit: float) -> None:
                 per.setdefault(p, {})[col] = 1.0
         for p, expr in per.items():
             wants.setdefault(p, []).append((consumer, expr))
-    if t in search.reduced:  # its replicated gradient made whole once, where one of its
-        partial = []  # consumers makes it a Partial sum (reads it at R, outputs no R)
-        for consumer in dict.fromkeys(c for c, _ in reads):
-            slots = [s for c, s in reads if c == consumer]
+        if t in search.reduced:
             expr = {col: 1.0 for col, opt in x[consumer]
-                    if opt.output != R and any(opt.inputs[s] == R for s in slots)}
+                    if any(opt.partial_gradient(opt.inputs[s]) for s in slots)}
             if expr:
                 partial.append(expr)
-        for h in home:
-            cost = search.partial_grad_cost(t, h) if partial else 0.0
-            if cost <= 0:
-                continue
-            q = model.var(cost * unit)
-            for expr in partial:  # q >= home h + a consumer that makes it Partial - 1
-                model.row([(1.0, {q: 1.0}), (-1.0, home[h]), (-1.0, expr)], lower=-1.0)
+    for h in home:  # t's replicated gradient made whole once, where the first consumer to
+        cost = search.partial_grad_cost(t, h) if partial else 0.0  # make it Partial reads it
+        if cost <= 0:
+            continue
+        q = model.var(cost * unit)
+        for expr in partial:  # q >= home h + a consumer that makes it Partial - 1
+            model.row([(1.0, {q: 1.0}), (-1.0, home[h]), (-1.0, expr)], lower=-1.0)
     for p, readers in wants.items():
         if isinstance(p, Partial):  # read as a Partial sum: only where it is one
             for _, expr in readers:

@@ -48,7 +48,7 @@ from typing import NamedTuple
 
 from hidup.graph.capture import Graph, Node
 from hidup.graph.flops import backward_flops, forward_flops
-from hidup.graph.placement import Partial, Placement, R, Replicate, Shard, ShardingOption
+from hidup.graph.placement import Partial, Placement, R, Replicate, ShardingOption
 from hidup.planning.costs import Profile
 from hidup.planning.estimate import Estimate, estimate
 from hidup.planning.exact import exact_plan
@@ -172,9 +172,8 @@ class Search:
                 self.last[t] = max(self.last.get(t, -1), self.position[node.name])
                 self.first.setdefault(t, self.position[node.name])
         self.placeholders = {n.name for n in graph.nodes if n.kind != "op"}
-        grads = graph.gradients()
-        self.grads = grads  # the tensors with a gradient
-        self.reduced = grads - {p.name for p in graph.params}  # whose replicated value's
+        self.grads = graph.gradients  # the tensors with a gradient
+        self.reduced = self.grads - {p.name for p in graph.params}  # whose replicated value's
         #   Partial gradient a conversion's dual or an all-reduce makes whole (parameters':
         #   node_cost's `grads`)
         self._cuts = self._cut_plans()
@@ -221,7 +220,7 @@ class Search:
         key = (t, home, "grad")
         if key not in self._converts:
             size = max(self.nbytes(t, home), self.nbytes(t, R))
-            kind = "reduce_scatter" if isinstance(home, Shard) else "all_reduce"
+            kind = "all_reduce" if home == R else _DUAL[conversion(home, R)]
             if self.objective == "comm":
                 cost = float(size)
             else:
@@ -410,7 +409,7 @@ class Search:
                 if self.plain is not None and self.plain is not self:
                     comm1 += self.plain.conversion_cost(t, home, want)
                 made = made | {want}
-            if want == R and opt.output != R and t in self.reduced and _GRAD not in made:
+            if opt.partial_gradient(want) and t in self.reduced and _GRAD not in made:
                 if duplex:  # the first consumer to make t's gradient a Partial sum
                     try:
                         comm += self.partial_grad_cost(t, home)

@@ -79,7 +79,7 @@ class Lowering:
         rank and its parameters' gradients are whole. (Carried back instead, the Partial sum
         would make every parameter there all-reduced, a cost the search does not see.)"""
         g, s = self.g, self.s
-        self.has_grad = set(g.gradients())
+        self.has_grad = g.gradients
         self.r_kinds: dict[str, set[str]] = {}  # tensor -> kinds of contributions to grad of its R value
         for node in g.ops:
             if node.name not in self.has_grad:
@@ -87,7 +87,7 @@ class Lowering:
             self._conversion_kinds(node.name)
             for t, p in zip(node.inputs, s.options[node.name].inputs):
                 if t in self.has_grad and p == R:
-                    kind = "R" if s.options[node.name].output == R else "P"
+                    kind = "P" if s.options[node.name].partial_gradient(p) else "R"
                     self.r_kinds.setdefault(t, set()).add(kind)
         for p in g.params:
             self._conversion_kinds(p.name)
@@ -275,8 +275,8 @@ class Lowering:
             key = gkey(t, p, self.in_mb(t, m))
             outs.append(key)
             done.append((t, p, self.in_mb(t, m)))
-            if p == R and opt.output == R and self.gplace(t, p) != R:  # a whole contribution
-                #   to a Partial sum: one rank adds it
+            if p == R and not opt.partial_gradient(p) and self.gplace(t, p) != R:  # a whole
+                #   contribution to a Partial sum: one rank adds it
                 root.append(key)
         ins, out, fwd, nbytes, partial = self.kernel(node)  # the backward reads what the
         nbytes += sum(self.nbytes(t, p) for t, p in zip(node.inputs, opt.inputs))  # forward
