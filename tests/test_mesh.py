@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from hidup.models import capture_model, get_model
 from hidup.plan import main as plan_main
 from hidup.graph.placement import R
 from hidup.planning.costs import load_profile
@@ -124,3 +125,22 @@ def test_plan_cli_mesh(capsys):
     with pytest.raises(SystemExit):
         plan_main(["--model", "gpt:tiny", "--gpus", "16", "--mesh", "two"])
     assert "--mesh two: give MACHINESxGPUS, e.g. 8x8" in capsys.readouterr().err
+
+
+def test_a_mesh_priced_far_over_the_other_has_only_its_cheapest_plan_lowered(monkeypatch):
+    """bert-sgmoe:paper (2 layers) on 2 x 8 GPUs: the 2-D programme's best plan is priced over
+    twice the 1-D one's (the experts' gradients cross the 10 Gbit/s link), so the search lowers
+    only its cheapest (with k and with one), and chooses what it chooses lowering them all."""
+    import hidup.planning.search as searching
+    spec = get_model("bert-sgmoe:paper", gpus=16, layers=2)
+    graph = capture_model(spec, spec.batch)
+    profile = load_profile("v100-8x8-10gbps")
+    found = search(graph, 16, profile, k=2, machines=2)
+    on_mesh = [name for name, _ in found.candidates if "-2d#" in name]
+    assert sorted(on_mesh) == ["search-2d#0 k=1", "search-2d#0 k=2"]
+    monkeypatch.setattr(searching, "_HOPELESS", float("inf"))
+    every = search(graph, 16, profile, k=2, machines=2)
+    assert len([name for name, _ in every.candidates if "-2d#" in name]) > 2
+    assert every.candidates[0] == found.candidates[0]
+    best_2d = min(t for name, t in every.candidates if "-2d#" in name)
+    assert best_2d > 2 * every.estimate.step_time  # it was far behind indeed

@@ -7,10 +7,9 @@ import json
 import math
 from pathlib import Path
 
-from hidup.graph import ops
 from hidup.graph.capture import Graph
 from hidup.graph.placement import Partial, parse_option, parse_placement
-from hidup.planning.strategy import Strategy, fixed_strategy
+from hidup.planning.strategy import Strategy, fixed_strategy, node_options
 
 PLAN_FORMAT, PLAN_VERSION = "hidup-plan", 1
 
@@ -36,7 +35,7 @@ def check(graph: Graph, strategy: Strategy) -> None:
     """Every op's option is one its rule offers, and no parameter or input is Partial."""
     for node in graph.ops:
         opt = strategy.options.get(node.name)
-        if opt is None or opt not in ops.options(node, node.in_metas(graph), True):
+        if opt is None or opt not in node_options(graph, node, True):
             raise PlanError(f"node {node.name} ({node.op}): option {opt} is not one of its options")
     for name, p in strategy.placements.items():
         if isinstance(p, Partial):

@@ -67,6 +67,11 @@ _GRAD = "grad"  # in a state's converted-to set: the tensor's replicated gradien
 # the programme's best plan with one micro-batch is never worse than a plain programme's, nor its
 # best with k than a Duplex-priced one's (with 2/3 best, 1/3 with k: 0.36% worse on gpt:paper).
 _BEAM_SHARES = (0.4, 0.3)
+# On a 2-D mesh the search ranks the plans of the mesh's programme and of the 1-D one; where
+# one programme's best plan is priced over _HOPELESS times the other's, only its cheapest is
+# lowered and estimated (the estimate of the programme's plans differs from its price by -4% to
+# +33% on the paper's models at 16 and 64 GPUs, so such a plan does not win).
+_HOPELESS = 2.0
 _DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all",
          "all_reduce": "all_reduce", "slice": "all_gather"}
 
@@ -88,7 +93,8 @@ class _Label(NamedTuple):  # a NamedTuple: the search makes hundreds of thousand
     @property
     def best(self) -> float:
         """The plan runs with k micro-batches or with one, whichever is faster."""
-        return min(self.time + self.debt, self.plain)
+        cost = self.time + self.debt
+        return cost if cost < self.plain else self.plain
 
 
 _BEST, _COST, _PLAIN, _MEMORY = (attrgetter(field) for field in ("best", "cost", "plain",
@@ -180,7 +186,16 @@ class Search:
         self._values: list[tuple] = []  # a key holds each (home, converted-to) as its index here
         self._ids: dict[tuple, int] = {}
         self.labels = 0
-        self._converts: dict[tuple, float] = {}  # (tensor, src, dst) -> seconds
+        # The layers repeat: tensors alike (shape, dtype, micro-batch split, with a gradient or
+        # not) convert alike, and nodes alike (op, arguments, inputs alike, which parameters
+        # they are the home of) cost alike: each is priced once.
+        kinds: dict[tuple, int] = {}
+        self.alike = {n.name: kinds.setdefault((n.out.shape, n.out.dtype, self.mbs.home(n.name),
+                                                n.name in self.grads), len(kinds))
+                      for n in graph.nodes}
+        self._converts: dict[tuple, float] = {}  # (alike, src, dst) -> seconds
+        self._node_kinds: dict[str, tuple] = {}  # node -> what it costs alike with
+        self._node_costs: dict[tuple, _NodeCost] = {}  # (node kind, option) -> node_cost
         self._conversions: dict[tuple, float] = {}  # _collectives' key -> seconds
         shapes = Shapes(graph, self.mbs, self.world, k * machines)
         self.shape, self.nbytes = shapes.shape, shapes.nbytes  # (tensor, placement) -> local
@@ -198,7 +213,7 @@ class Search:
 
     def conversion_cost(self, t: str, src: Placement, dst: Placement) -> float:
         """The conversion's time per micro-batch, forward and backward (its dual)."""
-        key = (t, src, dst)
+        key = (self.alike[t], src, dst)
         if key not in self._converts:
             self._converts[key] = self._conversion_cost(t, src, dst)
         return self._converts[key]
@@ -217,7 +232,7 @@ class Search:
         lowering does once, however many consumers make it Partial: the dual of its conversion
         to R (a reduce-scatter to a split home, an all-reduce to a Partial one), or an
         all-reduce where t's home is R (hidup.program.lowering's reduced_at)."""
-        key = (t, home, "grad")
+        key = (self.alike[t], home, "grad")
         if key not in self._converts:
             size = max(self.nbytes(t, home), self.nbytes(t, R))
             kind = "all_reduce" if home == R else _DUAL[conversion(home, R)]
@@ -246,6 +261,19 @@ class Search:
 
     def node_cost(self, node: Node, opt: ShardingOption) -> _NodeCost:
         """What the option costs; objective 'comm' counts bytes, its gradients' as `grads`."""
+        kind = self._node_kinds.get(node.name)
+        if kind is None:
+            here = self.position[node.name]
+            kind = self._node_kinds[node.name] = (
+                node.op, repr(node.args), self.alike[node.name],
+                tuple((self.alike[t], self.g.node(t).kind, self.first[t] == here)
+                      for t in node.inputs))
+        key = kind, opt
+        if key not in self._node_costs:
+            self._node_costs[key] = self._node_cost(node, opt)
+        return self._node_costs[key]
+
+    def _node_cost(self, node: Node, opt: ShardingOption) -> _NodeCost:
         ins = [self.shape(t, p) for t, p in zip(node.inputs, opt.inputs)]
         out = self.shape(node.name, opt.output)
         fwd = forward_flops(node.op, ins, out, node.args)
@@ -323,8 +351,8 @@ class Search:
         out: dict[tuple, list[_Label]] = {}
         steps: dict[tuple, tuple | None] = {}  # states differ mostly in what the node does not
         for key, labels in states.items():  # read: one step per option and values it reads
-            ins = tuple(key[s] if s >= 0 else -1 for s in cut.reads)
-            untouched = tuple(key[s] for s in cut.kept)
+            ins = tuple(map((key + (-1,)).__getitem__, cut.reads))  # -1: not placed yet
+            untouched = tuple(map(key.__getitem__, cut.kept))
             for i, (opt, cost, plain) in enumerate(options):
                 if (i, ins) not in steps:
                     steps[i, ins] = self._step(node, opt, cost is not None, ins)
@@ -431,32 +459,36 @@ class Search:
         priced at k = 1). One call per state and option: this runs a million times."""
         self.labels += len(labels)
         name, k = node.name, self.k
+        new = tuple.__new__  # _Label(...) without its Python-level __new__: twice as fast
         if plain is not None and self.plain is not self:  # its time with one micro-batch
             g1, c1, u1 = plain.grads, plain.compute, plain.update
-            plains = [lab.plain + comm1 + g1 + c1 + u1 for lab in labels]
-        else:
-            plains = [math.inf] * len(labels)
-        new = tuple.__new__  # _Label(...) without its Python-level __new__: twice as fast
+        else:  # none, or (k = 1) the time itself
+            comm1, g1, c1, u1 = math.inf, 0.0, 0.0, 0.0
         if cost is None:  # its splits do not divide by k micro-batches
-            return [new(_Label, (math.inf, math.inf, lab.memory + plain.memory, p, name, opt,
-                                 lab)) for lab, p in zip(labels, plains)]
+            return [new(_Label, (math.inf, math.inf, lab.memory + plain.memory,
+                                 lab.plain + comm1 + g1 + c1 + u1, name, opt, lab))
+                    for lab in labels]
         memory = cost.memory if plain is None else min(cost.memory, plain.memory)  # where it
         # fits with one micro-batch, it can run (the limit, and which label is leanest)
         comm += cost.grads / k
         compute, update = cost.compute, cost.update
+        # one comprehension per case, each label's fields written out: the sums in the same
+        # order as the stage model above
         if k == 1 or self.objective == "comm":
-            times = [(lab.time + comm + compute, 0.0) for lab in labels]
-        elif comm == 0.0:
+            same = self.plain is self
+            return [new(_Label, (t, 0.0, lab.memory + memory, t if same else math.inf, name,
+                                 opt, lab))
+                    for lab in labels for t in [lab.time + comm + compute + update]]
+        if comm == 0.0:
             owed = (k - 1) * compute
-            times = [(lab.time + compute, lab.debt + owed) for lab in labels]
-        else:
-            owed = (k - 1) * compute + max(0.0, comm - compute)
-            times = [(lab.time + max(lab.debt, comm) + compute, owed) for lab in labels]
-        if self.plain is self:
-            return [new(_Label, (t + update, d, lab.memory + memory, t + update, name, opt, lab))
-                    for lab, (t, d) in zip(labels, times)]
-        return [new(_Label, (t + update, d, lab.memory + memory, p, name, opt, lab))
-                for lab, (t, d), p in zip(labels, times, plains)]
+            return [new(_Label, (lab.time + compute + update, lab.debt + owed,
+                                 lab.memory + memory, lab.plain + comm1 + g1 + c1 + u1, name,
+                                 opt, lab)) for lab in labels]
+        owed = (k - 1) * compute + max(0.0, comm - compute)
+        return [new(_Label, (lab.time + (lab.debt if lab.debt > comm else comm) + compute
+                             + update, owed, lab.memory + memory,
+                             lab.plain + comm1 + g1 + c1 + u1, name, opt, lab))
+                for lab in labels]
 
     def price(self, strategy: Strategy) -> float:
         """The programme's cost of one given plan with k micro-batches (as its own labels would
@@ -476,7 +508,7 @@ class Search:
         """Add the labels to the state `key` but those over the memory limit (prune() drops
         the dominated ones of the states it keeps)."""
         limit = self.memory
-        fits = [label for label in new if label.memory <= limit]
+        fits = new if limit == math.inf else [label for label in new if label.memory <= limit]
         if fits:
             out.setdefault(key, []).extend(fits)
 
@@ -511,18 +543,25 @@ class Search:
         with k, among the labels that their own criteria do not dominate), and the leanest."""
         n = self.per_state - 1
         kept = sorted(labels, key=_BEST)[:n]
+        ids = set(map(id, kept))
         if self.k > 1:
             mine: list[_Label] = []  # the plain programme's: by plain time, then memory
             for lab in sorted(labels, key=_PLAIN):
-                if len(mine) == n:
-                    break
                 p, m = lab.plain, lab.memory
-                if not any(o.plain <= p and o.memory <= m for o in mine):
+                for o in mine:
+                    if o.plain <= p and o.memory <= m:
+                        break
+                else:
                     mine.append(lab)
-            kept += [lab for lab in mine if all(lab is not o for o in kept)]
+                    if id(lab) not in ids:
+                        kept.append(lab)
+                        ids.add(id(lab))
+                    if len(mine) == n:
+                        break
         for extra in (min(labels, key=_MEMORY), min(labels, key=_COST)):
-            if all(extra is not o for o in kept):
+            if id(extra) not in ids:
                 kept.append(extra)
+                ids.add(id(extra))
         return kept
 
     def _quotas(self) -> list[tuple[str, int]]:
@@ -563,7 +602,8 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
     each lowered with k and with one, ranked by the fast estimate (objective 'comm': by its own
     count). The programme prices every plan with k micro-batches and with one and keeps what is
     best either way, so that a search for Duplex finds the plans a plain search finds. On a 2-D
-    mesh of `machines` > 1 it runs on the mesh and over every rank (1-D), and ranks both. Every
+    mesh of `machines` > 1 it runs on the mesh and over every rank (1-D), and ranks both (of a
+    programme whose best is priced over _HOPELESS times the other's, its cheapest plan). Every
     plan is priced and held to `memory` with `optimizer`'s update and state. With `exact` > 0
     seconds the k = 1 programme's best plan on each mesh is also sought by the integer
     programme (hidup.planning.exact), proven optimal for that cost model unless the time runs
@@ -590,23 +630,27 @@ def _search(graph, world, profile, k, memory, objective, beam, keep, baselines, 
     started = time.perf_counter()
     ranked: list[tuple[float, str, Strategy, float, Estimate, int]] = []
     seen: dict[tuple, dict[int, bool]] = {}  # plans ranked so far: count tried -> it fits
-    labels, proofs = 0, []
+    labels, proofs, runs = 0, [], []
     for mesh in ([machines, 1] if machines > 1 else [1]):
         try:
             dp = programme(graph, world, profile, k, memory, objective, beam, optimizer, mesh)
-            finals = dp.run()
+            runs.append((mesh, dp, dp.run()))
         except ValueError as exc:
             if mesh == 1:
                 raise
             log.info("search on %d machines x %d: %s", mesh, world // mesh, exc)
             continue
         labels += dp.labels
+    least = min(finals[0].best for _, _, finals in runs)
+    for mesh, dp, finals in runs:
         mesh_tag = "-2d" if mesh > 1 else ""
         # the `keep` cheapest plans with k micro-batches and the `keep` cheapest with one:
-        # the `keep` best either way are among them
-        for by, tag, at in _orders(dp.k, objective):
-            _rank_finals(ranked, seen, dp, sorted(finals, key=by), by, keep, tag + mesh_tag,
-                         graph, world, profile, optimizer, at)
+        # the `keep` best either way are among them; only the cheapest of a mesh whose best
+        # is priced far over the other's
+        hopeless = objective == "time" and finals[0].best > _HOPELESS * least
+        for by, tag, at in _orders(dp.k, objective)[:1 if hopeless else None]:
+            _rank_finals(ranked, seen, dp, sorted(finals, key=by), by, 1 if hopeless else keep,
+                         tag + mesh_tag, graph, world, profile, optimizer, at)
         if exact > 0 and objective == "time":
             proof = exact_plan(dp.plain, "hidup", exact)
             beam_cost = min(label.plain for label in finals)

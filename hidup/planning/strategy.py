@@ -65,12 +65,28 @@ def splits_evenly(graph: Graph, tensor: str, p: Placement, n: int) -> bool:
     return not isinstance(p, Shard) or graph.node(tensor).out.shape[p.dim] % n == 0
 
 
+def node_options(graph: Graph, node: Node, replicate_fallback: bool = False
+                 ) -> tuple[ShardingOption, ...]:
+    """The node's sharding options (its op's rule, hidup.graph.ops), computed once per graph:
+    the search, the plan checks and the baselines ask for every node many times."""
+    cache = graph.__dict__.setdefault("_options", {})
+    key = node.name, replicate_fallback
+    if key not in cache:
+        cache[key] = tuple(ops.options(node, node.in_metas(graph), replicate_fallback))
+    return cache[key]
+
+
 def fitting_options(graph: Graph, node: Node, n: int, replicate_fallback: bool = False
-                    ) -> list[ShardingOption]:
-    """The node's options whose every split divides evenly into n."""
-    return [o for o in ops.options(node, node.in_metas(graph), replicate_fallback)
+                    ) -> tuple[ShardingOption, ...]:
+    """The node's options whose every split divides evenly into n (once per graph and n)."""
+    cache = graph.__dict__.setdefault("_fitting_options", {})
+    key = node.name, n, replicate_fallback
+    if key not in cache:
+        cache[key] = tuple(
+            o for o in node_options(graph, node, replicate_fallback)
             if splits_evenly(graph, node.name, o.output, n)
-            and all(splits_evenly(graph, t, p, n) for t, p in zip(node.inputs, o.inputs))]
+            and all(splits_evenly(graph, t, p, n) for t, p in zip(node.inputs, o.inputs)))
+    return cache[key]
 
 
 def propagate(graph: Graph, world: int, name: str, seeds: dict[str, Placement],
