@@ -644,13 +644,15 @@ def _search(graph, world, profile, k, memory, objective, beam, keep, baselines, 
     least = min(finals[0].best for _, _, finals in runs)
     for mesh, dp, finals in runs:
         mesh_tag = "-2d" if mesh > 1 else ""
-        # the `keep` cheapest plans with k micro-batches and the `keep` cheapest with one:
-        # the `keep` best either way are among them; only the cheapest of a mesh whose best
-        # is priced far over the other's
-        hopeless = objective == "time" and finals[0].best > _HOPELESS * least
-        for by, tag, at in _orders(dp.k, objective)[:1 if hopeless else None]:
-            _rank_finals(ranked, seen, dp, sorted(finals, key=by), by, 1 if hopeless else keep,
-                         tag + mesh_tag, graph, world, profile, optimizer, at)
+        if objective == "time" and finals[0].best > _HOPELESS * least:  # far behind: its
+            # plan best either way only (finals are in that order)
+            _rank_finals(ranked, seen, dp, finals, _BEST, 1, "search" + mesh_tag, graph,
+                         world, profile, optimizer, sorted({1, dp.k}))
+        else:  # the `keep` cheapest plans with k micro-batches and the `keep` cheapest with
+            # one: the `keep` best either way are among them
+            for by, tag, at in _orders(dp.k, objective):
+                _rank_finals(ranked, seen, dp, sorted(finals, key=by), by, keep,
+                             tag + mesh_tag, graph, world, profile, optimizer, at)
         if exact > 0 and objective == "time":
             proof = exact_plan(dp.plain, "hidup", exact)
             beam_cost = min(label.plain for label in finals)
