@@ -58,7 +58,9 @@ _MODEL_MISSES = pytest.mark.xfail(strict=True, reason=(
 
 @pytest.mark.parametrize("model, world, cluster, best", [
     ("bert-sgmoe:paper", 8, "v100-2x4", "expert"),  # 2 machines: the experts split
-    pytest.param("bert-sgmoe:tiny", 2, "v100-1x4-nvlink", "expert", marks=_MODEL_MISSES),
+    # the search's own plans miss expert here (1.444 ms against 1.408), but every op replicated,
+    # ranked beside them, beats it (1.405 ms): the model's gradient pricing is still off
+    ("bert-sgmoe:tiny", 2, "v100-1x4-nvlink", "expert"),
     pytest.param("gpt:small", 4, "v100-1x4-nvlink", "ddp", marks=_MODEL_MISSES),
 ])
 def test_the_search_alone_matches_or_beats_the_best_fixed_strategy(model, world, cluster, best):
@@ -71,7 +73,7 @@ def test_the_search_alone_matches_or_beats_the_best_fixed_strategy(model, world,
     fixed_time, fixed_name = _best_fixed(graph, world, profile)
     assert fixed_name.startswith(best)
     found = search(graph, world, profile, k=2)  # no baselines
-    assert all(name.startswith(("search#", "search-k1#"))
+    assert all(name.startswith(("search#", "search-k1#", "search-replicated#"))
                for name, _ in found.candidates)
     assert found.estimate.step_time <= fixed_time * (1 + 1e-9), (found.candidates, fixed_name)
 
@@ -324,3 +326,18 @@ def test_the_programme_prices_a_replicated_block_before_a_sharded_one_as_lowered
     assert any(task.tensor == "add" for task in reduced)  # the block's output, read by linear_2
     lowered = estimate(program, profile).step_time
     assert dp.price(plan) == pytest.approx(lowered, rel=0.05)
+
+
+def test_the_plan_with_no_communication_is_ranked_where_slow_links_make_it_the_fastest():
+    """bert-sgmoe:tiny on 2 x 4 V100 joined at 1 Gbit/s: every op replicated on every rank (no
+    collective at all) is the fastest plan, and the search returns it, found by the beam or
+    ranked beside the beam's plans."""
+    from calibration.derive import parse_rate, with_inter_link
+    spec = get_model("bert-sgmoe:tiny", gpus=8)
+    graph = capture_model(spec, spec.batch)
+    profile = with_inter_link(load_profile("v100-2x4"), parse_rate("1gbit"))
+    found = search(graph, 8, profile, k=2)
+    assert all(o.output == R and set(o.inputs) <= {R} for o in found.strategy.options.values())
+    program = lower(graph, found.strategy, 8, found.k)
+    assert not [t for t in program.tasks if getattr(t, "collective", False)]
+    assert found.estimate.step_time <= min(t for _, t in found.candidates) * (1 + 1e-12)

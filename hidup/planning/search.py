@@ -598,7 +598,8 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
            baselines: dict[str, Strategy] | None = None, optimizer: str = "sgd",
            machines: int = 1, exact: float = 0.0) -> SearchResult:
     """The best plan: the dynamic programme's `keep` cheapest plans with k micro-batches, its
-    `keep` cheapest with one (its `keep` best either way are among them) and the `baselines`,
+    `keep` cheapest with one (its `keep` best either way are among them), the plan with no
+    communication (every op replicated: search-replicated#0; _replicated) and the `baselines`,
     each lowered with k and with one, ranked by the fast estimate (objective 'comm': by its own
     count). The programme prices every plan with k micro-batches and with one and keeps what is
     best either way, so that a search for Duplex finds the plans a plain search finds. On a 2-D
@@ -663,6 +664,11 @@ def _search(graph, world, profile, k, memory, objective, beam, keep, baselines, 
             _rank(ranked, seen.setdefault(_plan_key(proof.strategy), {}), graph,
                   proof.strategy, world, sorted({1, k}), profile,
                   "exact-2d#0" if mesh > 1 else "exact#0", proof.cost, dp.memory, optimizer)
+    whole = _replicated(runs[-1][1]) if objective == "time" else None  # the 1-D programme's
+    if whole is not None:
+        _rank(ranked, seen.setdefault(_plan_key(whole), {}), graph, whole, world, sorted({1, k}),
+              profile, "search-replicated#0", runs[-1][1].plain.price(whole), dp.memory,
+              optimizer)
     for name, strategy in (baselines or {}).items():
         _rank(ranked, {}, graph, strategy, world, sorted({1, k}), profile, name, math.nan,
               dp.memory, optimizer)
@@ -693,6 +699,21 @@ def programme(graph: Graph, world: int, profile: Profile, k: int, memory: float 
                  exc)
         return Search(graph, world, profile, 1, memory, objective, beam, optimizer=optimizer,
                       machines=machines)
+
+
+def _replicated(dp: Search) -> Strategy | None:
+    """The plan with no communication at all: every op replicated, on every rank (None where an
+    op offers no such option). Where links are slow it is the fastest, and the beam can miss it
+    (on 2 x 4 V100 at 1-10 Gbit/s, vit-sgmoe:paper's beam of 16 ended 9-90% over it at k = 1).
+    Keeping its state in the beam instead made the beam lose far more elsewhere (bert-sgmoe's
+    plans at 1 Gbit/s estimated 77 s instead of 7.2): so it is ranked beside the programme's."""
+    options = {}
+    for node in dp.g.ops:
+        option = ShardingOption((R,) * len(node.inputs), R)
+        if option not in fitting_options(dp.g, node, dp.world):
+            return None
+        options[node.name] = option
+    return dp.plan(options, "hidup")
 
 
 def _plan_key(strategy: Strategy) -> tuple:
