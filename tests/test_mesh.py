@@ -127,10 +127,10 @@ def test_plan_cli_mesh(capsys):
     assert "--mesh two: give MACHINESxGPUS, e.g. 8x8" in capsys.readouterr().err
 
 
-def test_a_mesh_priced_far_over_the_other_has_only_its_cheapest_plan_lowered(monkeypatch):
+def test_a_mesh_priced_far_over_the_other_has_only_its_best_plan_lowered(monkeypatch):
     """bert-sgmoe:paper (2 layers) on 2 x 8 GPUs: the 2-D programme's best plan is priced over
     twice the 1-D one's (the experts' gradients cross the 10 Gbit/s link), so the search lowers
-    only its cheapest (with k and with one), and chooses what it chooses lowering them all."""
+    only its best (with k and with one), and chooses what it chooses lowering them all."""
     import hidup.planning.search as searching
     spec = get_model("bert-sgmoe:paper", gpus=16, layers=2)
     graph = capture_model(spec, spec.batch)

@@ -68,7 +68,7 @@ _GRAD = "grad"  # in a state's converted-to set: the tensor's replicated gradien
 # best with k than a Duplex-priced one's (with 2/3 best, 1/3 with k: 0.36% worse on gpt:paper).
 _BEAM_SHARES = (0.4, 0.3)
 # On a 2-D mesh the search ranks the plans of the mesh's programme and of the 1-D one; where
-# one programme's best plan is priced over _HOPELESS times the other's, only its cheapest is
+# one programme's best plan is priced over _HOPELESS times the other's, only that plan of it is
 # lowered and estimated (the estimate of the programme's plans differs from its price by -4% to
 # +33% on the paper's models at 16 and 64 GPUs, so such a plan does not win).
 _HOPELESS = 2.0
