@@ -665,10 +665,10 @@ def _search(graph, world, profile, k, memory, objective, beam, keep, baselines, 
                   proof.strategy, world, sorted({1, k}), profile,
                   "exact-2d#0" if mesh > 1 else "exact#0", proof.cost, dp.memory, optimizer)
     whole = _replicated(runs[-1][1]) if objective == "time" else None  # the 1-D programme's
-    if whole is not None:
+    price = runs[-1][1].plain.price(whole) if whole is not None else math.inf
+    if price <= _HOPELESS * least:  # (not where it is far behind, as a mesh's plans above)
         _rank(ranked, seen.setdefault(_plan_key(whole), {}), graph, whole, world, sorted({1, k}),
-              profile, "search-replicated#0", runs[-1][1].plain.price(whole), dp.memory,
-              optimizer)
+              profile, "search-replicated#0", price, dp.memory, optimizer)
     for name, strategy in (baselines or {}).items():
         _rank(ranked, {}, graph, strategy, world, sorted({1, k}), profile, name, math.nan,
               dp.memory, optimizer)
