@@ -12,7 +12,7 @@ from conftest import build_model, run_ranks
 from hidup.graph.capture import capture
 from hidup.models import get_model
 from hidup.planning.costs import load_profile
-from hidup.planning.search import Search, search
+from hidup.planning.search import Search, replicated_plan, search
 from hidup.planning.strategy import fixed_strategy, random_strategy
 from hidup.program import LoweringError, lower
 from hidup.runtime.execute import Executor, full_tensor
@@ -20,6 +20,7 @@ from hidup.runtime.execute import Executor, full_tensor
 MODELS = ("mlp:tiny", "gpt:tiny")
 CASES = [(m, s, k) for m in MODELS for s in ("ddp", "megatron") for k in (1, 2)]
 CASES += [(m, "search", 2) for m in MODELS + ("bert-sgmoe:tiny",)]  # a searched plan
+CASES += [("gpt:tiny", "replicated", 2)]  # the search's plan with no communication
 
 
 def batch_of(spec, seed=1):
@@ -36,7 +37,10 @@ def reference(name: str, world: int):
 
 
 def one_d_strategy(graph, name: str, world: int, k: int):
-    """A strategy over every rank: searched, or fixed by name."""
+    """A strategy over every rank: searched, every op replicated (as the search ranks it), or
+    fixed by name."""
+    if name == "replicated":
+        return replicated_plan(Search(graph, world, load_profile("v100-8x8-10gbps"), k))
     return (search(graph, world, load_profile("v100-8x8-10gbps"), k).strategy
             if name == "search" else fixed_strategy(name, graph, world))
 

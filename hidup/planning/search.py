@@ -599,7 +599,7 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
            machines: int = 1, exact: float = 0.0) -> SearchResult:
     """The best plan: the dynamic programme's `keep` cheapest plans with k micro-batches, its
     `keep` cheapest with one (its `keep` best either way are among them), the plan with no
-    communication (every op replicated: search-replicated#0; _replicated) and the `baselines`,
+    communication (every op replicated: search-replicated#0; replicated_plan) and the `baselines`,
     each lowered with k and with one, ranked by the fast estimate (objective 'comm': by its own
     count). The programme prices every plan with k micro-batches and with one and keeps what is
     best either way, so that a search for Duplex finds the plans a plain search finds. On a 2-D
@@ -664,7 +664,7 @@ def _search(graph, world, profile, k, memory, objective, beam, keep, baselines, 
             _rank(ranked, seen.setdefault(_plan_key(proof.strategy), {}), graph,
                   proof.strategy, world, sorted({1, k}), profile,
                   "exact-2d#0" if mesh > 1 else "exact#0", proof.cost, dp.memory, optimizer)
-    whole = _replicated(runs[-1][1]) if objective == "time" else None  # the 1-D programme's
+    whole = replicated_plan(runs[-1][1]) if objective == "time" else None  # the 1-D programme's
     price = runs[-1][1].plain.price(whole) if whole is not None else math.inf
     if price <= _HOPELESS * least:  # (not where it is far behind, as a mesh's plans above)
         _rank(ranked, seen.setdefault(_plan_key(whole), {}), graph, whole, world, sorted({1, k}),
@@ -701,7 +701,7 @@ def programme(graph: Graph, world: int, profile: Profile, k: int, memory: float 
                       machines=machines)
 
 
-def _replicated(dp: Search) -> Strategy | None:
+def replicated_plan(dp: Search) -> Strategy | None:
     """The plan with no communication at all: every op replicated, on every rank (None where an
     op offers no such option). Where links are slow it is the fastest, and the beam can miss it
     (on 2 x 4 V100 at 1-10 Gbit/s, vit-sgmoe:paper's beam of 16 ended 9-90% over it at k = 1).
