@@ -464,11 +464,13 @@ def _write_trace(prof, out: Path) -> None:
 
 def _peer_failure(exc: RuntimeError) -> bool:
     """A collective that failed because of another rank or the network (gloo and NCCL raise
-    plain RuntimeErrors, newer versions DistError)."""
+    plain RuntimeErrors, newer versions DistError; gloo's words vary with where it was when the
+    peer went: 'Timed out', 'Connection reset by peer', 'Application timeout caused pair
+    closure', ...)."""
     text = str(exc).lower()
     return isinstance(exc, dist.DistError) or any(
-        mark in text for mark in ("gloo", "nccl", "timed out", "connection reset",
-                                  "connection closed", "closed by peer"))
+        mark in text for mark in ("gloo", "nccl", "timed out", "timeout", "connection reset",
+                                  "connection closed", "closed by peer", "pair closure"))
 
 
 def _resident_mb() -> float:

@@ -199,3 +199,14 @@ def test_a_rank_killed_mid_run_ends_its_peer_with_an_error_in_bounded_time(tmp_p
         assert result.codes[0] != 0 and took < 45, (took, result.codes)  # < --timeout 60
         assert "a collective failed, a peer is lost" in (result.stderr[0] or ""), \
             (result.stderr[0] or "")[-2000:]
+
+
+def test_a_peer_failure_is_recognised_in_each_of_gloos_wordings():
+    """What gloo (and NCCL) raise when a peer is gone varies with where the rank was waiting;
+    each must end the run with the one-line error, and a bug in the model must not."""
+    for text in ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer",
+                 "Application timeout caused pair closure",
+                 "Timed out waiting 10000ms for recv operation to complete",
+                 "Connection reset by peer", "NCCL communicator was aborted"):
+        assert train._peer_failure(RuntimeError(text)), text
+    assert not train._peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
