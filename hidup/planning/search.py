@@ -48,6 +48,7 @@ from typing import NamedTuple
 
 from hidup.graph.capture import Graph, Node
 from hidup.graph.flops import backward_flops, forward_flops
+from hidup.graph.ops.registry import replicated
 from hidup.graph.placement import Partial, Placement, R, Replicate, ShardingOption
 from hidup.planning.costs import Profile
 from hidup.planning.estimate import Estimate, estimate
@@ -70,7 +71,8 @@ _BEAM_SHARES = (0.4, 0.3)
 # On a 2-D mesh the search ranks the plans of the mesh's programme and of the 1-D one; where
 # one programme's best plan is priced over _HOPELESS times the other's, only that plan of it is
 # lowered and estimated (the estimate of the programme's plans differs from its price by -4% to
-# +33% on the paper's models at 16 and 64 GPUs, so such a plan does not win).
+# +33% on the paper's models at 16 and 64 GPUs, so such a plan is not expected to win). The same
+# holds for the plan with no communication (replicated_plan).
 _HOPELESS = 2.0
 _DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all",
          "all_reduce": "all_reduce", "slice": "all_gather"}
@@ -604,7 +606,7 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
     count). The programme prices every plan with k micro-batches and with one and keeps what is
     best either way, so that a search for Duplex finds the plans a plain search finds. On a 2-D
     mesh of `machines` > 1 it runs on the mesh and over every rank (1-D), and ranks both (of a
-    programme whose best is priced over _HOPELESS times the other's, its cheapest plan). Every
+    programme whose best is priced over _HOPELESS times the other's, that best plan). Every
     plan is priced and held to `memory` with `optimizer`'s update and state. With `exact` > 0
     seconds the k = 1 programme's best plan on each mesh is also sought by the integer
     programme (hidup.planning.exact), proven optimal for that cost model unless the time runs
@@ -645,8 +647,8 @@ def _search(graph, world, profile, k, memory, objective, beam, keep, baselines, 
     least = min(finals[0].best for _, _, finals in runs)
     for mesh, dp, finals in runs:
         mesh_tag = "-2d" if mesh > 1 else ""
-        if objective == "time" and finals[0].best > _HOPELESS * least:  # far behind: its
-            # plan best either way only (finals are in that order)
+        if objective == "time" and _far_behind(finals[0].best, least):  # its plan best
+            # either way only (finals are in that order)
             _rank_finals(ranked, seen, dp, finals, _BEST, 1, "search" + mesh_tag, graph,
                          world, profile, optimizer, sorted({1, dp.k}))
         else:  # the `keep` cheapest plans with k micro-batches and the `keep` cheapest with
@@ -664,9 +666,10 @@ def _search(graph, world, profile, k, memory, objective, beam, keep, baselines, 
             _rank(ranked, seen.setdefault(_plan_key(proof.strategy), {}), graph,
                   proof.strategy, world, sorted({1, k}), profile,
                   "exact-2d#0" if mesh > 1 else "exact#0", proof.cost, dp.memory, optimizer)
-    whole = replicated_plan(runs[-1][1]) if objective == "time" else None  # the 1-D programme's
-    price = runs[-1][1].plain.price(whole) if whole is not None else math.inf
-    if price <= _HOPELESS * least:  # (not where it is far behind, as a mesh's plans above)
+    one_d = next(dp for mesh, dp, _ in runs if mesh == 1)
+    whole = replicated_plan(one_d) if objective == "time" else None
+    price = one_d.plain.price(whole) if whole is not None else math.inf
+    if not _far_behind(price, least):
         _rank(ranked, seen.setdefault(_plan_key(whole), {}), graph, whole, world, sorted({1, k}),
               profile, "search-replicated#0", price, dp.memory, optimizer)
     for name, strategy in (baselines or {}).items():
@@ -701,6 +704,11 @@ def programme(graph: Graph, world: int, profile: Profile, k: int, memory: float 
                       machines=machines)
 
 
+def _far_behind(price: float, least: float) -> bool:
+    """A plan (or a programme's best) priced over _HOPELESS times the least: not lowered."""
+    return price > _HOPELESS * least
+
+
 def replicated_plan(dp: Search) -> Strategy | None:
     """The plan with no communication at all: every op replicated, on every rank (None where an
     op offers no such option). Where links are slow it is the fastest, and the beam can miss it
@@ -709,7 +717,7 @@ def replicated_plan(dp: Search) -> Strategy | None:
     plans at 1 Gbit/s estimated 77 s instead of 7.2): so it is ranked beside the programme's."""
     options = {}
     for node in dp.g.ops:
-        option = ShardingOption((R,) * len(node.inputs), R)
+        option = replicated(len(node.inputs))
         if option not in fitting_options(dp.g, node, dp.world):
             return None
         options[node.name] = option
