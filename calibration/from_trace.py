@@ -84,7 +84,8 @@ def fit_profile(runs: list[TracedRun], name: str, gpus_per_node: int, base: Prof
     intra = base.collectives if spans and base else tier
     inter = tier if spans else (base.inter_node if base else None)
     factors = (base.interference_compute, base.interference_comm) if base else (1.0, 1.0)
-    profile = Profile(name, "", flops, mem, overhead, intra, gpus_per_node, inter, *factors)
+    profile = Profile(name, "", flops, mem, overhead, intra, gpus_per_node, inter, *factors,
+                      interference_latency=base.interference_latency if base else None)
     return profile, report
 
 

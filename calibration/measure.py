@@ -239,19 +239,21 @@ class Progress:
 # -- measuring ---------------------------------------------------------------------------------
 
 def interference(ranks: Ranks, clock: Clock, quick: bool, trials: int,
-                 progress: Progress) -> tuple[float, float]:
+                 progress: Progress) -> tuple[float, float, float]:
     """How much matmuls and world all-reduces slow down when they run at once: each alone, then
     both (the all-reduces from a thread, as a communication stream issues them while the compute
-    stream runs). Median of a few trials, slowest rank, at least 1.0: (computation, comm)."""
+    stream runs), for large all-reduces (their transfer) and small ones (their latency: waking
+    the transport's threads and round trips, which busy cores delay more). Median of a few
+    trials, slowest rank, at least 1.0: (computation, comm, latency)."""
     gpu = clock.cuda
     n = (2048 if quick else 4096) if gpu else (256 if quick else 512)
     nbytes = ((64 if quick else 256) if gpu else (1 if quick else 16)) * 2 ** 20
+    small = 16 * 2 ** 10  # bytes: latency-bound on every link measured here
     window = 0.15 if quick else 0.5  # seconds of each loop
     matmul = _mm(n, 0, ranks.device)
-    reduce, _ = collective_call("all_reduce", nbytes, ranks.world, dist.group.WORLD, ranks.device)
     side = torch.cuda.Stream(ranks.device) if gpu else None
 
-    def reduces(calls: int) -> float:  # seconds per all-reduce, `calls` back to back
+    def reduces(reduce, calls: int) -> float:  # seconds per all-reduce, `calls` back to back
         with torch.cuda.stream(side) if gpu else contextlib.nullcontext():
             t0 = time.perf_counter()
             for _ in range(calls):
@@ -269,28 +271,30 @@ def interference(ranks: Ranks, clock: Clock, quick: bool, trials: int,
             times.append(time.perf_counter() - t0)
         return statistics.fmean(times[:-1] or times)  # the last one may outlast the window
 
-    matmul(), reduce(), clock.sync()  # warm-up
-    calls = max(3, math.ceil(window / ranks.max([reduces(1)])[0]))
-    factors = []
-    for _ in range(trials):
+    def slowdowns(size: int) -> tuple[float, float]:  # (matmuls, all-reduces) at once / alone
+        reduce, _ = collective_call("all_reduce", size, ranks.world, dist.group.WORLD,
+                                    ranks.device)
+        matmul(), reduce(), clock.sync()  # warm-up
+        calls = max(3, math.ceil(window / ranks.max([reduces(reduce, 1)])[0]))
         progress.step(f"interference: {n}x{n} matmuls alone")
         ranks.barrier()
         end = time.perf_counter() + window
         compute_alone = matmuls(lambda: time.perf_counter() > end)
-        progress.step(f"interference: {_size(nbytes)} all-reduces alone")
+        progress.step(f"interference: {_size(size)} all-reduces alone")
         ranks.barrier()
-        comm_alone = reduces(calls)
-        progress.step("interference: matmuls and all-reduces at once")
+        comm_alone = reduces(reduce, calls)
+        progress.step(f"interference: matmuls and {_size(size)} all-reduces at once")
         ranks.barrier()
         both: dict[str, float] = {}
-        thread = threading.Thread(target=lambda: both.update(comm=reduces(calls)))
+        thread = threading.Thread(target=lambda: both.update(comm=reduces(reduce, calls)))
         thread.start()
         compute_both = matmuls(lambda: not thread.is_alive())
         thread.join()
-        factors.append((compute_both / compute_alone, both["comm"] / comm_alone))
-    compute, comm = ranks.max([statistics.median(f[0] for f in factors),
-                               statistics.median(f[1] for f in factors)])
-    return max(1.0, compute), max(1.0, comm)  # measuring noise must not make things faster
+        return compute_both / compute_alone, both["comm"] / comm_alone
+
+    factors = [(*slowdowns(nbytes), slowdowns(small)[1]) for _ in range(trials)]
+    found = ranks.max([statistics.median(f[i] for f in factors) for i in range(3)])
+    return tuple(max(1.0, f) for f in found)  # measuring noise must not make things faster
 
 
 def measure(args, ranks: Ranks, clock: Clock) -> tuple[list, list, tuple[float, float]]:
@@ -301,7 +305,7 @@ def measure(args, ranks: Ranks, clock: Clock) -> tuple[list, list, tuple[float, 
     sizes = byte_sizes(args.max_bytes)
     trials = 2 if args.quick else 5  # interference trials
     progress = Progress(len(todo) + len(groups) * len(COLLECTIVES) * len(sizes)
-                        + 3 * trials * bool(groups),
+                        + 6 * trials * bool(groups),
                         enabled=ranks.rank == 0)
     seconds = []
     for k in todo:

@@ -191,18 +191,19 @@ def fit_profile(args, ranks: Ranks, kernel_points, link_points, factors, prov,
               f"{ranks.nnodes} node(s) x {ranks.local}, backend {ranks.backend}, "
               f"{prov['date']}) with `{prov['command']}`, fitted with calibration.fit: a roofline "
               f"of {roof.points} kernels (rms error {roof.rms:.1%}), alpha and bus bandwidth per "
-              f"collective kind and tier, interference from matmuls and all-reduces alone and at "
-              f"once.{note}")
+              f"collective kind and tier, interference from matmuls and large and small "
+              f"all-reduces alone and at once.{note}")
     intra = links["intra"] if "intra" in links else links["inter"]
     inter = links["inter"] if ranks.nnodes > 1 else None
     profile = Profile(args.name, source, flops, mem, overhead, intra, ranks.local, inter,
                       factors[0], factors[1], prov,
                       collective_points=[[t, kind, n, b, sec] for t, kind, n, b, sec in link_points],
-                      device_memory=prov.get("device_memory"))
+                      device_memory=prov.get("device_memory"), interference_latency=factors[2])
     lines = [_roofline_line(flops, mem, overhead, roof)]
     summary = {"name": args.name, "out": str(args.out), "flops": flops, "mem_bandwidth": mem,
                "op_overhead": overhead, "roofline_fit": _fit_dict(roof), "collectives": {},
-               "interference": {"compute": factors[0], "communication": factors[1]}}
+               "interference": {"compute": factors[0], "communication": factors[1],
+                                "latency": factors[2]}}
     columns = sorted({p[2] for p in link_points if p[0] == "column"})
     if columns:
         lines.append(f"mesh-column collectives (one rank on each node, groups of "
@@ -219,7 +220,7 @@ def fit_profile(args, ranks: Ranks, kernel_points, link_points, factors, prov,
             summary["collectives"][tier][kind] = {"alpha": cost.alpha, "bus_bandwidth": cost.beta,
                                                   **_fit_dict(r)}
     lines.append(f"interference: computation x{factors[0]:.3f}, communication "
-                 f"x{factors[1]:.3f} (1.0: none)")
+                 f"x{factors[1]:.3f}, a collective's latency x{factors[2]:.3f} (1.0: none)")
     return profile, lines, summary
 
 

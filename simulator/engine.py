@@ -13,7 +13,8 @@ that crosses machines moves those bytes over each of its machines' inter-node li
 world is split into sub-groups (Convert.groups), several groups cross the same link at once and
 share it: each runs its transfer at 1/n of the speed while n groups load its busiest link
 (re-timed whenever one starts or ends). Interference slows kernels while a collective runs on the
-device and collectives while a kernel runs (the profile's factors).
+device and collectives while a kernel runs (the profile's factors: a collective's latency by its
+own, as small messages suffer more from busy cores than large transfers).
 
 Where the profile has host figures (a GPU: `Profile.host`, seconds per task for the executor mode
 that runs), each rank also has a host thread that issues its tasks in program order, each taking
@@ -230,7 +231,7 @@ class _Sim:
         self.barrier = {key: env.event() for key in plan.links}
         self.records: list[list[Record]] = [[] for _ in range(ranks)]
         self.slowdown = {"compute": profile.interference_compute,
-                         "comm": profile.interference_comm}
+                         "comm": profile.interference_comm, "latency": profile.latency_slowdown}
         self.interfere = max(self.slowdown.values()) > 1.0
         self.devices = [Device() for _ in range(ranks)]
         self.links = Links() if plan.shared_links else None
@@ -293,11 +294,13 @@ class _Sim:
             yield self.arrive(key, len(task.parts[key[1]]))
             latency, transfer, machines = self.plan.links[key]
             start = self.env.now
-            if self.links is None or not machines:
+            shared = self.links is not None and machines
+            if not shared and self.slowdown["latency"] == self.slowdown["comm"]:
                 yield from self.run(rank, COMM_STREAM, latency + transfer)
-            else:  # the transfer shares the machines' links with the groups crossing them
-                yield from self.run(rank, COMM_STREAM, latency)
-                yield from self.run(rank, COMM_STREAM, transfer, (key, machines))
+            else:  # the latency at its own slowdown, then the transfer (sharing the links)
+                yield from self.run(rank, COMM_STREAM, latency, factor="latency")
+                flow = (key, machines) if shared else None
+                yield from self.run(rank, COMM_STREAM, transfer, flow)
             self.finish(rank, COMM_STREAM, task, start)
 
     def arrive(self, key: tuple[int, int], size: int) -> simpy.Event:
@@ -312,11 +315,12 @@ class _Sim:
         self.records[rank].append(Record(task, stream, start, self.env.now))
         self.done[rank, task.id].succeed()
 
-    def run(self, rank: int, stream: int, work: float, flow=None, slowed: bool = True):
+    def run(self, rank: int, stream: int, work: float, flow=None, slowed: bool = True,
+            factor: str | None = None):
         """Run `work` seconds of full-speed work on `stream` of `rank`: at the rate the other kind
-        of stream allows (interference; not if `slowed` is false: a kernel timed in real steps)
-        and, for a transfer `flow` (key, machines), its share of the loaded links; re-timed
-        whenever one of those changes."""
+        of stream allows (interference, by the slowdown `factor` names, else the stream's own; not
+        if `slowed` is false: a kernel timed in real steps) and, for a transfer `flow` (key,
+        machines), its share of the loaded links; re-timed whenever one of those changes."""
         if not self.interfere and flow is None:
             yield self.env.timeout(work)
             return
@@ -328,8 +332,9 @@ class _Sim:
             device.begin(kind, me)
         if flow:
             self.links.begin(*flow, me)
+        slowdown = self.slowdown[factor or kind]
         while work > 1e-15:
-            rate = 1.0 / self.slowdown[kind] if slowed and device and device.busy(other) else 1.0
+            rate = 1.0 / slowdown if slowed and device and device.busy(other) else 1.0
             if flow:
                 rate *= self.links.share(flow[0])
             began = self.env.now

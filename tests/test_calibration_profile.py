@@ -187,6 +187,8 @@ def test_two_gloo_ranks_under_torchrun_write_a_profile(tmp_path):
         cost = p.collectives[kind]
         assert 0 <= cost.alpha < 0.01 and 1e6 < cost.beta < 1e12, (kind, cost)
     assert p.interference_compute >= 1.0 and p.interference_comm >= 1.0
+    assert p.interference_latency is not None and p.interference_latency >= 1.0
+    assert "a collective's latency x" in done.stderr
     # the measured times are kept: the simulator interpolates them before the fit
     assert {(t, kind, n) for t, kind, n, _, _ in p.collective_points} == \
         {("intra", kind, 2) for kind in COLLECTIVES}
@@ -203,7 +205,7 @@ def test_two_gloo_ranks_under_torchrun_write_a_profile(tmp_path):
     assert "roofline of 21 kernels:" in done.stderr and "rms error" in done.stderr
     for kind in COLLECTIVES:
         assert f"  {kind} " in done.stderr
-    assert "55/55" in done.stderr  # the progress line reached its last item
+    assert "61/61" in done.stderr  # the progress line reached its last item
     assert not list(tmp_path.glob(".x.*"))  # no temporary file left behind
 
 

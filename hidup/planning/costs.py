@@ -115,6 +115,15 @@ class Profile:
     device_memory: float | None = field(default=None, hash=False, compare=False)  # bytes
     kernels_in_situ: bool = field(default=False, hash=False, compare=False)  # `kernels` timed
     #   in real steps (their interference included)
+    interference_latency: float | None = None  # a collective's latency (its steps' fixed cost:
+    #   waking the transport's threads, round trips) runs this much longer while a kernel runs,
+    #   measured with small all-reduces; None: as interference_comm (measured with large ones)
+
+    @property
+    def latency_slowdown(self) -> float:
+        """How much longer a collective's latency runs while a kernel runs."""
+        return self.interference_comm if self.interference_latency is None else \
+            self.interference_latency
 
     def check_world(self, gpus: int) -> None:
         """Refuse a world size the profile cannot describe: GPUs beyond one machine where it has
@@ -257,6 +266,9 @@ class Profile:
         doc.update(asdict(self))
         doc["interference"] = {"compute": doc.pop("interference_compute"),
                                "communication": doc.pop("interference_comm")}
+        latency = doc.pop("interference_latency")
+        if latency is not None:
+            doc["interference"]["latency"] = latency
         for tier in ("collectives", "inter_node"):
             if doc[tier] is not None:
                 doc[tier] = {k: {"alpha": c["alpha"], "bus_bandwidth": c["beta"]}
@@ -418,9 +430,11 @@ def from_dict(doc, where: str = "profile") -> Profile:
         raise ProfileError(f"{where}: gpus_per_node must be a whole number")
     inter = None if doc["inter_node"] is None else _collectives(doc["inter_node"], where, "inter_node")
     factors = doc["interference"]
-    if not isinstance(factors, dict) or set(factors) != {"compute", "communication"}:
+    if not isinstance(factors, dict) or not \
+            {"compute", "communication"} <= set(factors) <= {"compute", "communication", "latency"}:
         raise ProfileError(f"{where}: \"interference\" must be {{\"compute\": factor, "
-                           f"\"communication\": factor}} (1.0: none)")
+                           f"\"communication\": factor}}, optionally with \"latency\": factor "
+                           f"(1.0: none)")
     slow = {k: _number(v, f"interference.{k}", where) for k, v in factors.items()}
     if min(slow.values()) < 1.0:
         raise ProfileError(f"{where}: interference factors slow things down: each must be >= 1.0")
@@ -428,7 +442,7 @@ def from_dict(doc, where: str = "profile") -> Profile:
                    values["mem_bandwidth"], values["op_overhead"],
                    _collectives(doc["collectives"], where), int(values["gpus_per_node"]), inter,
                    slow["compute"], slow["communication"], provenance, kernels, points,
-                   spreads, host, memory, in_situ)
+                   spreads, host, memory, in_situ, slow.get("latency"))
 
 
 def _point(p, where: str) -> list:
