@@ -2,6 +2,8 @@
 ranks simulated once with the same result as simulating them all."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from hidup.models import capture_model, get_model
@@ -52,6 +54,46 @@ def test_interference_slows_both_streams_while_they_overlap():
     assert (ar.start, ar.end) == (pytest.approx(1.0), pytest.approx(2 + 1 / 3))
     assert r.step_time == pytest.approx(3 + 1 / 3, rel=1e-12)
     assert r.computation == pytest.approx(1 + 1.0 + 1, rel=1e-12)  # C took 1.0 s, slowed
+
+
+def test_a_collectives_latency_is_slowed_by_its_own_factor_beside_a_kernel():
+    """The same program, the all-reduce 0.1 s of latency (2 steps of 0.05 s) and 1 s of
+    transfer, beside C (0.5 s). Busy cores delay small messages' round trips more than large
+    transfers: with a latency factor of 3 (kernels and transfers not slowed) its latency takes
+    0.3 s while C runs, so it ends 0.2 s later; without one it takes the communication
+    factor (1.0 here)."""
+    link = {k: LinkCost(0.05, 1e9) for k in COLLECTIVES}
+    base = Profile("i", "test", 1e12, 1e12, 0.0, link, 4, None, 1.0, 1.0)
+    steps = program(A, AR, C, Wait(-1, 1), B)
+
+    def all_reduce_end(p: Profile) -> float:
+        return next(r.end for r in simulate(steps, p).records[0] if r.task.id == 1)
+
+    assert all_reduce_end(base) == pytest.approx(1 + 0.1 + 1, rel=1e-12)
+    assert all_reduce_end(replace(base, interference_latency=3.0)) == \
+        pytest.approx(1 + 0.3 + 1, rel=1e-12)
+    assert replace(base, interference_comm=1.5).latency_slowdown == 1.5  # none: the comm factor
+    # after C (ends at 1.5) the latency runs at full speed again: 0.5 s of it, 3x slower while
+    # C runs (0.5 s of wall time covers 1/6 s of it), the rest (1/3 s) alone
+    long = {k: LinkCost(0.25, 1e9) for k in COLLECTIVES}
+    slow = replace(base, collectives=long, interference_latency=3.0)
+    assert all_reduce_end(slow) == pytest.approx(1 + 0.5 + 1 / 3 + 1, rel=1e-12)
+
+
+def test_profile_keeps_its_latency_factor_and_refuses_unknown_ones(tmp_path):
+    from hidup.planning.costs import ProfileError, from_dict, load_profile
+
+    doc = load_profile("cpu-gloo-loopback").to_dict()
+    assert "latency" not in doc["interference"]  # a profile measured before it: left out
+    doc["interference"]["latency"] = 2.5
+    assert from_dict(doc).interference_latency == 2.5 == from_dict(doc).latency_slowdown
+    assert from_dict(doc).to_dict()["interference"]["latency"] == 2.5
+    doc["interference"]["tail"] = 1.0
+    with pytest.raises(ProfileError, match=r"optionally with \"latency\""):
+        from_dict(doc)
+    doc["interference"] = {"compute": 1.0, "communication": 1.0, "latency": 0.5}
+    with pytest.raises(ProfileError, match="each must be >= 1.0"):
+        from_dict(doc)
 
 
 @pytest.mark.parametrize("strategy", [data_parallel, megatron])
