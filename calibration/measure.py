@@ -271,15 +271,15 @@ def interference(ranks: Ranks, clock: Clock, quick: bool, trials: int,
             times.append(time.perf_counter() - t0)
         return statistics.fmean(times[:-1] or times)  # the last one may outlast the window
 
-    def slowdowns(size: int) -> tuple[float, float]:  # (matmuls, all-reduces) at once / alone
+    reducers = {}  # bytes -> (the all-reduce call, how many make a window)
+    for size in (nbytes, small):
         reduce, _ = collective_call("all_reduce", size, ranks.world, dist.group.WORLD,
                                     ranks.device)
         matmul(), reduce(), clock.sync()  # warm-up
-        calls = max(3, math.ceil(window / ranks.max([reduces(reduce, 1)])[0]))
-        progress.step(f"interference: {n}x{n} matmuls alone")
-        ranks.barrier()
-        end = time.perf_counter() + window
-        compute_alone = matmuls(lambda: time.perf_counter() > end)
+        reducers[size] = reduce, max(3, math.ceil(window / ranks.max([reduces(reduce, 1)])[0]))
+
+    def at_once(size: int) -> tuple[float, float]:  # seconds per (matmul, all-reduce)
+        reduce, calls = reducers[size]
         progress.step(f"interference: {_size(size)} all-reduces alone")
         ranks.barrier()
         comm_alone = reduces(reduce, calls)
@@ -290,14 +290,24 @@ def interference(ranks: Ranks, clock: Clock, quick: bool, trials: int,
         thread.start()
         compute_both = matmuls(lambda: not thread.is_alive())
         thread.join()
-        return compute_both / compute_alone, both["comm"] / comm_alone
+        return compute_both, both["comm"] / comm_alone
 
-    factors = [(*slowdowns(nbytes), slowdowns(small)[1]) for _ in range(trials)]
+    factors = []
+    for _ in range(trials):
+        progress.step(f"interference: {n}x{n} matmuls alone")
+        ranks.barrier()
+        end = time.perf_counter() + window
+        compute_alone = matmuls(lambda: time.perf_counter() > end)
+        compute_both, comm = at_once(nbytes)
+        # beside the small ones the matmuls only load the cores: the kernels' factor is the
+        # large all-reduces'
+        latency = at_once(small)[1]
+        factors.append((compute_both / compute_alone, comm, latency))
     found = ranks.max([statistics.median(f[i] for f in factors) for i in range(3)])
     return tuple(max(1.0, f) for f in found)  # measuring noise must not make things faster
 
 
-def measure(args, ranks: Ranks, clock: Clock) -> tuple[list, list, tuple[float, float]]:
+def measure(args, ranks: Ranks, clock: Clock) -> tuple[list, list, tuple[float, ...]]:
     """Every rank: kernel points (flops, bytes, seconds of the slowest rank), collective points
     (tier, kind, n, nbytes, seconds) of every group (complete on rank 0), interference factors."""
     todo = kernels(args.quick, ranks.device)
@@ -305,7 +315,7 @@ def measure(args, ranks: Ranks, clock: Clock) -> tuple[list, list, tuple[float, 
     sizes = byte_sizes(args.max_bytes)
     trials = 2 if args.quick else 5  # interference trials
     progress = Progress(len(todo) + len(groups) * len(COLLECTIVES) * len(sizes)
-                        + 6 * trials * bool(groups),
+                        + 5 * trials * bool(groups),
                         enabled=ranks.rank == 0)
     seconds = []
     for k in todo:
