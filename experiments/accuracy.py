@@ -15,7 +15,11 @@ each error, the median and maximum absolute error, Kendall's tau per model and t
 taking the simulator's best per model and cluster; writes a CSV, a JSON summary and a
 predicted-vs-measured plot to --out (default out/accuracy/, git-ignored; the README's results are
 in experiments/results/accuracy/, which a --quick run may not write to). Needs root and iproute2
-(as hidup.emulation)."""
+(as hidup.emulation).
+
+--combine FOLDER ... runs nothing: it reads earlier runs' folders (their accuracy.csv) and reports
+and writes their configurations as one table, e.g. runs of different cluster shapes or
+bandwidths made one after another."""
 from __future__ import annotations
 
 import argparse
@@ -27,7 +31,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from experiments import outputs
@@ -108,6 +112,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=outputs.default_out("accuracy"),
                     help="folder for accuracy.csv, accuracy.json, accuracy.png and the profiles "
                          "(default out/accuracy, git-ignored)")
+    ap.add_argument("--combine", nargs="+", type=Path, metavar="FOLDER", default=None,
+                    help="run nothing: report the configurations of earlier runs' folders "
+                         "(each with the accuracy.csv a run wrote) as one table, and write it "
+                         "to --out; the run flags above are then not used")
     ap.add_argument("--max-median-error", type=float, default=None,
                     help="exit 1 when the median absolute error exceeds this fraction (CI: 0.10)")
     args = ap.parse_args(argv)
@@ -134,6 +142,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if gate is not None and not (math.isfinite(gate) and gate >= 0):
         ap.error(f"--max-median-error {gate}: give a finite fraction >= 0, e.g. 0.10 for 10%")
     outputs.refuse_quick_into_results(ap, args.out, args.quick, "accuracy")
+    if args.combine and args.out.resolve() in {f.resolve() for f in args.combine}:
+        ap.error(f"--out {args.out} is one of the --combine folders: its accuracy.csv would be "
+                 f"overwritten; give another --out")
     return args
 
 
@@ -254,24 +265,74 @@ def summarize(rows: list[Row]) -> dict:
             "median_abs_error": statistics.median(errors),
             "max_abs_error": max(errors),
             "kendall_tau": {m: kendall([r for r in rows if r.model == m]) for m in models},
+            "kendall_tau_per_cluster": {f"{m} on {c}": kendall(g)
+                                        for (m, c), g in sorted(groups.items())},
             "regret": {f"{m} on {c}": regret(g) for (m, c), g in sorted(groups.items())}}
 
 
-def write_outputs(rows: list[Row], summary: dict, folder: Path, command: str) -> None:
+def read_rows(folder: Path) -> list[Row]:
+    """The configurations an earlier run wrote to `folder`/accuracy.csv."""
+    path = folder / "accuracy.csv"
+    if not path.is_file():
+        raise ValueError(f"--combine {folder}: no accuracy.csv there; give folders an "
+                         f"experiments.accuracy run wrote (its --out)")
+    kinds = {"str": str, "int": int, "float": float}
+    columns = {f.name: kinds[str(f.type)] for f in fields(Row)}
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        missing = sorted(set(columns) - set(reader.fieldnames or ()))
+        if missing:
+            raise ValueError(f"--combine {folder}: accuracy.csv lacks the columns {missing}; "
+                             f"re-run that experiment with this version to write them")
+        try:
+            return [Row(**{name: kind(line[name]) for name, kind in columns.items()})
+                    for line in reader]
+        except ValueError as exc:
+            raise ValueError(f"--combine {folder}: line {reader.line_num} of accuracy.csv: "
+                             f"{exc}") from None
+
+
+def combine(folders: list[Path]) -> tuple[list[Row], list[dict]]:
+    """Every configuration of the runs in `folders`, and each run's folder and command; a
+    configuration measured in two of them is refused (it would count twice)."""
+    rows: list[Row] = []
+    seen: dict[tuple, Path] = {}
+    sources = []
+    for folder in folders:
+        for r in read_rows(folder):
+            key = (r.model, r.strategy, r.k, r.cluster)
+            if key in seen:
+                raise ValueError(f"--combine: {r.model} {r.strategy} k={r.k} on {r.cluster} is "
+                                 f"in both {seen[key]} and {folder}; combine runs of different "
+                                 f"configurations")
+            seen[key] = folder
+            rows.append(r)
+        summary = folder / "accuracy.json"
+        ran = json.loads(summary.read_text()).get("command") if summary.is_file() else None
+        sources.append({"folder": str(folder), "command": ran})
+    if not rows:
+        raise ValueError(f"--combine: no configurations in {', '.join(map(str, folders))}")
+    return rows, sources
+
+
+def write_outputs(rows: list[Row], summary: dict, folder: Path, command: str,
+                  sources: list[dict] | None = None) -> None:
     with open(folder / "accuracy.csv", "w", newline="") as f:
         writer = csv.writer(f)
         fields = list(asdict(rows[0]))
         writer.writerow(fields + ["error"])
         for r in rows:
             writer.writerow([getattr(r, k) for k in fields] + [f"{r.error:+.4f}"])
-    (folder / "accuracy.json").write_text(json.dumps(dict(summary, command=command), indent=1))
+    about = dict(summary, command=command, **({"sources": sources} if sources else {}))
+    (folder / "accuracy.json").write_text(json.dumps(about, indent=1))
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 5.5))
-    markers = {"searched": "*", "ddp": "o", "megatron": "s", "expert": "^"}
+    markers = {"searched": "*", "ddp": "o", "megatron": "s", "expert": "^", "dp-megatron": "D",
+               "dp-expert": "v"}
     for model in sorted({r.model for r in rows}):
         for strategy, marker in markers.items():
             mine = [r for r in rows if r.model == model and r.strategy == strategy]
@@ -383,6 +444,13 @@ def main(argv=None) -> int:
     rows: list[Row] = []
     started = time.perf_counter()
     command = "python -m experiments.accuracy " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.combine:
+        try:
+            rows, sources = combine(args.combine)
+        except ValueError as exc:
+            print(f"{PROG}: {exc}", file=sys.stderr)
+            return 2
+        return report(rows, args, command, started, sources)
     try:
         for hosts in args.hosts:
             for rph in args.ranks_per_host:
@@ -404,8 +472,15 @@ def main(argv=None) -> int:
     if not rows:
         print(f"{PROG}: no configuration could run", file=sys.stderr)
         return 2
+    return report(rows, args, command, started)
+
+
+def report(rows: list[Row], args, command: str, started: float,
+           sources: list[dict] | None = None) -> int:
+    """Write the outputs, print the table and its summary; 1 where the median misses
+    --max-median-error."""
     summary = summarize(rows)
-    write_outputs(rows, summary, args.out, command)
+    write_outputs(rows, summary, args.out, command, sources)
     print("| model | strategy | Duplex | cluster | predicted (ms) | measured (ms) | error |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
@@ -414,6 +489,8 @@ def main(argv=None) -> int:
     print(f"\n{summary['configurations']} configurations: median |error| "
           f"{summary['median_abs_error']:.1%}, max {summary['max_abs_error']:.1%}")
     print("Kendall tau: " + ", ".join(f"{m} {t:.2f}" for m, t in summary["kendall_tau"].items()))
+    print("Kendall tau per model and cluster (the ranking a user calibrating one cluster sees): " +
+          ", ".join(f"{g} {t:.2f}" for g, t in summary["kendall_tau_per_cluster"].items()))
     print("regret (measured time of the simulator's pick / measured best): " +
           ", ".join(f"{g} {v:.3f}" for g, v in summary["regret"].items()))
     print(f"wrote {args.out / 'accuracy.csv'}, accuracy.json, accuracy.png in "

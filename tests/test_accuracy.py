@@ -58,3 +58,31 @@ def test_summary_figures_on_a_hand_made_table():
     assert summary["kendall_tau"]["m"] > 0.8
     # the simulator picks megatron k=2 (80 predicted), which is also measured best (95)
     assert summary["regret"]["m on 2x1 1gbit"] == 1.0
+
+
+def test_combine_reports_earlier_runs_as_one_table(tmp_path, capsys):
+    row = lambda c, s, k, p, m: accuracy.Row("m", s, k, c, 2, 1, p, m, 1, 2, 0.5, 1.0)  # noqa: E731
+    one = [row("1gbit", "ddp", 1, 110, 100), row("1gbit", "megatron", 1, 200, 210)]
+    two = [row("10gbit", "ddp", 1, 30, 40), row("10gbit", "megatron", 1, 38, 35)]
+    for name, rows in (("one", one), ("two", two)):
+        (tmp_path / name).mkdir()
+        accuracy.write_outputs(rows, accuracy.summarize(rows), tmp_path / name, f"run {name}")
+    out = tmp_path / "both"
+    assert accuracy.main(["--combine", str(tmp_path / "one"), str(tmp_path / "two"),
+                          "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "4 configurations" in printed and "| m | megatron | off | 2x1 10gbit | 38.0 | 35.0 |" \
+        in printed
+    assert accuracy.read_rows(out) == one + two  # the CSV round trip keeps every field
+    summary = json.loads((out / "accuracy.json").read_text())
+    assert [s["command"] for s in summary["sources"]] == ["run one", "run two"]
+    assert summary["max_abs_error"] == pytest.approx(0.25)  # ddp at 10gbit: 30 against 40
+    # one cluster ranks right, the other wrong; across both the bandwidth orders most pairs
+    assert summary["kendall_tau_per_cluster"] == {"m on 2x1 10gbit": -1.0, "m on 2x1 1gbit": 1.0}
+    assert summary["kendall_tau"]["m"] == pytest.approx(2 / 3)
+    # a configuration in two folders would count twice; a folder without a run is named
+    assert accuracy.main(["--combine", str(tmp_path / "one"), str(tmp_path / "one"),
+                          "--out", str(out)]) == 2
+    assert accuracy.main(["--combine", str(tmp_path), "--out", str(out)]) == 2
+    errors = capsys.readouterr().err
+    assert "in both" in errors and "no accuracy.csv there" in errors
