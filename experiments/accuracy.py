@@ -31,7 +31,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 from experiments import outputs
@@ -67,6 +67,13 @@ class Row:
     predicted_communication_ms: float
     predicted_overlap: float
     kernels_measured: float  # share of the Program's kernels with a measured time
+    measured_low_ms: float = math.nan  # the fastest and slowest of the rounds' measurements
+    measured_high_ms: float = math.nan
+
+    @property
+    def spread(self) -> float:
+        """How far apart the rounds measured the same configuration (slowest / fastest - 1)."""
+        return self.measured_high_ms / self.measured_low_ms - 1.0
 
     @property
     def error(self) -> float:
@@ -221,12 +228,14 @@ def run_config(cluster: Cluster, model: str, arg: str, k: int, profile: Path, wo
 
 
 def _medians(runs) -> tuple:
-    """A configuration's Row figures from its rounds: medians of each."""
+    """A configuration's Row figures from its rounds: medians of each, the kernels' coverage, and
+    the fastest and slowest measurement."""
     med = statistics.median
     return (med([r.step_time * 1e3 for r, _, _ in runs]), med([m for _, m, _ in runs]),
             med([r.computation * 1e3 for r, _, _ in runs]),
             med([r.communication * 1e3 for r, _, _ in runs]),
-            med([r.overlap_ratio for r, _, _ in runs]), min(c for _, _, c in runs))
+            med([r.overlap_ratio for r, _, _ in runs]), min(c for _, _, c in runs),
+            min(m for _, m, _ in runs), max(m for _, m, _ in runs))
 
 
 def _cluster_run(cluster: Cluster, command: list[str], what: str, tries: int = 2) -> str:
@@ -261,8 +270,12 @@ def summarize(rows: list[Row]) -> dict:
     groups: dict[tuple[str, str], list[Row]] = {}
     for r in rows:
         groups.setdefault((r.model, r.cluster), []).append(r)
+    spreads = [r.spread for r in rows if math.isfinite(r.spread)]
     return {"configurations": len(rows),
             "median_abs_error": statistics.median(errors),
+            # the measurement's own noise: how far apart one configuration's rounds were
+            "median_round_spread": statistics.median(spreads) if spreads else None,
+            "max_round_spread": max(spreads) if spreads else None,
             "max_abs_error": max(errors),
             "kendall_tau": {m: kendall([r for r in rows if r.model == m]) for m in models},
             "kendall_tau_per_cluster": {f"{m} on {c}": kendall(g)
@@ -278,15 +291,16 @@ def read_rows(folder: Path) -> list[Row]:
                          f"experiments.accuracy run wrote (its --out)")
     kinds = {"str": str, "int": int, "float": float}
     columns = {f.name: kinds[str(f.type)] for f in fields(Row)}
+    needed = {f.name for f in fields(Row) if f.default is MISSING}  # older runs lack the rest
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
-        missing = sorted(set(columns) - set(reader.fieldnames or ()))
+        missing = sorted(needed - set(reader.fieldnames or ()))
         if missing:
             raise ValueError(f"--combine {folder}: accuracy.csv lacks the columns {missing}; "
                              f"re-run that experiment with this version to write them")
         try:
-            return [Row(**{name: kind(line[name]) for name, kind in columns.items()})
-                    for line in reader]
+            return [Row(**{name: kind(line[name]) for name, kind in columns.items()
+                           if name in line}) for line in reader]
         except ValueError as exc:
             raise ValueError(f"--combine {folder}: line {reader.line_num} of accuracy.csv: "
                              f"{exc}") from None
@@ -481,13 +495,20 @@ def report(rows: list[Row], args, command: str, started: float,
     --max-median-error."""
     summary = summarize(rows)
     write_outputs(rows, summary, args.out, command, sources)
-    print("| model | strategy | Duplex | cluster | predicted (ms) | measured (ms) | error |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| model | strategy | Duplex | cluster | predicted (ms) | measured (ms) | error | "
+          "rounds measured (ms) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
+        rounds = (f"{r.measured_low_ms:.1f}-{r.measured_high_ms:.1f}"
+                  if math.isfinite(r.spread) else "-")
         print(f"| {r.model} | {r.strategy} | {'on' if r.k > 1 else 'off'} | {r.cluster} | "
-              f"{r.predicted_ms:.1f} | {r.measured_ms:.1f} | {100 * r.error:+.1f}% |")
+              f"{r.predicted_ms:.1f} | {r.measured_ms:.1f} | {100 * r.error:+.1f}% | {rounds} |")
     print(f"\n{summary['configurations']} configurations: median |error| "
           f"{summary['median_abs_error']:.1%}, max {summary['max_abs_error']:.1%}")
+    if summary["median_round_spread"] is not None:
+        print(f"the measurements' own spread (slowest round / fastest - 1, per configuration): "
+              f"median {summary['median_round_spread']:.1%}, max "
+              f"{summary['max_round_spread']:.1%}")
     print("Kendall tau: " + ", ".join(f"{m} {t:.2f}" for m, t in summary["kendall_tau"].items()))
     print("Kendall tau per model and cluster (the ranking a user calibrating one cluster sees): " +
           ", ".join(f"{g} {t:.2f}" for g, t in summary["kendall_tau_per_cluster"].items()))
