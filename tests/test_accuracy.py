@@ -61,7 +61,8 @@ def test_summary_figures_on_a_hand_made_table():
 
 
 def test_combine_reports_earlier_runs_as_one_table(tmp_path, capsys):
-    row = lambda c, s, k, p, m: accuracy.Row("m", s, k, c, 2, 1, p, m, 1, 2, 0.5, 1.0)  # noqa: E731
+    row = lambda c, s, k, p, m: accuracy.Row("m", s, k, c, 2, 1, p, m, 1, 2, 0.5, 1.0,  # noqa: E731
+                                             m * 0.9, m * 1.2)  # the rounds' fastest, slowest
     one = [row("1gbit", "ddp", 1, 110, 100), row("1gbit", "megatron", 1, 200, 210)]
     two = [row("10gbit", "ddp", 1, 30, 40), row("10gbit", "megatron", 1, 38, 35)]
     for name, rows in (("one", one), ("two", two)):
@@ -77,6 +78,8 @@ def test_combine_reports_earlier_runs_as_one_table(tmp_path, capsys):
     summary = json.loads((out / "accuracy.json").read_text())
     assert [s["command"] for s in summary["sources"]] == ["run one", "run two"]
     assert summary["max_abs_error"] == pytest.approx(0.25)  # ddp at 10gbit: 30 against 40
+    assert summary["median_round_spread"] == pytest.approx(1.2 / 0.9 - 1)
+    assert "| 2x1 1gbit | 110.0 | 100.0 | +10.0% | 90.0-120.0 |" in printed
     # one cluster ranks right, the other wrong; across both the bandwidth orders most pairs
     assert summary["kendall_tau_per_cluster"] == {"m on 2x1 10gbit": -1.0, "m on 2x1 1gbit": 1.0}
     assert summary["kendall_tau"]["m"] == pytest.approx(2 / 3)
@@ -84,5 +87,15 @@ def test_combine_reports_earlier_runs_as_one_table(tmp_path, capsys):
     assert accuracy.main(["--combine", str(tmp_path / "one"), str(tmp_path / "one"),
                           "--out", str(out)]) == 2
     assert accuracy.main(["--combine", str(tmp_path), "--out", str(out)]) == 2
+    # a run written before the rounds' range was kept still combines, without that figure
+    old = tmp_path / "old"
+    old.mkdir()
+    lines = (tmp_path / "one" / "accuracy.csv").read_text().splitlines()
+    cut = lambda line: ",".join(line.split(",")[:12] + line.split(",")[14:])  # noqa: E731
+    (old / "accuracy.csv").write_text("\n".join(map(cut, lines)) + "\n")
+    assert "measured_low_ms" not in (old / "accuracy.csv").read_text()
+    assert [r.measured_ms for r in accuracy.read_rows(old)] == [100, 210]
+    assert accuracy.main(["--combine", str(old), "--out", str(out)]) == 0
+    assert json.loads((out / "accuracy.json").read_text())["median_round_spread"] is None
     errors = capsys.readouterr().err
     assert "in both" in errors and "no accuracy.csv there" in errors
