@@ -55,9 +55,10 @@ def with_inter_link(base: Profile, link_bytes_per_s: float, gpus_per_node: int |
     scale = link_bytes_per_s / link_rate(base)
     inter = {k: LinkCost(c.alpha, c.beta * scale) for k, c in base.inter_node.items()}
     kept = [p for p in base.collective_points or () if p[0] == "intra"]  # not another link's
+    pairs = [p for p in base.pair_points or () if p[0] == "intra"]
     return replace(base, name=name or base.name, inter_node=inter,
                    gpus_per_node=gpus_per_node or base.gpus_per_node,
-                   collective_points=kept or None)
+                   collective_points=kept or None, pair_points=pairs or None)
 
 
 def main(argv=None) -> int:

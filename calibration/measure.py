@@ -1,8 +1,9 @@
 """What calibration.profile measures on every rank, and how: the clock (CUDA events or
 time.perf_counter), the ranks' agreement on a time (the slowest rank's), the kernels (mm, bmm,
 element-wise add / mul / relu, tiny ops) and the four collectives as hidup.runtime.execute issues
-them over sizes and group sizes, then computation and communication alone and at once
-(interference). `measure` runs all of it; calibration.profile fits and writes the profile."""
+them over sizes and group sizes, pairs of collectives in flight at once where the backend runs
+several (gloo's threads), then computation and communication alone and at once (interference).
+`measure` runs all of it; calibration.profile fits and writes the profile."""
 from __future__ import annotations
 
 import contextlib
@@ -23,6 +24,7 @@ from hidup.program import COLLECTIVES
 log = logging.getLogger("calibration.profile")  # the command's logger: its --verbose shows these
 _RUN_SECONDS, _MAX_CALLS = 2e-3, 1000  # a kernel's timed run repeats it to last 2 ms
 _SPAN_SECONDS, _MAX_RUNS = 0.1, 500  # a collective's runs span this long, if it is cheap
+PAIR_SIZES = (2 ** 20, 8 * 2 ** 20)  # bytes of the pairs in flight (at most --max-bytes)
 
 
 # -- timing ------------------------------------------------------------------------------------
@@ -160,22 +162,61 @@ def kernels(quick: bool, device: torch.device) -> list[Kernel]:
     return out
 
 
-def collective_call(kind: str, nbytes: int, n: int, group, device) -> tuple[Callable, int]:
+def collective_call(kind: str, nbytes: int, n: int, group, device,
+                    async_op: bool = False) -> tuple[Callable, int]:
     """The call of hidup.runtime.execute for a whole tensor of about nbytes over a group of n
     ranks (float32, numel a multiple of n), and the exact nbytes: the gathered / reduced tensor,
-    or the local tensor of an all-to-all, as hidup.program's Convert.bytes counts it."""
+    or the local tensor of an all-to-all, as hidup.program's Convert.bytes counts it. With
+    `async_op` the call returns the collective's handle, to wait on."""
     numel = max(n, nbytes // 4 // n * n)
     whole = torch.zeros(numel, device=device)  # zeros: sums stay finite and normal
+    opts = {"group": group, "async_op": async_op}
     if kind == "all_reduce":
-        return (lambda: dist.all_reduce(whole, group=group)), 4 * numel
+        return (lambda: dist.all_reduce(whole, **opts)), 4 * numel
     if kind == "all_gather":
         part = torch.zeros(numel // n, device=device)
-        return (lambda: dist.all_gather_into_tensor(whole, part, group=group)), 4 * numel
+        return (lambda: dist.all_gather_into_tensor(whole, part, **opts)), 4 * numel
     if kind == "reduce_scatter":
         part = torch.zeros(numel // n, device=device)
-        return (lambda: dist.reduce_scatter_tensor(part, whole, group=group)), 4 * numel
+        return (lambda: dist.reduce_scatter_tensor(part, whole, **opts)), 4 * numel
     recv = torch.empty_like(whole)
-    return (lambda: dist.all_to_all_single(recv, whole, group=group)), 4 * numel
+    return (lambda: dist.all_to_all_single(recv, whole, **opts)), 4 * numel
+
+
+def lanes(backend: str) -> int:
+    """How many collectives a rank runs at once: gloo's worker threads (ProcessGroupGloo's
+    options; 2 by default), one for NCCL (a group's collectives run in order on its stream)."""
+    if backend != "gloo":
+        return 1
+    return int(dist.group.WORLD._get_backend(torch.device("cpu")).options._threads)
+
+
+def time_pair(kind: str, nbytes: int, members: tuple[int, ...], group, ranks: Ranks,
+              clock: Clock, repeats: int) -> float:
+    """How much longer two collectives of `kind` take in flight at once than one after the other
+    (a ratio: 0.5, the link fits both at full speed; 1, they share it; gloo's threads run them
+    at once, as under Duplex): the ratio of the medians over `repeats` (at least 5) alternating
+    runs of each, every run the slowest rank's."""
+    a, _ = collective_call(kind, nbytes, len(members), group, ranks.device, async_op=True)
+    b, _ = collective_call(kind, nbytes, len(members), group, ranks.device, async_op=True)
+
+    def after() -> None:
+        a().wait()
+        b().wait()
+
+    def together() -> None:
+        first, second = a(), b()
+        first.wait()
+        second.wait()
+
+    after(), together()  # warm-up
+    apart, both = [], []
+    for _ in range(max(5, repeats)):
+        for fn, times in ((after, apart), (together, both)):
+            ranks.barrier(group)
+            times.append(clock.per_call(fn))
+    apart, both = ranks.max(apart, group), ranks.max(both, group)
+    return statistics.median(both) / statistics.median(apart)
 
 
 def group_sizes(world: int, local: int) -> list[int]:
@@ -307,14 +348,18 @@ def interference(ranks: Ranks, clock: Clock, quick: bool, trials: int,
     return tuple(max(1.0, f) for f in found)  # measuring noise must not make things faster
 
 
-def measure(args, ranks: Ranks, clock: Clock) -> tuple[list, list, tuple[float, ...]]:
+def measure(args, ranks: Ranks, clock: Clock) -> tuple[list, list, list, tuple[float, ...]]:
     """Every rank: kernel points (flops, bytes, seconds of the slowest rank), collective points
-    (tier, kind, n, nbytes, seconds) of every group (complete on rank 0), interference factors."""
+    (tier, kind, n, nbytes, seconds) of every group (complete on rank 0), pair points (tier,
+    kind, n, nbytes, ratio; none where the backend runs one collective at a time), interference
+    factors."""
     todo = kernels(args.quick, ranks.device)
     groups = make_groups(ranks) if ranks.world > 1 else []  # one rank: kernels only
     sizes = byte_sizes(args.max_bytes)
+    pair_sizes = sorted({min(s, args.max_bytes) for s in PAIR_SIZES}) \
+        if groups and lanes(ranks.backend) > 1 else []
     trials = 2 if args.quick else 5  # interference trials
-    progress = Progress(len(todo) + len(groups) * len(COLLECTIVES) * len(sizes)
+    progress = Progress(len(todo) + len(groups) * len(COLLECTIVES) * (len(sizes) + len(pair_sizes))
                         + 5 * trials * bool(groups),
                         enabled=ranks.rank == 0)
     seconds = []
@@ -335,11 +380,23 @@ def measure(args, ranks: Ranks, clock: Clock) -> tuple[list, list, tuple[float, 
                 if ranks.rank == members[0]:  # one report per group
                     mine.append((tier, kind, len(members), exact, t))
                 del call
+    pairs = []
+    for members, tier, group in groups:
+        for kind in COLLECTIVES:
+            for nbytes in pair_sizes:
+                progress.step(f"two {kind} in flight over {len(members)} ranks ({tier}-node), "
+                              f"{_size(nbytes)}")
+                ratio = time_pair(kind, nbytes, members, group, ranks, clock, args.repeats)
+                log.debug("two %s n=%d %d bytes in flight: x%.3f", kind, len(members), nbytes,
+                          ratio)
+                if ranks.rank == members[0]:
+                    pairs.append((tier, kind, len(members), nbytes, ratio))
     factors = interference(ranks, clock, args.quick, trials, progress) if groups else None
     progress.close()
     everyone: list = [None] * ranks.world
-    dist.all_gather_object(everyone, mine)
-    return kernel_points, [p for part in everyone for p in part], factors
+    dist.all_gather_object(everyone, (mine, pairs))
+    return (kernel_points, [p for part, _ in everyone for p in part],
+            [p for _, part in everyone for p in part], factors)
 
 
 def _size(nbytes: float) -> str:

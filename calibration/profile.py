@@ -1,7 +1,8 @@
 """Measure a cluster and write its HiDup Profile. Every rank, started by torchrun, times kernels
 (mm, bmm, element-wise add / mul / relu, tiny ops) and the four collectives as
-hidup.runtime.execute issues them, over sizes and group sizes, then computation and communication
-alone and at once (calibration.measure); rank 0 fits the figures (calibration.fit) and writes the
+hidup.runtime.execute issues them, over sizes and group sizes, pairs of each collective in flight at
+once where the backend runs several (gloo), then computation and communication alone and at once
+(calibration.measure); rank 0 fits the figures (calibration.fit) and writes the
 profile JSON:
 
     torchrun --nproc-per-node 2 -m calibration.profile --out PROFILE.json
@@ -35,6 +36,7 @@ import torch.distributed as dist
 
 from calibration.fit import FitError, fit_links, fit_roofline
 from calibration.measure import Clock, Ranks, measure
+from calibration.measure import lanes as measure_lanes
 from hidup.cli import Parser
 from hidup.planning.costs import Profile, ProfileError, load_profile
 from hidup.runtime.launch import default_threads
@@ -174,9 +176,11 @@ def provenance(ranks: Ranks, command: str) -> dict:
 
 
 def fit_profile(args, ranks: Ranks, kernel_points, link_points, factors, prov,
-                base: Profile | None = None):
+                base: Profile | None = None, pair_points=()):
     """The Profile, the report's lines and the machine-readable summary. Measured on one rank,
-    the collectives and interference are `base`'s."""
+    the collectives and interference are `base`'s. `pair_points`: how much longer two
+    collectives in flight at once took than one after the other (where the backend runs
+    several at once: its lanes)."""
     flops, mem, overhead, roof = fit_roofline(kernel_points)
     if not link_points:
         return _kernels_on_base(args, ranks, base, prov, (flops, mem, overhead, roof))
@@ -185,6 +189,9 @@ def fit_profile(args, ranks: Ranks, kernel_points, link_points, factors, prov,
         points = [p[1:] for p in link_points if p[0] == tier]
         if points:
             links[tier], fits[tier] = fit_links(points)
+    lanes = measure_lanes(ranks.backend) if pair_points else 1
+    pairs_note = (f", {lanes} collectives in flight at once (the backend's lanes) and pairs of "
+                  f"each kind in flight timed against one after the other") if pair_points else ""
     note = "" if "intra" in links else (" No group inside one node: the intra-node tier repeats "
                                         "the inter-node figures.")
     source = (f"Measured by calibration.profile on {prov['host']} ({ranks.world} ranks, "
@@ -192,13 +199,15 @@ def fit_profile(args, ranks: Ranks, kernel_points, link_points, factors, prov,
               f"{prov['date']}) with `{prov['command']}`, fitted with calibration.fit: a roofline "
               f"of {roof.points} kernels (rms error {roof.rms:.1%}), alpha and bus bandwidth per "
               f"collective kind and tier, interference from matmuls and large and small "
-              f"all-reduces alone and at once.{note}")
+              f"all-reduces alone and at once{pairs_note}.{note}")
     intra = links["intra"] if "intra" in links else links["inter"]
     inter = links["inter"] if ranks.nnodes > 1 else None
     profile = Profile(args.name, source, flops, mem, overhead, intra, ranks.local, inter,
                       factors[0], factors[1], prov,
                       collective_points=[[t, kind, n, b, sec] for t, kind, n, b, sec in link_points],
-                      device_memory=prov.get("device_memory"), interference_latency=factors[2])
+                      device_memory=prov.get("device_memory"), interference_latency=factors[2],
+                      comm_lanes=lanes,
+                      pair_points=[list(p) for p in pair_points] or None)
     lines = [_roofline_line(flops, mem, overhead, roof)]
     summary = {"name": args.name, "out": str(args.out), "flops": flops, "mem_bandwidth": mem,
                "op_overhead": overhead, "roofline_fit": _fit_dict(roof), "collectives": {},
@@ -219,6 +228,12 @@ def fit_profile(args, ranks: Ranks, kernel_points, link_points, factors, prov,
                          f"GB/s bus; {r.points} points, rms error {r.rms:.1%}, max {r.max:.1%}")
             summary["collectives"][tier][kind] = {"alpha": cost.alpha, "bus_bandwidth": cost.beta,
                                                   **_fit_dict(r)}
+    if pair_points:
+        lines.append(f"two collectives in flight at once ({lanes} lanes), as a share of one "
+                     f"after the other:")
+        summary["lanes"], summary["pairs"] = lanes, [list(p) for p in pair_points]
+        for tier, kind, n, nbytes, ratio in pair_points:
+            lines.append(f"  {tier:<6} {kind:<15} {n} ranks {nbytes / 2 ** 20:5g} MB: x{ratio:.3f}")
     lines.append(f"interference: computation x{factors[0]:.3f}, communication "
                  f"x{factors[1]:.3f}, a collective's latency x{factors[2]:.3f} (1.0: none)")
     return profile, lines, summary
@@ -313,7 +328,7 @@ def run(args, argv, ranks: Ranks, base: Profile | None = None) -> int:
             print(f"{PROG}: error: {problem[0]}", file=sys.stderr)
         return 2
     start = time.time()
-    kernel_points, link_points, factors = measure(args, ranks, Clock(ranks.device))
+    kernel_points, link_points, pair_points, factors = measure(args, ranks, Clock(ranks.device))
     nodes = f" --nnodes {ranks.nnodes}" if ranks.nnodes > 1 else ""
     command = (f"torchrun --nproc-per-node {ranks.local}{nodes} -m calibration.profile "
                f"{shlex.join(sys.argv[1:] if argv is None else argv)}")
@@ -322,7 +337,7 @@ def run(args, argv, ranks: Ranks, base: Profile | None = None) -> int:
         return 0
     try:
         profile, lines, summary = fit_profile(args, ranks, kernel_points, link_points, factors,
-                                              prov, base)
+                                              prov, base, pair_points)
         write_profile(profile, args.out)
     except (FitError, ProfileError, OSError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

@@ -3,16 +3,21 @@ and one communication stream, in program order, with the executor's ordering rul
 
 Per rank: the compute stream runs the Compute tasks and local conversions (slice, alias) one after
 another; a Wait blocks it until that collective has finished on the rank. The
-communication stream runs the collectives in program order; each starts once the stream is free,
-the earlier tasks that write its input have finished on the rank, and every rank of its group has
-got that far (rendezvous); it then takes the same time on all of them (none in a group of one,
-where the executor's collectives are the identity).
+communication stream runs the collectives in program order, the profile's `comm_lanes` of them
+at once (NCCL's stream: 1; gloo's two worker threads: 2): each is handed over once the earlier
+tasks that write its input have finished on the rank, starts once a lane is free (in the order
+handed over) and every rank of its group has got that far (rendezvous), and then takes the same
+time on all of them (none in a group of one, where the executor's collectives are the identity).
+The lanes are the rank's, whichever process group a collective runs in: on this CPU cluster the
+collectives of a 2-D mesh's rows and columns compete for the same cores.
 
 A collective's time is its steps' latency, then its bytes at the link's bus bandwidth. A group
-that crosses machines moves those bytes over each of its machines' inter-node link; when the
-world is split into sub-groups (Convert.groups), several groups cross the same link at once and
-share it: each runs its transfer at 1/n of the speed while n groups load its busiest link
-(re-timed whenever one starts or ends). Interference slows kernels while a collective runs on the
+that crosses machines moves those bytes over each of its machines' inter-node link (a group inside
+one machine over a link of its own); transfers that cross a link at once (the sub-groups of a
+split world, Convert.groups; a group's collectives in flight together) share it: each runs at
+1/D of its speed alone while the demands of the transfers on its busiest link add up to D > 1
+(Profile.link_demand, measured in pairs; 1 each where not measured: n transfers at 1/n each),
+re-timed whenever one starts or ends. Interference slows kernels while a collective runs on the
 device and collectives while a kernel runs (the profile's factors: a collective's latency by its
 own, as small messages suffer more from busy cores than large transfers).
 
@@ -54,6 +59,7 @@ class Record:
     stream: int
     start: float
     end: float
+    lane: int = 0  # on the communication stream: which of the collectives in flight at once
 
     @property
     def duration(self) -> float:
@@ -90,8 +96,8 @@ class _Plan:
     collectives: tuple[Convert, ...]
     producers: dict[int, tuple[int, ...]]  # collective id -> earlier tasks writing its input
     duration: dict[int, float]  # compute-stream tasks
-    links: dict[tuple[int, int], tuple[float, float, tuple[int, ...]]]  # (collective, group
-    #   index) -> (latency, transfer, machines whose inter-node link it crosses)
+    links: dict[tuple[int, int], tuple[float, float, tuple, float]]  # (collective, group
+    #   index) -> (latency, transfer, the links it crosses (resources.Links), its demand on them)
     part: dict[tuple[int, int], int]  # (collective, rank) -> index of the rank's group, for
     #   collectives split into sub-groups (others: 0)
     host: dict[int, tuple[float, float]]  # collective id -> seconds its stream spends issuing
@@ -101,6 +107,7 @@ class _Plan:
     #   None: no host thread)
     in_situ: frozenset[int]  # compute-stream tasks whose measured time was taken in real steps
     #   (Profile.kernels_in_situ): interference is already in it
+    lanes: int = 1  # collectives in flight at once on a rank (Profile.comm_lanes)
 
     @property
     def identical(self) -> bool:
@@ -109,9 +116,12 @@ class _Plan:
 
     @property
     def shared_links(self) -> bool:
-        """Several groups of one collective cross machines: they can load a link together."""
-        return any(len(c.parts) > 1 and any(self.links[c.id, i][2] for i in range(len(c.parts)))
-                   for c in self.collectives)
+        """Transfers can load a link together: a group's collectives in flight at once, or
+        several groups of one collective crossing machines."""
+        return self.lanes > 1 or any(
+            len(c.parts) > 1 and any(self.links[c.id, i][2][0] != "group"
+                                     for i in range(len(c.parts)))
+            for c in self.collectives)
 
 
 def simulate(program: Program, profile: Profile, all_ranks: bool = False,
@@ -171,8 +181,8 @@ def _plan(program: Program, profile: Profile, mode: str = "graph") -> _Plan:
                 if pack_unpack[0] > 0:  # issuing it takes the compute stream's time
                     compute.append(task)
             for i, group in enumerate(task.parts):
-                links[task.id, i] = (*profile.network_split(task, group),
-                                     profile.machines(group))
+                links[task.id, i] = (*profile.network_split(task, group), _crossed(profile, group),
+                                     profile.link_demand(task.kind, task.bytes, group))
                 if len(task.parts) > 1:  # a world-spanning collective: every rank in group 0
                     part.update({(task.id, rank): i for rank in group})
             continue
@@ -188,7 +198,13 @@ def _plan(program: Program, profile: Profile, mode: str = "graph") -> _Plan:
     by_id = {c.id: c for c in collectives}
     in_situ = frozenset(t.id for t in compute if measured and timing_key(t, by_id) in measured)
     return _Plan(tuple(compute), collectives, _producers(program), duration, links, part, host,
-                 issue, in_situ)
+                 issue, in_situ, profile.comm_lanes)
+
+
+def _crossed(profile: Profile, group: tuple[int, ...]) -> tuple:
+    """The links a group's transfers cross: its machines' inter-node links, or, inside one
+    machine, a link of the group's own ("group", ranks)."""
+    return profile.machines(group) or (("group", group),)
 
 
 def _check_groups(task: Convert, world: int) -> None:
@@ -235,6 +251,8 @@ class _Sim:
         self.interfere = max(self.slowdown.values()) > 1.0
         self.devices = [Device() for _ in range(ranks)]
         self.links = Links() if plan.shared_links else None
+        self.lanes = [simpy.Resource(env, capacity=plan.lanes) for _ in range(ranks)]
+        self.in_flight: list[set[int]] = [set() for _ in range(ranks)]  # lanes shown busy
         self.launched = {(r, t.id): env.event() for r in range(ranks) for t, _ in plan.issue or ()}
         for rank in range(ranks):
             env.process(self.compute_stream(rank))
@@ -282,6 +300,8 @@ class _Sim:
         self.records[rank].append(Record(task, COMPUTE_STREAM, start, self.env.now))
 
     def comm_stream(self, rank: int):
+        """Hand each collective over, in program order, once its input is written (and packed)
+        and the host has issued it; it runs in its turn on one of the rank's lanes."""
         for task in self.plan.collectives:
             inputs = [self.done[rank, i] for i in self.plan.producers[task.id]]
             if (rank, task.id) in self.issued:
@@ -291,17 +311,32 @@ class _Sim:
             if inputs:
                 yield self.env.all_of(inputs)
             key = (task.id, self.plan.part.get((task.id, rank), 0))
-            yield self.arrive(key, len(task.parts[key[1]]))
-            latency, transfer, machines = self.plan.links[key]
-            start = self.env.now
-            shared = self.links is not None and machines
-            if not shared and self.slowdown["latency"] == self.slowdown["comm"]:
-                yield from self.run(rank, COMM_STREAM, latency + transfer)
-            else:  # the latency at its own slowdown, then the transfer (sharing the links)
-                yield from self.run(rank, COMM_STREAM, latency, factor="latency")
-                flow = (key, machines) if shared else None
-                yield from self.run(rank, COMM_STREAM, transfer, flow)
-            self.finish(rank, COMM_STREAM, task, start)
+            turn = self.lanes[rank].request()  # granted in the order requested
+            self.env.process(self.collective(rank, task, key, turn))
+
+    def collective(self, rank: int, task: Convert, key: tuple[int, int], turn):
+        """Collective `task` on one rank: its lane, the rendezvous, the latency, the transfer."""
+        yield turn
+        yield self.arrive(key, len(task.parts[key[1]]))
+        latency, transfer, crossed, demand = self.plan.links[key]
+        start, lane = self.env.now, self.take_lane(rank)
+        if self.links is None and self.slowdown["latency"] == self.slowdown["comm"]:
+            yield from self.run(rank, COMM_STREAM, latency + transfer)
+        else:  # the latency at its own slowdown, then the transfer (sharing the links)
+            yield from self.run(rank, COMM_STREAM, latency, factor="latency")
+            flow = (key, crossed, demand) if self.links is not None else None
+            yield from self.run(rank, COMM_STREAM, transfer, flow)
+        turn.resource.release(turn)
+        self.in_flight[rank].discard(lane)
+        self.records[rank].append(Record(task, COMM_STREAM, start, self.env.now, lane))
+        self.done[rank, task.id].succeed()
+
+    def take_lane(self, rank: int) -> int:
+        """The lowest lane of the rank's communication stream not showing a collective now."""
+        lane = next(i for i in range(len(self.in_flight[rank]) + 1)
+                    if i not in self.in_flight[rank])
+        self.in_flight[rank].add(lane)
+        return lane
 
     def arrive(self, key: tuple[int, int], size: int) -> simpy.Event:
         """This rank has reached collective `key` (id, group); the returned event fires when all
@@ -311,16 +346,12 @@ class _Sim:
             self.barrier[key].succeed()
         return self.barrier[key]
 
-    def finish(self, rank: int, stream: int, task: Compute | Convert, start: float) -> None:
-        self.records[rank].append(Record(task, stream, start, self.env.now))
-        self.done[rank, task.id].succeed()
-
     def run(self, rank: int, stream: int, work: float, flow=None, slowed: bool = True,
             factor: str | None = None):
         """Run `work` seconds of full-speed work on `stream` of `rank`: at the rate the other kind
         of stream allows (interference, by the slowdown `factor` names, else the stream's own; not
         if `slowed` is false: a kernel timed in real steps) and, for a transfer `flow` (key,
-        machines), its share of the loaded links; re-timed whenever one of those changes."""
+        links, demand), its share of the loaded links; re-timed whenever one of those changes."""
         if not self.interfere and flow is None:
             yield self.env.timeout(work)
             return

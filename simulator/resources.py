@@ -38,36 +38,44 @@ class Device:
 
 
 class Links:
-    """The machines' inter-node links and the group transfers crossing them: a transfer runs at
-    1/n of its speed while n transfers cross the busiest of its links (fair sharing)."""
+    """The links that group transfers cross and the transfers crossing them: an inter-node link
+    is a machine's link to the others; a group inside one machine has a link of its own, which
+    its own transfers in flight at once share. A transfer alone on its links runs at full speed;
+    while several cross one, each runs at 1/D of its speed, D being the sum of their demands
+    (Profile.link_demand: 1 each is fair sharing, 1/n for n transfers) on its busiest link."""
 
     def __init__(self):
         self.members: dict[tuple, set] = {}  # transfer -> its ranks' running processes
-        self.machines: dict[tuple, tuple[int, ...]] = {}
-        self.load: dict[int, int] = {}  # machine -> transfers crossing its link
+        self.crossed: dict[tuple, tuple] = {}  # transfer -> the links it crosses
+        self.demand: dict[tuple, float] = {}
+        self.load: dict = {}  # link -> [transfers crossing it, the sum of their demands]
 
     def share(self, key: tuple) -> float:
-        return 1.0 / max(self.load[m] for m in self.machines[key])
+        """The speed of transfer `key` now, as a fraction of its speed alone."""
+        return min(1.0 if self.load[link][0] == 1 else 1.0 / max(1.0, self.load[link][1])
+                   for link in self.crossed[key])
 
-    def begin(self, key: tuple, machines: tuple[int, ...], process) -> None:
+    def begin(self, key: tuple, links: tuple, demand: float, process) -> None:
         if key not in self.members:  # a new transfer loads the links: the others slow down
-            self.members[key], self.machines[key] = set(), machines
-            for m in machines:
-                self.load[m] = self.load.get(m, 0) + 1
-            self._retime(machines)
+            self.members[key], self.crossed[key], self.demand[key] = set(), links, demand
+            for link in links:
+                count, total = self.load.get(link, (0, 0.0))
+                self.load[link] = (count + 1, total + demand)
+            self._retime(links)
         self.members[key].add(process)
 
     def end(self, key: tuple, process) -> None:
         self.members[key].discard(process)
         if not self.members[key]:  # its last rank is done: the others speed up
             del self.members[key]
-            machines = self.machines.pop(key)
-            for m in machines:
-                self.load[m] -= 1
-            self._retime(machines)
+            links, demand = self.crossed.pop(key), self.demand.pop(key)
+            for link in links:
+                count, total = self.load[link]
+                self.load[link] = (count - 1, total - demand)
+            self._retime(links)
 
-    def _retime(self, machines: tuple[int, ...]) -> None:
+    def _retime(self, links: tuple) -> None:
         for key, processes in self.members.items():
-            if set(self.machines[key]) & set(machines):
+            if set(self.crossed[key]) & set(links):
                 for process in processes:
                     retime(process)

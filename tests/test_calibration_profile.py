@@ -205,7 +205,14 @@ def test_two_gloo_ranks_under_torchrun_write_a_profile(tmp_path):
     assert "roofline of 21 kernels:" in done.stderr and "rms error" in done.stderr
     for kind in COLLECTIVES:
         assert f"  {kind} " in done.stderr
-    assert "59/59" in done.stderr  # the progress line reached its last item
+    # gloo runs two collectives at once: pairs of each kind in flight, timed against one after
+    # the other, at 1 MB and 8 MB (--quick: its largest, 4 MB)
+    assert p.comm_lanes == 2 and summary["lanes"] == 2
+    assert {(t, kind, n) for t, kind, n, _, _ in p.pair_points} == \
+        {("intra", kind, 2) for kind in COLLECTIVES}
+    assert all(0.2 < ratio < 5 for *_, ratio in p.pair_points), p.pair_points
+    assert "two collectives in flight at once (2 lanes)" in done.stderr
+    assert "67/67" in done.stderr  # the progress line reached its last item
     assert not list(tmp_path.glob(".x.*"))  # no temporary file left behind
 
 

@@ -284,3 +284,63 @@ def test_a_gpu_host_issues_every_task_and_a_kernel_waits_to_be_issued():
     assert from_dict(doc).host == {"graph": 1e-4, "cuda-graphs": 0.0}
     with pytest.raises(ProfileError, match="executor modes"):
         from_dict(dict(doc, host={"fast": 1e-5}))
+
+
+# -- collectives in flight at once (gloo's two threads) -----------------------------------------
+
+def lanes_profile(lanes: int, pairs=None) -> Profile:
+    from dataclasses import replace
+    return replace(profile(), comm_lanes=lanes, pair_points=pairs)
+
+
+TWO = (A, AR, all_reduce("x", 10**9), Wait(-1, 1), Wait(-1, 2))
+
+
+def test_two_lanes_share_the_groups_link_fairly_where_no_pair_was_measured():
+    # both start at T_A: their latencies run at once, then the two transfers share the link
+    r = simulate(program(*TWO), lanes_profile(2))
+    assert r.step_time == pytest.approx(T_A + 2 * ALPHA + 2 * 1.0, rel=1e-12)
+    comm = [x for x in r.records[0] if x.stream == r.comm_stream]
+    assert sorted(x.lane for x in comm) == [0, 1]
+    assert all(x.start == pytest.approx(T_A, rel=1e-12) for x in comm)
+
+
+def test_a_measured_pair_ratio_sets_how_fast_two_run_at_once():
+    # two all-reduces in flight took 0.6 of one after the other: each runs at 1 / (2 x 0.6)
+    pairs = [["intra", "all_reduce", 2, 2**20, 0.6], ["intra", "all_reduce", 2, 2**30, 0.6]]
+    r = simulate(program(*TWO), lanes_profile(2, pairs))
+    assert r.step_time == pytest.approx(T_A + 2 * ALPHA + 1.2, rel=1e-12)
+
+
+def test_a_third_collective_waits_for_a_free_lane_in_program_order():
+    pairs = [["intra", "all_reduce", 2, 2**20, 0.5]]  # the link fits two at full speed
+    three = (A, AR, all_reduce("x", 10**9), all_reduce("y", 10**9), Wait(-1, 1), Wait(-1, 2),
+             Wait(-1, 3))
+    r = simulate(program(*three), lanes_profile(2, pairs))
+    assert r.step_time == pytest.approx(T_A + 2 * T_AR, rel=1e-12)
+    third = next(x for x in r.records[0] if x.task.id == 3)
+    assert third.start == pytest.approx(T_A + T_AR, rel=1e-12) and third.lane == 0
+    # one lane: one after the other, as before
+    assert simulate(program(*three), lanes_profile(1, pairs)).step_time == \
+        pytest.approx(T_A + 3 * T_AR, rel=1e-12)
+
+
+def test_link_demand_interpolates_the_pairs_in_log_size_and_bounds_noise():
+    pairs = [["inter", "all_gather", 2, 2**20, 0.9], ["inter", "all_gather", 2, 2**23, 0.6],
+             ["inter", "all_to_all", 2, 2**20, 0.3]]
+    p = Profile("t", "test", 1e12, 1e12, 0.0, {k: LinkCost(0.0, 1e9) for k in COLLECTIVES}, 1,
+                {k: LinkCost(0.0, 1e9) for k in COLLECTIVES}, comm_lanes=2, pair_points=pairs)
+    crossing = (0, 1)  # one rank on each of two machines
+    assert p.link_demand("all_gather", 2**10, crossing) == pytest.approx(0.9)
+    assert p.link_demand("all_gather", 2**20 * 8**0.5, crossing) == pytest.approx(0.75)
+    assert p.link_demand("all_gather", 2**30, crossing) == pytest.approx(0.6)
+    assert p.link_demand("all_to_all", 2**20, crossing) == 0.5  # below 0.5 is noise
+    assert p.link_demand("all_reduce", 2**20, crossing) == 1.0  # not measured: fair sharing
+    back = from_dict(json.loads(p.to_json()))
+    assert (back.comm_lanes, back.pair_points) == (2, pairs)
+    assert "comm_lanes" not in profile().to_dict()  # one lane: the default, not written
+    for bad in (0, 1.5, True, "2"):
+        with pytest.raises(ProfileError, match=r"comm_lanes must be a whole number >= 1"):
+            from_dict(dict(p.to_dict(), comm_lanes=bad))
+    with pytest.raises(ProfileError, match=r"pair_points holds .*ratio\]"):
+        from_dict(dict(p.to_dict(), pair_points=[["inter", "all_gather", 2, 2**20]]))

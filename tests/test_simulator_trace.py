@@ -41,3 +41,18 @@ def test_write_trace_writes_json(tmp_path):
     events = json.loads(path.read_text())["traceEvents"]
     assert sum(e["ph"] == "X" for e in events) == 6
     assert events[0]["args"]["name"] == "rank 0 s k=2"
+
+
+def test_a_collective_in_flight_beside_another_has_a_track_of_its_own():
+    from dataclasses import replace
+    second = Convert(4, "all_reduce", "linear_4", P, R, "fwd", 1, (), 10**6, (0, 1), ("z",),
+                     ("z@R",))
+    program = Program("m", "0", "s", 2, 2, (FWD, AR, second, Wait(2, 1), Wait(5, 4), STEP), (),
+                      {})
+    doc = chrome_trace(simulate(program, replace(PROFILE, comm_lanes=2)))
+    tracks = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"]
+              if e["name"] == "thread_name"}
+    assert tracks[11] == "stream 1 (nccl), collective 2 in flight"
+    ar = sorted((e["tid"], e["ts"]) for e in doc["traceEvents"]
+                if e["ph"] == "X" and e["name"].startswith("all_reduce"))
+    assert [t for t, _ in ar] == [1, 11] and ar[0][1] == pytest.approx(ar[1][1])

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import statistics
 from bisect import bisect_left
 from dataclasses import asdict, dataclass, field
 from functools import cached_property, lru_cache
@@ -48,10 +49,18 @@ _KEYS = {"format", "version", "name", "source", "collectives", "inter_node", "in
 # device_memory: bytes of memory per device (a GPU's, or a CPU rank's share of its host's RAM);
 # kernels_in_situ: true when calibration.ops timed the kernels in real steps, collectives on the
 # network: their times include what the transfers around them take from the device, so the
-# simulator does not slow them again by the interference factor
+# simulator does not slow them again by the interference factor;
+# comm_lanes: how many collectives a rank runs at once (gloo's two worker threads: 2; NCCL's
+# stream: 1, the default);
+# pair_points: [tier, kind, group size, bytes, ratio] as measured by calibration.profile: two such
+# collectives in flight at once took `ratio` times as long as one after the other (0.5: the link
+# fits both; 1: they share it)
 _OPTIONAL = {"provenance", "kernels", "collective_points", "kernel_quantiles", "host",
-             "device_memory", "kernels_in_situ"}
-TIERS = ("intra", "inter", "column")  # of collective_points
+             "device_memory", "kernels_in_situ", "comm_lanes", "pair_points"}
+TIERS = ("intra", "inter", "column")  # of collective_points and pair_points
+# two collectives in flight take at least as long as the larger alone and, measured, never more
+# than twice as long as one after the other: ratios outside are noise
+PAIR_RATIO_MIN, PAIR_RATIO_MAX = 0.5, 2.0
 
 
 @lru_cache(maxsize=4096)  # the search asks it for the same few groups tens of thousands of times
@@ -118,6 +127,9 @@ class Profile:
     interference_latency: float | None = None  # a collective's latency (its steps' fixed cost:
     #   waking the transport's threads, round trips) runs this much longer while a kernel runs,
     #   measured with small all-reduces; None: as interference_comm (measured with large ones)
+    comm_lanes: int = field(default=1, hash=False, compare=False)  # collectives in flight at
+    #   once on a rank
+    pair_points: list[list] | None = field(default=None, hash=False, compare=False)
 
     @property
     def latency_slowdown(self) -> float:
@@ -235,6 +247,51 @@ class Profile:
         return {key: (sorted(pts), [pts[b] for b in sorted(pts)])
                 for key, pts in by.items() if len(pts) >= 2}
 
+    def link_demand(self, kind: str, nbytes: float, group: tuple[int, ...]) -> float:
+        """How much of the links a transfer of collective `kind` over `group` takes, from the
+        measured pairs (`pair_points`): two such transfers at once on a link each run at
+        1/(2 x demand) of their speed alone, so that both together take `ratio` times as long as
+        one after the other (simulator.resources.Links adds up the demands of all transfers on a
+        link). Interpolated between the measured sizes, the nearest size's beyond them; 1.0
+        (fair sharing: n transfers, each at 1/n) where the profile has no pairs of that kind."""
+        curve = self._pairs.get((self._tier_name(group), kind))
+        if curve is None:
+            return 1.0
+        sizes, ratios = curve
+        if nbytes <= sizes[0] or len(sizes) == 1:
+            return ratios[0]
+        if nbytes >= sizes[-1]:
+            return ratios[-1]
+        i = bisect_left(sizes, nbytes)
+        x = (math.log(nbytes) - math.log(sizes[i - 1])) / (math.log(sizes[i]) -
+                                                            math.log(sizes[i - 1]))
+        return ratios[i - 1] + x * (ratios[i] - ratios[i - 1])
+
+    def _tier_name(self, group: tuple[int, ...]) -> str:
+        """The tier of collective_points and pair_points that a group's figures come from."""
+        crossed = self.machines(group)
+        if not crossed:
+            return "intra"
+        return "column" if len(crossed) == len(group) and self._pairs_have("column") else "inter"
+
+    def _pairs_have(self, tier: str) -> bool:
+        return any(t == tier for t, _ in self._pairs)
+
+    @cached_property
+    def _pairs(self) -> dict[tuple[str, str], tuple[list[float], list[float]]]:
+        """(tier, kind) -> measured (sizes, ratios) of two in flight, sorted by size; each ratio
+        within [PAIR_RATIO_MIN, PAIR_RATIO_MAX] (the median where several group sizes were
+        measured at one size)."""
+        by: dict[tuple[str, str], dict[float, list[float]]] = {}
+        for tier, kind, _n, nbytes, ratio in self.pair_points or ():
+            by.setdefault((tier, kind), {}).setdefault(float(nbytes), []).append(float(ratio))
+        out = {}
+        for key, pts in by.items():
+            sizes = sorted(pts)
+            out[key] = (sizes, [min(PAIR_RATIO_MAX, max(PAIR_RATIO_MIN, statistics.median(pts[b])))
+                                for b in sizes])
+        return out
+
     def machines(self, group: tuple[int, ...]) -> tuple[int, ...]:
         """The machines whose inter-node link a group crosses (none if it stays in one)."""
         return _machines(group, self.gpus_per_node) if self.inter_node else ()
@@ -274,7 +331,7 @@ class Profile:
                 doc[tier] = {k: {"alpha": c["alpha"], "bus_bandwidth": c["beta"]}
                              for k, c in doc[tier].items()}
         for key in _OPTIONAL:
-            if doc[key] is None or doc[key] is False:
+            if doc[key] is None or doc[key] is False or (key == "comm_lanes" and doc[key] == 1):
                 del doc[key]
         return doc
 
@@ -425,6 +482,14 @@ def from_dict(doc, where: str = "profile") -> Profile:
     points = doc.get("collective_points")
     if points is not None:
         points = [_point(p, where) for p in (points if isinstance(points, list) else [points])]
+    pairs = doc.get("pair_points")
+    if pairs is not None:
+        pairs = [_point(p, where, "pair_points", "ratio")
+                 for p in (pairs if isinstance(pairs, list) else [pairs])]
+    lanes = doc.get("comm_lanes", 1)
+    if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
+        raise ProfileError(f"{where}: comm_lanes must be a whole number >= 1 (collectives "
+                           f"a rank runs at once), got {lanes!r}")
     values = {k: _number(doc[k], k, where, zero_ok=k == "op_overhead") for k in _SCALARS}
     if values["gpus_per_node"] != int(values["gpus_per_node"]):
         raise ProfileError(f"{where}: gpus_per_node must be a whole number")
@@ -442,18 +507,18 @@ def from_dict(doc, where: str = "profile") -> Profile:
                    values["mem_bandwidth"], values["op_overhead"],
                    _collectives(doc["collectives"], where), int(values["gpus_per_node"]), inter,
                    slow["compute"], slow["communication"], provenance, kernels, points,
-                   spreads, host, memory, in_situ, slow.get("latency"))
+                   spreads, host, memory, in_situ, slow.get("latency"), lanes, pairs)
 
 
-def _point(p, where: str) -> list:
+def _point(p, where: str, key: str = "collective_points", value: str = "seconds") -> list:
     ok = (isinstance(p, list) and len(p) == 5 and p[0] in TIERS and p[1] in COLLECTIVES
           and isinstance(p[2], int) and p[2] >= 2)
     if not ok:
-        raise ProfileError(f"{where}: collective_points holds {p!r}; each must be [tier "
+        raise ProfileError(f"{where}: {key} holds {p!r}; each must be [tier "
                            f"({'/'.join(TIERS)}), kind ({'/'.join(COLLECTIVES)}), group size >= 2, "
-                           f"bytes, seconds]")
-    return [p[0], p[1], p[2], _number(p[3], "collective_points bytes", where, zero_ok=True),
-            _number(p[4], "collective_points seconds", where)]
+                           f"bytes, {value}]")
+    return [p[0], p[1], p[2], _number(p[3], f"{key} bytes", where, zero_ok=True),
+            _number(p[4], f"{key} {value}", where)]
 
 
 def _collectives(doc, where: str, tier: str = "collectives") -> dict[str, LinkCost]:
