@@ -31,7 +31,8 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
+from typing import get_type_hints
 from pathlib import Path
 
 from experiments import outputs
@@ -123,6 +124,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="run nothing: report the configurations of earlier runs' folders "
                          "(each with the accuracy.csv a run wrote) as one table, and write it "
                          "to --out; the run flags above are then not used")
+    ap.add_argument("--repredict", action="store_true",
+                    help="with --combine: predict every configuration again with this version's "
+                         "simulator, from the profile and plan its run kept in its folder (the "
+                         "measured times stay): what a change to the simulator does to runs "
+                         "already measured")
     ap.add_argument("--max-median-error", type=float, default=None,
                     help="exit 1 when the median absolute error exceeds this fraction (CI: 0.10)")
     args = ap.parse_args(argv)
@@ -149,6 +155,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if gate is not None and not (math.isfinite(gate) and gate >= 0):
         ap.error(f"--max-median-error {gate}: give a finite fraction >= 0, e.g. 0.10 for 10%")
     outputs.refuse_quick_into_results(ap, args.out, args.quick, "accuracy")
+    if args.repredict and not args.combine:
+        ap.error("--repredict re-predicts earlier runs: give their folders with --combine")
     if args.combine and args.out.resolve() in {f.resolve() for f in args.combine}:
         ap.error(f"--out {args.out} is one of the --combine folders: its accuracy.csv would be "
                  f"overwritten; give another --out")
@@ -159,9 +167,61 @@ def is_moe(model: str) -> bool:
     return "moe" in model or "switch" in model
 
 
+# -- where a run keeps its profiles and plans (a re-prediction finds them by these names) -------
+
+def base_path(folder: Path, hosts: int, ranks_per_host: int, bandwidth: str) -> Path:
+    """The cluster's profile (calibration.profile)."""
+    return folder / f"profile-{hosts}x{ranks_per_host}-{bandwidth}.json"
+
+
+def kernels_path(folder: Path, base: Path, model: str, tag: str = "") -> Path:
+    """`base` with the model's kernels (calibration.ops)."""
+    return folder / f"{base.stem}-{model.replace(':', '-')}{tag}.json"
+
+
+def plan_path(folder: Path, model: str, profile: Path) -> Path:
+    """The plan searched with `profile`."""
+    return folder / f"plan-{model.replace(':', '-')}-{profile.stem}.json"
+
+
+def mesh_plan_path(folder: Path, model: str, name: str, hosts: int, ranks_per_host: int) -> Path:
+    """The plan file of 2-D strategy `name`."""
+    return folder / f"plan-{model.replace(':', '-')}-{name}-{hosts}x{ranks_per_host}.json"
+
+
+def saved_inputs(folder: Path, row: Row) -> tuple[Path, str]:
+    """The profile that a calibrated-once run in `folder` predicted `row` from and the strategy
+    argument it ran (the searched or 2-D plan's file), as model_profile named them."""
+    base = base_path(folder, row.hosts, row.ranks_per_host, row.bandwidth)
+    kernels = kernels_path(folder, base, row.model)
+    searched = kernels_path(folder, kernels, row.model, "-searched")
+    profile = searched if searched.is_file() else kernels
+    arg = str(plan_path(folder, row.model, kernels)) if row.strategy == "searched" else \
+        str(mesh_plan_path(folder, row.model, row.strategy, row.hosts, row.ranks_per_host)) \
+        if row.strategy in ACROSS else row.strategy
+    for path in (profile, Path(arg) if arg != row.strategy else None):
+        if path is not None and not path.is_file():
+            raise ValueError(f"--repredict {folder}: {row.model} {row.strategy} on "
+                             f"{row.cluster} was predicted from {path}, which is not there; "
+                             f"re-predict only folders a run wrote, with their profiles and "
+                             f"plans")
+    return profile, arg
+
+
+def repredicted(row: Row, folder: Path) -> Row:
+    """`row` predicted again by this version's simulator from the profile and plan its run saved
+    (the measured times stay as they were)."""
+    profile, arg = saved_inputs(folder, row)
+    result, coverage = predict(row.model, arg, row.k, profile, row.hosts * row.ranks_per_host)
+    return replace(row, predicted_ms=result.step_time * 1e3,
+                   predicted_computation_ms=result.computation * 1e3,
+                   predicted_communication_ms=result.communication * 1e3,
+                   predicted_overlap=result.overlap_ratio, kernels_measured=coverage)
+
+
 def calibrate(cluster: Cluster, args, folder: Path) -> Path:
     """calibration.profile on the cluster as it is now: the profile file."""
-    out = folder / f"profile-{cluster.hosts}x{cluster.ranks_per_host}-{cluster.bandwidth}.json"
+    out = base_path(folder, cluster.hosts, cluster.ranks_per_host, cluster.bandwidth)
     # one rank has nothing to communicate with: its kernels on the CPU profile's collectives
     base = ["--base", ONE_RANK_BASE] if cluster.world == 1 else []
     _cluster_run(cluster, ["-m", "calibration.profile", "--out", str(out), "--repeats", "3",
@@ -182,7 +242,7 @@ def plan_for(model: str, profile_path: Path, world: int, folder: Path) -> Path:
     graph = captured(model, world)[1]
     profile = load_profile(profile_path)
     result = search(graph, world, profile, k=2, optimizer=OPTIMIZER)
-    path = folder / f"plan-{model.replace(':', '-')}-{profile_path.stem}.json"
+    path = plan_path(folder, model, profile_path)
     save_plan(path, graph, result.strategy, world, model, profile.name, optimizer=OPTIMIZER)
     return path
 
@@ -190,7 +250,7 @@ def plan_for(model: str, profile_path: Path, world: int, folder: Path) -> Path:
 def measure_kernels(cluster: Cluster, model: str, strategies: list[str], base: Path,
                     folder: Path, steps: int, micro_batches=(1, 2), tag: str = "") -> Path:
     """calibration.ops on the cluster: `base` plus the model's kernels, as a new profile."""
-    out = folder / f"{base.stem}-{model.replace(':', '-')}{tag}.json"
+    out = kernels_path(folder, base, model, tag)
     _cluster_run(cluster, ["-m", "calibration.ops", "--model", model, "--strategy", *strategies,
                            "--micro-batches", *map(str, micro_batches), "--base", str(base),
                            "--optimizer", OPTIMIZER, "--steps", str(steps), "--out", str(out)],
@@ -250,11 +310,13 @@ def _cluster_run(cluster: Cluster, command: list[str], what: str, tries: int = 2
     raise RuntimeError(f"{what} on the emulated cluster failed {tries} times: {result.failure()}")
 
 
-def kendall(rows: list[Row]) -> float:
+def kendall(rows: list[Row]) -> float | None:
+    """Kendall's tau of predicted against measured times; None for one configuration (no
+    ranking to compare)."""
     from scipy.stats import kendalltau
 
     if len(rows) < 2:
-        return float("nan")
+        return None
     return float(kendalltau([r.predicted_ms for r in rows], [r.measured_ms for r in rows])[0])
 
 
@@ -289,8 +351,7 @@ def read_rows(folder: Path) -> list[Row]:
     if not path.is_file():
         raise ValueError(f"--combine {folder}: no accuracy.csv there; give folders an "
                          f"experiments.accuracy run wrote (its --out)")
-    kinds = {"str": str, "int": int, "float": float}
-    columns = {f.name: kinds[str(f.type)] for f in fields(Row)}
+    columns = get_type_hints(Row)  # str, int or float: each converts its column's text
     needed = {f.name for f in fields(Row) if f.default is MISSING}  # older runs lack the rest
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
@@ -306,14 +367,25 @@ def read_rows(folder: Path) -> list[Row]:
                              f"{exc}") from None
 
 
-def combine(folders: list[Path]) -> tuple[list[Row], list[dict]]:
+def combine(folders: list[Path], repredict: bool = False) -> tuple[list[Row], list[dict]]:
     """Every configuration of the runs in `folders`, and each run's folder and command; a
-    configuration measured in two of them is refused (it would count twice)."""
+    configuration measured in two of them is refused (it would count twice). With `repredict`,
+    each is predicted again by this version's simulator (repredicted)."""
     rows: list[Row] = []
     seen: dict[tuple, Path] = {}
     sources = []
     for folder in folders:
+        ran = _command(folder)
+        if repredict and ran and "--recalibrate-each" in ran:
+            raise ValueError(f"--repredict {folder}: that run timed each configuration's "
+                             f"kernels right before it ran (--recalibrate-each), and those "
+                             f"profiles were not kept; re-predict runs calibrated once")
         for r in read_rows(folder):
+            if repredict:
+                r = repredicted(r, folder)
+                log.info("%s %s k=%d on %s: re-predicted %.1f ms, measured %.1f ms, error "
+                         "%+.1f%%", r.model, r.strategy, r.k, r.cluster, r.predicted_ms,
+                         r.measured_ms, 100 * r.error)
             key = (r.model, r.strategy, r.k, r.cluster)
             if key in seen:
                 raise ValueError(f"--combine: {r.model} {r.strategy} k={r.k} on {r.cluster} is "
@@ -321,12 +393,22 @@ def combine(folders: list[Path]) -> tuple[list[Row], list[dict]]:
                                  f"configurations")
             seen[key] = folder
             rows.append(r)
-        summary = folder / "accuracy.json"
-        ran = json.loads(summary.read_text()).get("command") if summary.is_file() else None
-        sources.append({"folder": str(folder), "command": ran})
+        sources.append({"folder": str(folder), "command": ran,
+                        **({"repredicted": True} if repredict else {})})
     if not rows:
         raise ValueError(f"--combine: no configurations in {', '.join(map(str, folders))}")
     return rows, sources
+
+
+def _command(folder: Path) -> str | None:
+    """The command of the run that wrote `folder` (its accuracy.json), if it says."""
+    summary = folder / "accuracy.json"
+    try:
+        return json.loads(summary.read_text()).get("command") if summary.is_file() else None
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+        raise ValueError(f"--combine {folder}: {summary} is not the summary an "
+                         f"experiments.accuracy run writes ({exc}); restore or delete "
+                         f"it") from None
 
 
 def write_outputs(rows: list[Row], summary: dict, folder: Path, command: str,
@@ -395,8 +477,7 @@ def mesh_plan(model: str, name: str, cluster: Cluster, folder: Path) -> str:
     strategy name alone does not carry the mesh)."""
     graph = captured(model, cluster.world)[1]
     strategy = fixed_strategy(name, graph, cluster.world, cluster.hosts)
-    path = folder / f"plan-{model.replace(':', '-')}-{name}-{cluster.hosts}x" \
-                    f"{cluster.ranks_per_host}.json"
+    path = mesh_plan_path(folder, model, name, cluster.hosts, cluster.ranks_per_host)
     save_plan(path, graph, strategy, cluster.world, model, optimizer=OPTIMIZER)
     return str(path)
 
@@ -460,7 +541,7 @@ def main(argv=None) -> int:
     command = "python -m experiments.accuracy " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.combine:
         try:
-            rows, sources = combine(args.combine)
+            rows, sources = combine(args.combine, args.repredict)
         except ValueError as exc:
             print(f"{PROG}: {exc}", file=sys.stderr)
             return 2
@@ -503,15 +584,18 @@ def report(rows: list[Row], args, command: str, started: float,
                   if math.isfinite(r.spread) else "-")
         print(f"| {r.model} | {r.strategy} | {'on' if r.k > 1 else 'off'} | {r.cluster} | "
               f"{r.predicted_ms:.1f} | {r.measured_ms:.1f} | {100 * r.error:+.1f}% | {rounds} |")
+    if any(src.get("repredicted") for src in sources or ()):
+        print("\npredicted again by this version's simulator from the profiles and plans each "
+              "run kept; measured as those runs measured")
     print(f"\n{summary['configurations']} configurations: median |error| "
           f"{summary['median_abs_error']:.1%}, max {summary['max_abs_error']:.1%}")
     if summary["median_round_spread"] is not None:
         print(f"the measurements' own spread (slowest round / fastest - 1, per configuration): "
               f"median {summary['median_round_spread']:.1%}, max "
               f"{summary['max_round_spread']:.1%}")
-    print("Kendall tau: " + ", ".join(f"{m} {t:.2f}" for m, t in summary["kendall_tau"].items()))
+    print("Kendall tau: " + ", ".join(f"{m} {_tau(t)}" for m, t in summary["kendall_tau"].items()))
     print("Kendall tau per model and cluster (the ranking a user calibrating one cluster sees): " +
-          ", ".join(f"{g} {t:.2f}" for g, t in summary["kendall_tau_per_cluster"].items()))
+          ", ".join(f"{g} {_tau(t)}" for g, t in summary["kendall_tau_per_cluster"].items()))
     print("regret (measured time of the simulator's pick / measured best): " +
           ", ".join(f"{g} {v:.3f}" for g, v in summary["regret"].items()))
     print(f"wrote {args.out / 'accuracy.csv'}, accuracy.json, accuracy.png in "
@@ -522,6 +606,10 @@ def report(rows: list[Row], args, command: str, started: float,
               f"{args.max_median_error:.0%}", file=sys.stderr)
         return 1
     return 0
+
+
+def _tau(t: float | None) -> str:
+    return "- (one configuration)" if t is None else f"{t:.2f}"
 
 
 if __name__ == "__main__":

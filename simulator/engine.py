@@ -252,6 +252,8 @@ class _Sim:
         self.devices = [Device() for _ in range(ranks)]
         self.links = Links() if plan.shared_links else None
         self.lanes = [simpy.Resource(env, capacity=plan.lanes) for _ in range(ranks)]
+        self.beside = [Links() for _ in range(ranks)] if plan.lanes > 1 else None  # per rank:
+        #   its collectives in flight at once
         self.in_flight: list[set[int]] = [set() for _ in range(ranks)]  # lanes shown busy
         self.launched = {(r, t.id): env.event() for r in range(ranks) for t, _ in plan.issue or ()}
         for rank in range(ranks):
@@ -320,12 +322,16 @@ class _Sim:
         yield self.arrive(key, len(task.parts[key[1]]))
         latency, transfer, crossed, demand = self.plan.links[key]
         start, lane = self.env.now, self.take_lane(rank)
-        if self.links is None and self.slowdown["latency"] == self.slowdown["comm"]:
+        # in flight beside the rank's others, all of it shares the rank (its threads, cores and
+        # connection: two 1 MB all-reduces in flight gained nothing); its transfer also shares
+        # the links it crosses with every transfer on them
+        beside = ((self.beside[rank], task.id, ("lanes",), demand),) if self.beside else ()
+        net = ((self.links, key, crossed, demand),) if self.links is not None else ()
+        if not beside + net and self.slowdown["latency"] == self.slowdown["comm"]:
             yield from self.run(rank, COMM_STREAM, latency + transfer)
-        else:  # the latency at its own slowdown, then the transfer (sharing the links)
-            yield from self.run(rank, COMM_STREAM, latency, factor="latency")
-            flow = (key, crossed, demand) if self.links is not None else None
-            yield from self.run(rank, COMM_STREAM, transfer, flow)
+        else:  # the latency at its own slowdown, then the transfer
+            yield from self.run(rank, COMM_STREAM, latency, beside, factor="latency")
+            yield from self.run(rank, COMM_STREAM, transfer, beside + net)
         turn.resource.release(turn)
         self.in_flight[rank].discard(lane)
         self.records[rank].append(Record(task, COMM_STREAM, start, self.env.now, lane))
@@ -346,13 +352,14 @@ class _Sim:
             self.barrier[key].succeed()
         return self.barrier[key]
 
-    def run(self, rank: int, stream: int, work: float, flow=None, slowed: bool = True,
+    def run(self, rank: int, stream: int, work: float, flows: tuple = (), slowed: bool = True,
             factor: str | None = None):
         """Run `work` seconds of full-speed work on `stream` of `rank`: at the rate the other kind
         of stream allows (interference, by the slowdown `factor` names, else the stream's own; not
-        if `slowed` is false: a kernel timed in real steps) and, for a transfer `flow` (key,
-        links, demand), its share of the loaded links; re-timed whenever one of those changes."""
-        if not self.interfere and flow is None:
+        if `slowed` is false: a kernel timed in real steps) and, for a collective, its share of
+        what it shares (`flows`: (Links, key, links, demand) each; the smallest share counts);
+        re-timed whenever one of those changes."""
+        if not self.interfere and not flows:
             yield self.env.timeout(work)
             return
         device = self.devices[rank] if self.interfere else None
@@ -361,13 +368,13 @@ class _Sim:
         me = self.env.active_process
         if device:
             device.begin(kind, me)
-        if flow:
-            self.links.begin(*flow, me)
+        for shared, key, crossed, demand in flows:
+            shared.begin(key, crossed, demand, me)
         slowdown = self.slowdown[factor or kind]
         while work > 1e-15:
             rate = 1.0 / slowdown if slowed and device and device.busy(other) else 1.0
-            if flow:
-                rate *= self.links.share(flow[0])
+            if flows:
+                rate *= min(shared.share(key) for shared, key, _, _ in flows)
             began = self.env.now
             try:
                 yield self.env.timeout(work / rate)
@@ -377,8 +384,8 @@ class _Sim:
                 work -= (self.env.now - began) * rate
         if device:
             device.end(kind, me)
-        if flow:
-            self.links.end(flow[0], me)
+        for shared, key, _, _ in flows:
+            shared.end(key, me)
 
     def check_finished(self) -> None:
         """Every task ran on every rank; otherwise name the first task that never finished."""

@@ -45,6 +45,20 @@ def test_quick_accuracy_run_writes_its_table_and_plot(tmp_path, capsys):
     assert summary["configurations"] == 4 and summary["median_abs_error"] >= 0
     assert (tmp_path / "accuracy.png").stat().st_size > 10_000
     assert "median |error|" in out
+    # the run kept its profiles and plans: this simulator predicts it again to the same figures
+    again = tmp_path / "again"
+    assert accuracy.main(["--combine", str(tmp_path), "--repredict", "--out", str(again)]) == 0
+    assert "predicted again by this version's simulator" in capsys.readouterr().out
+    before, after = accuracy.read_rows(tmp_path), accuracy.read_rows(again)
+    assert [r.predicted_ms for r in after] == pytest.approx([r.predicted_ms for r in before],
+                                                            rel=1e-9)
+    assert [r.measured_ms for r in after] == [r.measured_ms for r in before]
+    assert json.loads((again / "accuracy.json").read_text())["sources"][0]["repredicted"]
+    # without the profile it was predicted from, the error names it
+    for path in tmp_path.glob("profile-*gpt-small*.json"):
+        path.unlink()
+    assert accuracy.main(["--combine", str(tmp_path), "--repredict", "--out", str(again)]) == 2
+    assert "was predicted from" in capsys.readouterr().err
 
 
 def test_summary_figures_on_a_hand_made_table():
@@ -97,5 +111,41 @@ def test_combine_reports_earlier_runs_as_one_table(tmp_path, capsys):
     assert [r.measured_ms for r in accuracy.read_rows(old)] == [100, 210]
     assert accuracy.main(["--combine", str(old), "--out", str(out)]) == 0
     assert json.loads((out / "accuracy.json").read_text())["median_round_spread"] is None
+    # a damaged summary is named, with what to do
+    (tmp_path / "two" / "accuracy.json").write_text("{not json")
+    assert accuracy.main(["--combine", str(tmp_path / "two"), "--out", str(out)]) == 2
     errors = capsys.readouterr().err
     assert "in both" in errors and "no accuracy.csv there" in errors
+    assert f"{tmp_path / 'two' / 'accuracy.json'} is not the summary" in errors
+
+
+def test_repredict_needs_runs_calibrated_once_given_with_combine(tmp_path, capsys):
+    row = accuracy.Row("m", "ddp", 1, "1gbit", 2, 1, 110, 100, 0, 0, 0, 1.0)
+    accuracy.write_outputs([row], accuracy.summarize([row]), tmp_path,
+                           "python -m experiments.accuracy --recalibrate-each")
+    with pytest.raises(SystemExit):
+        accuracy.main(["--repredict", "--out", str(tmp_path / "x")])
+    assert "give their folders with --combine" in capsys.readouterr().err
+    assert accuracy.main(["--combine", str(tmp_path), "--repredict",
+                          "--out", str(tmp_path / "x")]) == 2
+    assert "(--recalibrate-each)" in capsys.readouterr().err
+    # a run calibrated once, but its profile is gone: the missing file is named
+    accuracy.write_outputs([row], accuracy.summarize([row]), tmp_path, "python -m x")
+    assert accuracy.main(["--combine", str(tmp_path), "--repredict",
+                          "--out", str(tmp_path / "x")]) == 2
+    assert f"{tmp_path / 'profile-2x1-1gbit-m.json'}, which is not there" in \
+        capsys.readouterr().err
+
+
+def test_a_cluster_with_one_configuration_has_no_ranking(tmp_path, capsys):
+    rows = [accuracy.Row("m", "ddp", 1, "1gbit", 2, 1, 110, 100, 0, 0, 0, 1.0),
+            accuracy.Row("m", "ddp", 1, "10gbit", 2, 1, 30, 40, 0, 0, 0, 1.0),
+            accuracy.Row("m", "megatron", 1, "10gbit", 2, 1, 38, 35, 0, 0, 0, 1.0)]
+    summary = accuracy.summarize(rows)
+    assert summary["kendall_tau_per_cluster"]["m on 2x1 1gbit"] is None
+    accuracy.write_outputs(rows, summary, tmp_path, "run")
+    text = (tmp_path / "accuracy.json").read_text()
+    assert "NaN" not in text and json.loads(text)["kendall_tau_per_cluster"] == \
+        {"m on 2x1 10gbit": -1.0, "m on 2x1 1gbit": None}
+    assert accuracy.main(["--combine", str(tmp_path), "--out", str(tmp_path / "again")]) == 0
+    assert "m on 2x1 1gbit - (one configuration)" in capsys.readouterr().out

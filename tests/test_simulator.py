@@ -296,10 +296,11 @@ def lanes_profile(lanes: int, pairs=None) -> Profile:
 TWO = (A, AR, all_reduce("x", 10**9), Wait(-1, 1), Wait(-1, 2))
 
 
-def test_two_lanes_share_the_groups_link_fairly_where_no_pair_was_measured():
-    # both start at T_A: their latencies run at once, then the two transfers share the link
+def test_two_lanes_share_the_rank_fairly_where_no_pair_was_measured():
+    # both start at T_A and share the rank, latency and transfer: no sooner done than one after
+    # the other
     r = simulate(program(*TWO), lanes_profile(2))
-    assert r.step_time == pytest.approx(T_A + 2 * ALPHA + 2 * 1.0, rel=1e-12)
+    assert r.step_time == pytest.approx(T_A + 2 * T_AR, rel=1e-12)
     comm = [x for x in r.records[0] if x.stream == r.comm_stream]
     assert sorted(x.lane for x in comm) == [0, 1]
     assert all(x.start == pytest.approx(T_A, rel=1e-12) for x in comm)
@@ -309,7 +310,7 @@ def test_a_measured_pair_ratio_sets_how_fast_two_run_at_once():
     # two all-reduces in flight took 0.6 of one after the other: each runs at 1 / (2 x 0.6)
     pairs = [["intra", "all_reduce", 2, 2**20, 0.6], ["intra", "all_reduce", 2, 2**30, 0.6]]
     r = simulate(program(*TWO), lanes_profile(2, pairs))
-    assert r.step_time == pytest.approx(T_A + 2 * ALPHA + 1.2, rel=1e-12)
+    assert r.step_time == pytest.approx(T_A + 2 * 0.6 * T_AR, rel=1e-12)
 
 
 def test_a_third_collective_waits_for_a_free_lane_in_program_order():
