@@ -196,7 +196,8 @@ def time_pair(kind: str, nbytes: int, members: tuple[int, ...], group, ranks: Ra
     """How much longer two collectives of `kind` take in flight at once than one after the other
     (a ratio: 0.5, the link fits both at full speed; 1, they share it; gloo's threads run them
     at once, as under Duplex): the ratio of the medians over `repeats` (at least 5) alternating
-    runs of each, every run the slowest rank's."""
+    runs of each, every run the slowest rank's; cheap pairs over at least 0.1 s of runs, as
+    time_collective spreads its runs (five runs of a 1 MB pair on loopback once gave 0.21)."""
     a, _ = collective_call(kind, nbytes, len(members), group, ranks.device, async_op=True)
     b, _ = collective_call(kind, nbytes, len(members), group, ranks.device, async_op=True)
 
@@ -210,8 +211,9 @@ def time_pair(kind: str, nbytes: int, members: tuple[int, ...], group, ranks: Ra
         second.wait()
 
     after(), together()  # warm-up
+    once = ranks.max([clock.per_call(after)], group)[0]  # the same number of runs on every rank
     apart, both = [], []
-    for _ in range(max(5, repeats)):
+    for _ in range(max(5, repeats, min(_MAX_RUNS, math.ceil(_SPAN_SECONDS / once)))):
         for fn, times in ((after, apart), (together, both)):
             ranks.barrier(group)
             times.append(clock.per_call(fn))
