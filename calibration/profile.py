@@ -176,11 +176,11 @@ def provenance(ranks: Ranks, command: str) -> dict:
 
 
 def fit_profile(args, ranks: Ranks, kernel_points, link_points, factors, prov,
-                base: Profile | None = None, pair_points=()):
+                base: Profile | None = None, pair_points=(), lanes: int = 1):
     """The Profile, the report's lines and the machine-readable summary. Measured on one rank,
     the collectives and interference are `base`'s. `pair_points`: how much longer two
-    collectives in flight at once took than one after the other (where the backend runs
-    several at once: its lanes)."""
+    collectives in flight at once took than one after the other, measured where the backend
+    runs `lanes` > 1 of them at once."""
     flops, mem, overhead, roof = fit_roofline(kernel_points)
     if not link_points:
         return _kernels_on_base(args, ranks, base, prov, (flops, mem, overhead, roof))
@@ -189,7 +189,6 @@ def fit_profile(args, ranks: Ranks, kernel_points, link_points, factors, prov,
         points = [p[1:] for p in link_points if p[0] == tier]
         if points:
             links[tier], fits[tier] = fit_links(points)
-    lanes = measure_lanes(ranks.backend) if pair_points else 1
     pairs_note = (f", {lanes} collectives in flight at once (the backend's lanes) and pairs of "
                   f"each kind in flight timed against one after the other") if pair_points else ""
     note = "" if "intra" in links else (" No group inside one node: the intra-node tier repeats "
@@ -337,7 +336,8 @@ def run(args, argv, ranks: Ranks, base: Profile | None = None) -> int:
         return 0
     try:
         profile, lines, summary = fit_profile(args, ranks, kernel_points, link_points, factors,
-                                              prov, base, pair_points)
+                                              prov, base, pair_points,
+                                              measure_lanes(ranks.backend))
         write_profile(profile, args.out)
     except (FitError, ProfileError, OSError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

@@ -227,12 +227,8 @@ class Profile:
             raise ProfileError(f"profile {self.name} has no figures for collective {kind!r}; "
                                f"add it under \"collectives\"")
         latency, transfer = tier[kind].split(kind, nbytes, len(group))
-        crossed = self.machines(group)
-        curve = self._curves.get(("intra", kind, len(group))) if not crossed else None
-        if crossed and len(crossed) == len(group):  # one rank on each machine: a mesh column
-            curve = self._curves.get(("column", kind, len(group)))
-        if crossed and curve is None:
-            curve = self._curves.get(("inter", kind, len(group)))
+        curve = next((self._curves[t, kind, len(group)] for t in self._tiers(group)
+                      if (t, kind, len(group)) in self._curves), None)
         if curve is None or latency + transfer <= 0:
             return latency, transfer
         scale = _interpolate(curve, nbytes) / (latency + transfer)
@@ -254,7 +250,8 @@ class Profile:
         one after the other (simulator.resources.Links adds up the demands of all transfers on a
         link). Interpolated between the measured sizes, the nearest size's beyond them; 1.0
         (fair sharing: n transfers, each at 1/n) where the profile has no pairs of that kind."""
-        curve = self._pairs.get((self._tier_name(group), kind))
+        curve = next((self._pairs[t, kind] for t in self._tiers(group) if (t, kind) in self._pairs),
+                     None)
         if curve is None:
             return 1.0
         sizes, ratios = curve
@@ -267,15 +264,15 @@ class Profile:
                                                             math.log(sizes[i - 1]))
         return ratios[i - 1] + x * (ratios[i] - ratios[i - 1])
 
-    def _tier_name(self, group: tuple[int, ...]) -> str:
-        """The tier of collective_points and pair_points that a group's figures come from."""
+    def _tiers(self, group: tuple[int, ...]) -> tuple[str, ...]:
+        """The tiers of measured figures (collective_points, pair_points) that describe a group,
+        the first measured one counting: inside one machine the intra-node ones; one rank on each
+        of several machines (a mesh column) the column's, else the inter-node ones; any other
+        group across machines the inter-node ones."""
         crossed = self.machines(group)
         if not crossed:
-            return "intra"
-        return "column" if len(crossed) == len(group) and self._pairs_have("column") else "inter"
-
-    def _pairs_have(self, tier: str) -> bool:
-        return any(t == tier for t, _ in self._pairs)
+            return ("intra",)
+        return ("column", "inter") if len(crossed) == len(group) else ("inter",)
 
     @cached_property
     def _pairs(self) -> dict[tuple[str, str], tuple[list[float], list[float]]]:
