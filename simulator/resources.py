@@ -1,6 +1,9 @@
 """What the simulated streams share: a rank's device (compute and communication streams slow
 each other: interference) and the machines' inter-node links (transfers crossing one share it).
-Each re-times the SimPy processes it affects, by interrupting them, whenever its load changes."""
+Each re-times the SimPy processes it affects, by interrupting them, whenever its load changes, in
+the order they began (dicts, not sets: a set's order follows the processes' addresses, which
+changes from run to run which rank's interrupt comes first, and so which rank draws which kernel
+time under simulator.montecarlo's noise)."""
 from __future__ import annotations
 
 
@@ -17,16 +20,16 @@ class Device:
     """Which streams of one rank are running, so that each kind can re-time the other."""
 
     def __init__(self):
-        self.running: dict[str, set] = {"compute": set(), "comm": set()}
+        self.running: dict[str, dict] = {"compute": {}, "comm": {}}  # processes, in order
 
     def busy(self, kind: str) -> bool:
         return bool(self.running[kind])
 
     def begin(self, kind: str, process) -> None:
-        self._toggle(kind, lambda: self.running[kind].add(process))
+        self._toggle(kind, lambda: self.running[kind].setdefault(process))
 
     def end(self, kind: str, process) -> None:
-        self._toggle(kind, lambda: self.running[kind].discard(process))
+        self._toggle(kind, lambda: self.running[kind].pop(process, None))
 
     def _toggle(self, kind: str, change) -> None:
         was = self.busy(kind)
@@ -45,10 +48,10 @@ class Links:
     (Profile.link_demand: 1 each is fair sharing, 1/n for n transfers) on its busiest link."""
 
     def __init__(self):
-        self.members: dict[tuple, set] = {}  # transfer -> its ranks' running processes
+        self.members: dict[tuple, dict] = {}  # transfer -> its ranks' running processes, in order
         self.crossed: dict[tuple, tuple] = {}  # transfer -> the links it crosses
         self.demand: dict[tuple, float] = {}
-        self.load: dict = {}  # link -> [transfers crossing it, the sum of their demands]
+        self.load: dict = {}  # link -> (transfers crossing it, the sum of their demands)
 
     def share(self, key: tuple) -> float:
         """The speed of transfer `key` now, as a fraction of its speed alone."""
@@ -57,15 +60,15 @@ class Links:
 
     def begin(self, key: tuple, links: tuple, demand: float, process) -> None:
         if key not in self.members:  # a new transfer loads the links: the others slow down
-            self.members[key], self.crossed[key], self.demand[key] = set(), links, demand
+            self.members[key], self.crossed[key], self.demand[key] = {}, links, demand
             for link in links:
                 count, total = self.load.get(link, (0, 0.0))
                 self.load[link] = (count + 1, total + demand)
             self._retime(links)
-        self.members[key].add(process)
+        self.members[key].setdefault(process)
 
     def end(self, key: tuple, process) -> None:
-        self.members[key].discard(process)
+        self.members[key].pop(process, None)
         if not self.members[key]:  # its last rank is done: the others speed up
             del self.members[key]
             links, demand = self.crossed.pop(key), self.demand.pop(key)
