@@ -70,6 +70,8 @@ class Row:
     kernels_measured: float  # share of the Program's kernels with a measured time
     measured_low_ms: float = math.nan  # the fastest and slowest of the rounds' measurements
     measured_high_ms: float = math.nan
+    drift: float = math.nan  # the machine's speed probe around the run / around the kernels'
+    #   calibration, median over rounds (1.1: the machine was 10% slower when it ran)
 
     @property
     def spread(self) -> float:
@@ -79,6 +81,12 @@ class Row:
     @property
     def error(self) -> float:
         return self.predicted_ms / self.measured_ms - 1.0
+
+    @property
+    def error_at_run_speed(self) -> float:
+        """The error had the kernels been timed at the speed the machine had when this ran
+        (the prediction scaled by the drift): what is left once the machine's drift is out."""
+        return self.predicted_ms * self.drift / self.measured_ms - 1.0
 
     @property
     def cluster(self) -> str:
@@ -219,6 +227,37 @@ def repredicted(row: Row, folder: Path) -> Row:
                    predicted_overlap=result.overlap_ratio, kernels_measured=coverage)
 
 
+def speed_probe_ms(repeats: int = 5) -> float:
+    """The machine's speed now: the median time (ms) of a fixed workload (matmuls, GELU and
+    layer norm at a small model's sizes, on one thread as each rank runs). Timed in this process
+    while no cluster command runs, before and after the kernels' calibration and each run, so
+    that a configuration's error can be told apart from the machine's drift between them."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x0, w = torch.randn(256, 512, generator=gen), torch.randn(512, 512, generator=gen) / 23
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            x = x0
+            for _ in range(10):
+                x = torch.nn.functional.layer_norm(torch.nn.functional.gelu(x @ w), (512,))
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3
+    finally:
+        torch.set_num_threads(threads)
+
+
+def probed(work):
+    """work()'s result and the speed probe's mean before and after it (ms)."""
+    before = speed_probe_ms()
+    result = work()
+    return result, (before + speed_probe_ms()) / 2
+
+
 def calibrate(cluster: Cluster, args, folder: Path) -> Path:
     """calibration.profile on the cluster as it is now: the profile file."""
     out = base_path(folder, cluster.hosts, cluster.ranks_per_host, cluster.bandwidth)
@@ -275,27 +314,31 @@ def measure(cluster: Cluster, model: str, strategy: str, k: int, args) -> float:
     return json.loads(out.strip().splitlines()[-1])["median_step_ms"]
 
 
-def run_config(cluster: Cluster, model: str, arg: str, k: int, profile: Path, world: int, args):
+def run_config(cluster: Cluster, model: str, arg: str, k: int, profile: Path, world: int, args,
+               calibrated_at: float):
     """One round of one configuration, predicted from `profile` and run for real; with
     --recalibrate-each its kernels are timed first (calibration.ops on `profile`), so that both
     see the machine at the same speed (this VM's speed drifts by up to a quarter within a
-    minute); (prediction, ms, coverage)."""
+    minute); (prediction, ms, coverage, drift): the drift is the speed probe around the run over
+    `calibrated_at`, the probe around the calibration of the kernels it was predicted from."""
     if args.recalibrate_each:
-        profile = measure_kernels(cluster, model, [arg], profile, args.out, args.ops_steps,
-                                  [k], tag="-run")
+        profile, calibrated_at = probed(lambda: measure_kernels(
+            cluster, model, [arg], profile, args.out, args.ops_steps, [k], tag="-run"))
     result, coverage = predict(model, arg, k, profile, world)
-    return result, measure(cluster, model, arg, k, args), coverage
+    measured, speed = probed(lambda: measure(cluster, model, arg, k, args))
+    return result, measured, coverage, speed / calibrated_at
 
 
 def _medians(runs) -> tuple:
     """A configuration's Row figures from its rounds: medians of each, the kernels' coverage, and
     the fastest and slowest measurement."""
     med = statistics.median
-    return (med([r.step_time * 1e3 for r, _, _ in runs]), med([m for _, m, _ in runs]),
-            med([r.computation * 1e3 for r, _, _ in runs]),
-            med([r.communication * 1e3 for r, _, _ in runs]),
-            med([r.overlap_ratio for r, _, _ in runs]), min(c for _, _, c in runs),
-            min(m for _, m, _ in runs), max(m for _, m, _ in runs))
+    return (med([r.step_time * 1e3 for r, *_ in runs]), med([m for _, m, *_ in runs]),
+            med([r.computation * 1e3 for r, *_ in runs]),
+            med([r.communication * 1e3 for r, *_ in runs]),
+            med([r.overlap_ratio for r, *_ in runs]), min(c for _, _, c, _ in runs),
+            min(m for _, m, *_ in runs), max(m for _, m, *_ in runs),
+            med([d for *_, d in runs]))
 
 
 def _cluster_run(cluster: Cluster, command: list[str], what: str, tries: int = 2) -> str:
@@ -333,6 +376,12 @@ def summarize(rows: list[Row]) -> dict:
     for r in rows:
         groups.setdefault((r.model, r.cluster), []).append(r)
     spreads = [r.spread for r in rows if math.isfinite(r.spread)]
+    probed_rows = [r for r in rows if math.isfinite(r.drift)]  # older runs have no probe
+    drift = {"median_abs_drift": statistics.median(abs(r.drift - 1) for r in probed_rows),
+             "max_abs_drift": max(abs(r.drift - 1) for r in probed_rows),
+             "median_abs_error_at_run_speed": statistics.median(
+                 abs(r.error_at_run_speed) for r in probed_rows),
+             "drift_probed": len(probed_rows)} if probed_rows else {}
     return {"configurations": len(rows),
             "median_abs_error": statistics.median(errors),
             # the measurement's own noise: how far apart one configuration's rounds were
@@ -342,7 +391,8 @@ def summarize(rows: list[Row]) -> dict:
             "kendall_tau": {m: kendall([r for r in rows if r.model == m]) for m in models},
             "kendall_tau_per_cluster": {f"{m} on {c}": kendall(g)
                                         for (m, c), g in sorted(groups.items())},
-            "regret": {f"{m} on {c}": regret(g) for (m, c), g in sorted(groups.items())}}
+            "regret": {f"{m} on {c}": regret(g) for (m, c), g in sorted(groups.items())},
+            **drift}
 
 
 def read_rows(folder: Path) -> list[Row]:
@@ -451,25 +501,30 @@ def write_outputs(rows: list[Row], summary: dict, folder: Path, command: str,
 
 
 def model_profile(cluster: Cluster, model: str, strategies: list[str], base: Path,
-                  args) -> tuple[Path, dict[str, str]]:
-    """The profile to predict `model`'s configurations from, and each strategy's argument (the
-    searched one: the plan file). Calibrated once: the fixed strategies' kernels at k = 1 and 2
+                  args) -> tuple[Path, dict[str, str], dict[str, float]]:
+    """The profile to predict `model`'s configurations from, each strategy's argument (the
+    searched one: the plan file), and the speed probe (ms) around the calibration that timed
+    each strategy's kernels. Calibrated once: the fixed strategies' kernels at k = 1 and 2
     (calibration.ops on the cluster profile `base`), the plan searched with them, and its own
-    kernels added. With --recalibrate-each: `base` (each run times its kernels before it)."""
+    kernels added. With --recalibrate-each: `base` (each run times its kernels before it, and
+    probes the speed around that)."""
     fixed = [s for s in strategies if s != "searched"]  # never empty: run_model checks
     args_of = {s: mesh_plan(model, s, cluster, args.out) if s in ACROSS else s for s in fixed}
     if args.recalibrate_each and "searched" not in strategies:
-        return base, args_of
-    kernels = measure_kernels(cluster, model, [args_of[s] for s in fixed], base, args.out,
-                              args.ops_steps)
+        return base, args_of, {}
+    kernels, speed = probed(lambda: measure_kernels(
+        cluster, model, [args_of[s] for s in fixed], base, args.out, args.ops_steps))
+    calibrated_at = dict.fromkeys(fixed, speed)
     profile = base if args.recalibrate_each else kernels
     if "searched" in strategies:  # the search needs the model's kernels
         plan = plan_for(model, kernels, cluster.world, args.out)
         args_of["searched"] = str(plan)
+        calibrated_at["searched"] = speed
         if not args.recalibrate_each:
-            profile = measure_kernels(cluster, model, [str(plan)], kernels, args.out,
-                                      args.ops_steps, tag="-searched")
-    return profile, args_of
+            profile, calibrated_at["searched"] = probed(lambda: measure_kernels(
+                cluster, model, [str(plan)], kernels, args.out, args.ops_steps,
+                tag="-searched"))
+    return profile, args_of, calibrated_at
 
 
 def mesh_plan(model: str, name: str, cluster: Cluster, folder: Path) -> str:
@@ -511,17 +566,19 @@ def run_model(cluster: Cluster, model: str, base: Path, args, started: float) ->
     if not [s for s in strategies if s != "searched"]:
         log.warning("%s: no strategy runs on %d ranks; left out", model, cluster.world)
         return []
-    profile, args_of = model_profile(cluster, model, strategies, base, args)
+    profile, args_of, calibrated_at = model_profile(cluster, model, strategies, base, args)
     configs = [(s, k) for s in strategies for k in (1, 2)]
     seen: dict = {c: [] for c in configs}
     for round_ in range(args.rounds):
         for strategy, k in configs:
             seen[(strategy, k)].append(run_config(cluster, model, args_of[strategy], k, profile,
-                                                  cluster.world, args))
-            pred, measured, _ = seen[(strategy, k)][-1]
+                                                  cluster.world, args,
+                                                  calibrated_at.get(strategy, math.nan)))
+            pred, measured, _, drift = seen[(strategy, k)][-1]
             log.info("[%.0f s] round %d/%d: %s %s k=%d on %s: predicted %.1f ms, measured "
-                     "%.1f ms", time.perf_counter() - started, round_ + 1, args.rounds, model,
-                     strategy, k, cluster.bandwidth, pred.step_time * 1e3, measured)
+                     "%.1f ms (the machine %+.1f%% slower than at calibration)",
+                     time.perf_counter() - started, round_ + 1, args.rounds, model, strategy, k,
+                     cluster.bandwidth, pred.step_time * 1e3, measured, 100 * (drift - 1))
     rows = []
     for (strategy, k), runs in seen.items():
         rows.append(Row(model, strategy, k, cluster.bandwidth, cluster.hosts,
@@ -577,13 +634,15 @@ def report(rows: list[Row], args, command: str, started: float,
     summary = summarize(rows)
     write_outputs(rows, summary, args.out, command, sources)
     print("| model | strategy | Duplex | cluster | predicted (ms) | measured (ms) | error | "
-          "rounds measured (ms) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "rounds measured (ms) | machine's drift |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         rounds = (f"{r.measured_low_ms:.1f}-{r.measured_high_ms:.1f}"
                   if math.isfinite(r.spread) else "-")
+        drift = f"{100 * (r.drift - 1):+.1f}%" if math.isfinite(r.drift) else "-"
         print(f"| {r.model} | {r.strategy} | {'on' if r.k > 1 else 'off'} | {r.cluster} | "
-              f"{r.predicted_ms:.1f} | {r.measured_ms:.1f} | {100 * r.error:+.1f}% | {rounds} |")
+              f"{r.predicted_ms:.1f} | {r.measured_ms:.1f} | {100 * r.error:+.1f}% | {rounds} | "
+              f"{drift} |")
     if any(src.get("repredicted") for src in sources or ()):
         print("\npredicted again by this version's simulator from the profiles and plans each "
               "run kept; measured as those runs measured")
@@ -593,6 +652,12 @@ def report(rows: list[Row], args, command: str, started: float,
         print(f"the measurements' own spread (slowest round / fastest - 1, per configuration): "
               f"median {summary['median_round_spread']:.1%}, max "
               f"{summary['max_round_spread']:.1%}")
+    if "median_abs_drift" in summary:
+        print(f"the machine's drift (a fixed workload timed around each run against around the "
+              f"calibration of its kernels; {summary['drift_probed']} configurations): median "
+              f"{summary['median_abs_drift']:.1%}, max {summary['max_abs_drift']:.1%}; median "
+              f"|error| with each prediction scaled by its drift "
+              f"{summary['median_abs_error_at_run_speed']:.1%}")
     print("Kendall tau: " + ", ".join(f"{m} {_tau(t)}" for m, t in summary["kendall_tau"].items()))
     print("Kendall tau per model and cluster (the ranking a user calibrating one cluster sees): " +
           ", ".join(f"{g} {_tau(t)}" for g, t in summary["kendall_tau_per_cluster"].items()))

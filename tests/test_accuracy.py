@@ -13,11 +13,13 @@ prints both tables."""
 from __future__ import annotations
 
 import csv
+import math
 import json
 import os
 import shutil
 
 import pytest
+import torch
 
 from experiments import accuracy
 
@@ -41,10 +43,12 @@ def test_quick_accuracy_run_writes_its_table_and_plot(tmp_path, capsys):
     for r in rows:
         assert float(r["measured_ms"]) > 0 and float(r["predicted_ms"]) > 0
         assert float(r["kernels_measured"]) == 1.0  # every kernel priced from calibration.ops
+        assert 0.3 < float(r["drift"]) < 3  # the speed probe ran around the calibration and run
     summary = json.loads((tmp_path / "accuracy.json").read_text())
     assert summary["configurations"] == 4 and summary["median_abs_error"] >= 0
     assert (tmp_path / "accuracy.png").stat().st_size > 10_000
-    assert "median |error|" in out
+    assert "median |error|" in out and "the machine's drift" in out
+    assert summary["drift_probed"] == 4
     # the run kept its profiles and plans: this simulator predicts it again to the same figures
     again = tmp_path / "again"
     assert accuracy.main(["--combine", str(tmp_path), "--repredict", "--out", str(again)]) == 0
@@ -72,11 +76,38 @@ def test_summary_figures_on_a_hand_made_table():
     assert summary["kendall_tau"]["m"] > 0.8
     # the simulator picks megatron k=2 (80 predicted), which is also measured best (95)
     assert summary["regret"]["m on 2x1 1gbit"] == 1.0
+    assert "median_abs_drift" not in summary  # no row has a speed probe
+
+
+def test_drift_scales_each_prediction_to_the_speed_its_run_had():
+    row = lambda p, m, d: accuracy.Row("m", "ddp", 1, "1gbit", 2, 1, p, m, 0, 0, 0, 1.0,  # noqa: E731
+                                       drift=d)
+    # the first two ran on a machine 10% slower / 20% faster than their kernels were timed on,
+    # which is all their error; the third has a 5% error of its own; the fourth has no probe
+    rows = [row(100, 110, 1.1), row(100, 80, 0.8), row(100, 105, 1.0), row(90, 100, math.nan)]
+    summary = accuracy.summarize(rows)
+    assert summary["drift_probed"] == 3
+    assert summary["median_abs_drift"] == pytest.approx(0.1)
+    assert summary["max_abs_drift"] == pytest.approx(0.2)
+    assert summary["median_abs_error_at_run_speed"] == pytest.approx(0.0)  # of 0, 0, 4.8%
+    assert rows[2].error_at_run_speed == pytest.approx(100 / 105 - 1)
+    assert summary["median_abs_error"] == pytest.approx((10 / 110 + 0.1) / 2)  # of 4.8, 9.1,
+    #   10, 25%
+
+
+def test_speed_probe_times_a_fixed_workload_on_one_thread():
+    threads = torch.get_num_threads()
+    first, second = accuracy.speed_probe_ms(repeats=3), accuracy.speed_probe_ms(repeats=3)
+    assert 0.1 < first < 5000 and 0.1 < second < 5000
+    assert torch.get_num_threads() == threads  # the caller's setting is given back
+    (result, speed) = accuracy.probed(lambda: "done")
+    assert result == "done" and speed > 0
 
 
 def test_combine_reports_earlier_runs_as_one_table(tmp_path, capsys):
     row = lambda c, s, k, p, m: accuracy.Row("m", s, k, c, 2, 1, p, m, 1, 2, 0.5, 1.0,  # noqa: E731
-                                             m * 0.9, m * 1.2)  # the rounds' fastest, slowest
+                                             m * 0.9, m * 1.2,  # the rounds' fastest, slowest
+                                             m / p)  # a drift: all the error is the machine's
     one = [row("1gbit", "ddp", 1, 110, 100), row("1gbit", "megatron", 1, 200, 210)]
     two = [row("10gbit", "ddp", 1, 30, 40), row("10gbit", "megatron", 1, 38, 35)]
     for name, rows in (("one", one), ("two", two)):
@@ -91,6 +122,7 @@ def test_combine_reports_earlier_runs_as_one_table(tmp_path, capsys):
     assert accuracy.read_rows(out) == one + two  # the CSV round trip keeps every field
     summary = json.loads((out / "accuracy.json").read_text())
     assert [s["command"] for s in summary["sources"]] == ["run one", "run two"]
+    assert summary["median_abs_error_at_run_speed"] < 1e-9 < summary["median_abs_error"]
     assert summary["max_abs_error"] == pytest.approx(0.25)  # ddp at 10gbit: 30 against 40
     assert summary["median_round_spread"] == pytest.approx(1.2 / 0.9 - 1)
     assert "| 2x1 1gbit | 110.0 | 100.0 | +10.0% | 90.0-120.0 |" in printed
