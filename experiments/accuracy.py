@@ -10,9 +10,13 @@ from it and its kernels added). Every
 configuration (model x strategy x Duplex on/off) is then predicted from that one profile and
 trained for real (hidup.train, median step after warm-up) in each of --rounds rounds; the
 medians over rounds count. --recalibrate-each times each configuration's own kernels right
-before its run instead (an easier test: the simulator adding up fresh kernel times). Reports
-each error, the median and maximum absolute error, Kendall's tau per model and the regret of
-taking the simulator's best per model and cluster; writes a CSV, a JSON summary and a
+before its run instead (an easier test: the simulator adding up fresh kernel times). A speed
+probe (a fixed one-thread workload, speed_probe_ms) is timed around each calibration of kernels
+and each run; a configuration's drift is the one over the other, the machine's own change of
+speed between its calibration and its run. Reports each error, the median and maximum absolute
+error, the median drift and the median error with each prediction scaled by its drift (what is
+left once the machine's drift is out), Kendall's tau per model and the regret of taking the
+simulator's best per model and cluster; writes a CSV, a JSON summary and a
 predicted-vs-measured plot to --out (default out/accuracy/, git-ignored; the README's results are
 in experiments/results/accuracy/, which a --quick run may not write to). Needs root and iproute2
 (as hidup.emulation).
@@ -576,9 +580,10 @@ def run_model(cluster: Cluster, model: str, base: Path, args, started: float) ->
                                                   calibrated_at.get(strategy, math.nan)))
             pred, measured, _, drift = seen[(strategy, k)][-1]
             log.info("[%.0f s] round %d/%d: %s %s k=%d on %s: predicted %.1f ms, measured "
-                     "%.1f ms (the machine %+.1f%% slower than at calibration)",
-                     time.perf_counter() - started, round_ + 1, args.rounds, model, strategy, k,
-                     cluster.bandwidth, pred.step_time * 1e3, measured, 100 * (drift - 1))
+                     "%.1f ms (the machine's speed probe %+.1f%% against the kernels' "
+                     "calibration)", time.perf_counter() - started, round_ + 1, args.rounds,
+                     model, strategy, k, cluster.bandwidth, pred.step_time * 1e3, measured,
+                     100 * (drift - 1))
     rows = []
     for (strategy, k), runs in seen.items():
         rows.append(Row(model, strategy, k, cluster.bandwidth, cluster.hosts,
