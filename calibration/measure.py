@@ -107,9 +107,9 @@ def time_collective(fn: Callable, clock: Clock, repeats: int, ranks: Ranks, grou
     Single calls, and cheap ones spread over at least 0.1 s: on a shared CPU, spells of
     scheduler delays (a tick is 1-4 ms) would otherwise make whole points slow. The mean, not
     the median, as calibration.ops takes its kernels' (a step is a sum of collectives, and a
-    sum's expectation is the sum of means): on this VM a 256 KB all-reduce at 10 Gbit/s had a
-    median of 1.05 ms and a mean of 2.1-2.6 ms, its slow runs (scheduler ticks, TCP) being
-    paid in every real step."""
+    sum's expectation is the sum of means): on this VM at 10 Gbit/s a calibration taking means
+    had all-reduces of 4 KB-1 MB at 1.4-3x the medians of one made the same hour (a 256 KB one
+    1.50 against 1.05 ms), their slow runs (scheduler ticks, TCP) paid in every real step."""
     fn()
     once = ranks.max([clock.per_call(fn)], group)[0]  # the same number of runs on every rank
     runs = max(runs_per_point(once, repeats), min(_MAX_RUNS, math.ceil(_SPAN_SECONDS / once)))

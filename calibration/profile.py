@@ -88,8 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true",
                     help="small sizes and few repeats (CI, under a minute); a rough profile")
     ap.add_argument("--repeats", type=_positive_int,
-                    help="timed runs per point, of which the median counts (default 5, 3 with "
-                         "--quick; three times as many for points under 10 ms)")
+                    help="timed runs per point: a kernel's median counts, a collective's mean "
+                         "(each run at its slowest rank) (default 5, 3 with --quick; three "
+                         "times as many for points under 10 ms)")
     ap.add_argument("--max-bytes", type=parse_size,
                     help="largest collective tensor, e.g. 256MB (binary units; default 256MB, "
                          "4MB with --quick); sizes go from 1KB up by x4")
