@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from calibration.fit import FitError, Residuals, fit_links, fit_roofline, residuals
-from calibration.measure import byte_sizes, group_sizes
+from calibration.measure import byte_sizes, group_sizes, time_collective
 from calibration.profile import check_out, parse_args, parse_size
 from hidup.planning.costs import LinkCost, Profile, load_profile
 from hidup.program import COLLECTIVES
@@ -107,6 +107,27 @@ def test_residuals_are_relative_and_readable():
     r = residuals("all_gather", [1.1, 0.9, 1.0], [1.0, 1.0, 1.0])
     assert r == Residuals("all_gather", 3, pytest.approx(math.sqrt(0.02 / 3)), pytest.approx(0.1))
     assert str(r) == "all_gather: 3 points, rms error 8.2%, max 10.0%"
+
+
+def test_a_collective_point_is_the_mean_of_its_runs_at_the_slowest_rank():
+    """A step pays every slow run of a collective, so its point is the mean (a median would
+    price this one at 1 ms); each run counts at the slowest rank of the group."""
+    class Clock:  # runs of 1 ms, every fifth 9 ms
+        calls = 0
+
+        def per_call(self, fn, calls=1):
+            self.calls += 1
+            return 0.009 if self.calls % 5 == 0 else 0.001
+
+    class Ranks:  # the other rank of the group is 0.5 ms slower on every run
+        def barrier(self, group=None):
+            pass
+
+        def max(self, values, group=None):
+            return [v + 0.0005 for v in values]
+
+    seconds = time_collective(lambda: None, Clock(), 5, Ranks(), None)
+    assert seconds == pytest.approx(0.0005 + 0.001 + 0.008 / 5, rel=0.02)  # 3.1 ms
 
 
 def test_sizes_groups_and_flags():
