@@ -334,8 +334,8 @@ def run_config(cluster: Cluster, model: str, arg: str, k: int, profile: Path, wo
 
 
 def _medians(runs) -> tuple:
-    """A configuration's Row figures from its rounds: medians of each, the kernels' coverage, and
-    the fastest and slowest measurement."""
+    """A configuration's Row figures from its rounds: medians of each, the kernels' coverage, the
+    fastest and slowest measurement, and the median drift."""
     med = statistics.median
     return (med([r.step_time * 1e3 for r, *_ in runs]), med([m for _, m, *_ in runs]),
             med([r.computation * 1e3 for r, *_ in runs]),
