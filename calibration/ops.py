@@ -86,18 +86,22 @@ class KernelTimer:
         self.clock = self.trainer.executor.clock = TaskClock()
         self.steps = 0
         self.outside: list[float] = []  # per kept step: its wall time outside the graph
+        self.walls: list[float] = []  # per kept step: its wall time
 
     def start(self) -> None:
         """Keep the steps from here on (the ones before were warm-up)."""
         self.clock.seconds.clear()
         self.outside.clear()
+        self.walls.clear()
 
     def step(self) -> None:
         data = self.spec.inputs(self.batch, torch.Generator().manual_seed(1 + self.steps))
         self.steps += 1
         self.clock.first, start = None, time.perf_counter()
         self.trainer.step(*data)
-        self.outside.append(time.perf_counter() - start - (self.clock.last - self.clock.first))
+        wall = time.perf_counter() - start
+        self.outside.append(wall - (self.clock.last - self.clock.first))
+        self.walls.append(wall)
 
     def times(self) -> dict[str, list[float]]:
         """Seconds of each kernel (by timing_key) over the kept steps (every occurrence:
@@ -108,6 +112,14 @@ class KernelTimer:
         key = timing_key(update, program.tasks)  # a Program ends with its one update task
         times[key] = [a + b for a, b in zip(times[key], self.outside)]
         return times
+
+
+def breakdown(timer: KernelTimer, times: dict[str, list[float]]) -> tuple[float, float]:
+    """This rank's (median step, mean kernels per step) in seconds over the kept steps, `times`
+    being timer.times(): the rest of a step is what the rank waited (for its peers, for
+    transfers), which the simulator's collectives and rendezvous must account for."""
+    steps = len(timer.walls)
+    return statistics.median(timer.walls), sum(map(sum, times.values())) / steps
 
 
 def measure_in_turns(timers: list[KernelTimer], steps: int, warmup: int) -> None:
@@ -218,18 +230,24 @@ def main(argv=None) -> int:
     try:
         start = time.perf_counter()
         timers = []
-        for strategy in args.strategy:
-            for k in args.micro_batches:
-                timers.append(KernelTimer(args.model, strategy, world, k, args.batch,
-                                          real=in_situ, optimizer=args.optimizer))
-                if rank == 0:
-                    log.info("%s %s k=%d built (%d of %d), %.1f s", args.model, strategy, k,
-                             len(timers), len(args.strategy) * len(args.micro_batches),
-                             time.perf_counter() - start)
+        configurations = [(strategy, k) for strategy in args.strategy
+                          for k in args.micro_batches]
+        for strategy, k in configurations:
+            timers.append(KernelTimer(args.model, strategy, world, k, args.batch,
+                                      real=in_situ, optimizer=args.optimizer))
+            if rank == 0:
+                log.info("%s %s k=%d built (%d of %d), %.1f s", args.model, strategy, k,
+                         len(timers), len(configurations), time.perf_counter() - start)
         measure_in_turns(timers, args.steps, args.warmup)
-        for timer in timers:
-            for key, values in timer.times().items():
+        for timer, (strategy, k) in zip(timers, configurations):
+            mine = timer.times()
+            for key, values in mine.items():
                 times.setdefault(key, []).extend(values)
+            if rank == 0:
+                step, kernels = breakdown(timer, mine)
+                log.info("%s k=%d: step %.1f ms on rank 0 (median of %d, clock reads in it), "
+                         "its kernels %.1f ms, waiting %.1f ms", strategy, k, step * 1e3,
+                         len(timer.walls), kernels * 1e3, (step - kernels) * 1e3)
         if rank == 0:
             log.info("%d configurations timed in turns, %d steps each: %d kernels, %.1f s",
                      len(timers), args.steps, len(times), time.perf_counter() - start)

@@ -6,6 +6,7 @@ collectives with them alike; kernels timed in situ are not slowed again by inter
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import replace
 
@@ -137,6 +138,17 @@ def test_in_situ_kernels_run_real_collectives_and_leave_out_the_wait_for_peers()
         assert len(calls) == len(issues) and all(0 < c <= i for c, i in zip(calls, issues))
 
 
+def test_a_step_s_breakdown_is_its_kernels_and_what_the_rank_waited():
+    class Timer:  # three kept steps of 30, 50 and 40 ms
+        walls = [0.030, 0.050, 0.040]
+
+    # every occurrence of each kernel over the three steps: 60 ms of kernels in all
+    times = {"fwd a": [0.005, 0.005, 0.005], "bwd a": [0.01, 0.01, 0.01], "update": [0.005] * 3}
+    step, kernels = calibration.ops.breakdown(Timer(), times)
+    assert step == pytest.approx(0.040)  # the median step
+    assert kernels == pytest.approx(0.020)  # per step: the rest, 20 ms, the rank waited
+
+
 def test_a_collective_s_measured_call_is_charged_to_its_issuing_stream_not_twice():
     """A collective's call (timed in real steps, 'call KEY') is part of its issuing on the
     compute stream and is taken off its time on the network, which calibration.profile measured
@@ -198,12 +210,14 @@ def test_profile_round_trips_its_kernels_and_refuses_bad_ones():
         from_dict(doc)
 
 
-def test_command_line_writes_a_profile_with_the_kernels(tmp_path, capsys):
+def test_command_line_writes_a_profile_with_the_kernels(tmp_path, capsys, caplog):
     out = tmp_path / "p.json"
-    assert ops_main(["--model", "mlp:tiny", "--strategy", "ddp", "--micro-batches", "1",
-                     "--steps", "1", "--warmup", "0", "--optimizer", "sgd",
-                     "--base", "cpu-gloo-loopback",
-                     "--out", str(out)]) == 0
+    with caplog.at_level(logging.INFO, logger="calibration.ops"):
+        assert ops_main(["--model", "mlp:tiny", "--strategy", "ddp", "--micro-batches", "1",
+                         "--steps", "1", "--warmup", "0", "--optimizer", "sgd",
+                         "--base", "cpu-gloo-loopback",
+                         "--out", str(out)]) == 0
+    assert "ddp k=1: step" in caplog.text and "its kernels" in caplog.text  # the breakdown
     profile = load_profile(out)
     assert kernel_coverage(profile, program("mlp:tiny", "ddp", 1, 1).tasks) == 1.0
     assert "Kernels of mlp:tiny measured" in profile.source
