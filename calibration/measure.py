@@ -85,6 +85,12 @@ def calls_per_run(seconds: float) -> int:
     return max(1, min(_MAX_CALLS, math.ceil(_RUN_SECONDS / max(seconds, 1e-9))))
 
 
+def spread_runs(seconds: float) -> int:
+    """Runs of a call taking `seconds` that span at least _SPAN_SECONDS (at most _MAX_RUNS): a
+    cheap collective's runs spread so that one spell of scheduler delays is not all of them."""
+    return min(_MAX_RUNS, math.ceil(_SPAN_SECONDS / seconds))
+
+
 def runs_per_point(seconds: float, repeats: int) -> int:
     """Timed runs of a point: --repeats, three times as many for runs under 10 ms (cheap, and
     noisier: a scheduler tick is 1-4 ms)."""
@@ -112,7 +118,7 @@ def time_collective(fn: Callable, clock: Clock, repeats: int, ranks: Ranks, grou
     1.50 against 1.05 ms), their slow runs (scheduler ticks, TCP) paid in every real step."""
     fn()
     once = ranks.max([clock.per_call(fn)], group)[0]  # the same number of runs on every rank
-    runs = max(runs_per_point(once, repeats), min(_MAX_RUNS, math.ceil(_SPAN_SECONDS / once)))
+    runs = max(runs_per_point(once, repeats), spread_runs(once))
     ranks.barrier(group)
     times = [clock.per_call(fn) for _ in range(runs)]
     return statistics.fmean(ranks.max(times, group))
@@ -217,7 +223,7 @@ def time_pair(kind: str, nbytes: int, members: tuple[int, ...], group, ranks: Ra
     after(), together()  # warm-up
     once = ranks.max([clock.per_call(after)], group)[0]  # the same number of runs on every rank
     apart, both = [], []
-    for _ in range(max(5, repeats, min(_MAX_RUNS, math.ceil(_SPAN_SECONDS / once)))):
+    for _ in range(max(5, repeats, spread_runs(once))):
         for fn, times in ((after, apart), (together, both)):
             ranks.barrier(group)
             times.append(clock.per_call(fn))

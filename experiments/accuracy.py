@@ -39,6 +39,8 @@ from dataclasses import MISSING, asdict, dataclass, fields, replace
 from typing import get_type_hints
 from pathlib import Path
 
+import torch
+
 from experiments import outputs
 from hidup.cli import Parser, parse_rate
 from hidup.emulation.netns import Cluster, ClusterError, emulated
@@ -236,8 +238,6 @@ def speed_probe_ms(repeats: int = 5) -> float:
     layer norm at a small model's sizes, on one thread as each rank runs). Timed in this process
     while no cluster command runs, before and after the kernels' calibration and each run, so
     that a configuration's error can be told apart from the machine's drift between them."""
-    import torch
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -111,7 +111,7 @@ def test_residuals_are_relative_and_readable():
 
 def test_a_collective_point_is_the_mean_of_its_runs_at_the_slowest_rank():
     """A step pays every slow run of a collective, so its point is the mean (a median would
-    price this one at 1 ms); each run counts at the slowest rank of the group."""
+    price this one at 1.5 ms); each run counts at the slowest rank of the group."""
     class Clock:  # runs of 1 ms, every fifth 9 ms
         calls = 0
 
