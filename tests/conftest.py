@@ -1,6 +1,7 @@
 """Shared fixtures: tiny models captured once, and a runner for functions on N gloo ranks."""
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import tempfile
@@ -34,15 +35,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, fn, args, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank, world, store, fn, args, out_dir):
+    faulthandler.enable()  # a rank that aborts prints where it was (every thread's stack)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # the ranks meet in a file, not at a TCP store hosted by rank 0: rank 0 aborted as it exited
+    # ("terminate called without an active exception") in 4 CI runs, its store's server thread
+    # the suspect; torchrun keeps the store out of the ranks too (in its agent), as
+    # hidup.runtime.launch does
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
-        dist.barrier()  # no rank tears down (rank 0 holds the store) while another still works:
-        # a rank aborted ("terminate called without an active exception") in 3 CI runs
+        dist.barrier()  # no rank tears down while another still works
     finally:
         dist.destroy_process_group()
 
@@ -50,7 +54,8 @@ def _worker(rank, world, port, fn, args, out_dir):
 def run_ranks(world: int, fn, *args) -> list:
     """Run `fn(rank, world, *args)` on `world` gloo ranks (spawned processes); return each result."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world, free_port(), fn, args, out_dir), nprocs=world, join=True)
+        store = os.path.join(out_dir, "store")
+        mp.spawn(_worker, args=(world, store, fn, args, out_dir), nprocs=world, join=True)
         return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
 
 

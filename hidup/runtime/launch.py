@@ -1,7 +1,9 @@
 """Start the ranks of a HiDup command on this machine, as torchrun does, and end in one line:
 `python -m hidup.train --nproc-per-node N ...` runs `python -m hidup.train ...` N times with
-torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on
-a free port). A rank writes its one-line error to its own file (hidup.cli.say); when a rank
+torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+As under torchrun, the launcher hosts the ranks' rendezvous store (a TCPStore on a port the
+system picks) and the ranks connect to it (TORCHELASTIC_USE_AGENT_STORE): no rank holds a store
+that the others still need as it exits. A rank writes its one-line error to its own file (hidup.cli.say); when a rank
 fails, the others are stopped and the launcher prints the line of the rank that failed first
 and exits with that rank's code. Ctrl-C stops every rank the same way (each finishes the file it
 is writing), prints one line and exits 130."""
@@ -9,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,16 +34,13 @@ def default_threads() -> int:
     return max(1, (os.cpu_count() or 1) // ranks_on_this_machine())
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(module: str, argv: list[str], nproc: int, prog: str) -> int:
     """Run `python -m module argv` on `nproc` ranks; return 0 when all succeed, else print the
     first failed rank's line (prefixed `prog: ` where the rank wrote none) and return its code."""
-    port, procs = free_port(), []
+    import torch.distributed as dist  # here: the launcher's --help and errors need no torch
+
+    store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
+    procs = []
     with tempfile.TemporaryDirectory(prefix="hidup-launch-") as folder:
         errors = [Path(folder) / f"rank{rank}.err" for rank in range(nproc)]
         old = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -50,7 +48,8 @@ def launch(module: str, argv: list[str], nproc: int, prog: str) -> int:
             for rank in range(nproc):
                 env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank),
                            WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
+                           TORCHELASTIC_USE_AGENT_STORE="True",
                            **{ERROR_FILE: str(errors[rank])})
                 # a session of its own, as under torchrun: Ctrl-C reaches the launcher only,
                 # which passes it on once
