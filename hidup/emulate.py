@@ -34,6 +34,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "(default 1gbit)")
     up.add_argument("--latency", default="0",
                     help="one-way delay added on each machine's link, e.g. 200us (default 0)")
+    up.add_argument("--kernel-defaults", action="store_true",
+                    help="leave the hosts' delayed ACKs on, as Linux sets a veth up, instead of "
+                         "acknowledging at once (to compare; see "
+                         "hidup.emulation.netns.Cluster.tune_links)")
     run = sub.add_parser("run", help="run torchrun on every host: run -- -m MODULE ARGS...")
     run.add_argument("--port", type=int, default=29511, help="rendezvous port on host 0")
     run.add_argument("command", nargs=argparse.REMAINDER,
@@ -67,10 +71,11 @@ def main(argv=None) -> int:
             check_shape(args.hosts, args.ranks_per_host)
             check_link(args.bandwidth, args.latency)
             cluster = Cluster(args.name, args.hosts, args.ranks_per_host, args.bandwidth,
-                              args.latency)
+                              args.latency, tuned=not args.kernel_defaults)
             cluster.create()
             print(f"emulated cluster {args.name!r} up: {args.hosts} hosts x {args.ranks_per_host} "
-                  f"ranks, links {args.bandwidth} latency {args.latency} "
+                  f"ranks, links {args.bandwidth} latency {args.latency}"
+                  f"{'' if cluster.tuned else ' (kernel defaults)'} "
                   f"(namespaces {', '.join(cluster.namespaces)}); `{PROG} down` removes it")
         elif args.cmd == "down":
             cluster = Cluster(args.name, 0, 1, "1gbit")
@@ -79,7 +84,8 @@ def main(argv=None) -> int:
         elif args.cmd == "status":
             c = Cluster.load(args.name)
             print(f"emulated cluster {c.name!r}: {c.hosts} hosts x {c.ranks_per_host} ranks, "
-                  f"links {c.bandwidth} latency {c.latency}")
+                  f"links {c.bandwidth} latency {c.latency}"
+                  f"{' (tuned)' if c.tuned else ' (kernel defaults)'}")
         elif args.cmd == "link":
             c = Cluster.load(args.name)
             for host, up in ((args.down, False), (args.up, True)):

@@ -76,6 +76,9 @@ def test_ranks_meet_across_hosts_and_everything_is_deleted(tmp_path):
         tc = subprocess.run(["ip", "netns", "exec", c.host(0), "tc", "qdisc", "show", "dev",
                              "eth0"], capture_output=True, text=True).stdout
         assert "rate 1Gbit" in tc
+        route = subprocess.run(["ip", "-n", c.host(1), "route"], capture_output=True,
+                               text=True).stdout
+        assert "quickack 1" in route and "src 10.87.0.2" in route  # tuned: no delayed ACKs
         result = c.run([str(script)], capture=True, timeout=120)
         assert result.ok, result.failure()
         # ranks of one host share its stdout, so their lines may interleave: count, don't split
@@ -85,6 +88,22 @@ def test_ranks_meet_across_hosts_and_everything_is_deleted(tmp_path):
             ["ip", "netns", "exec", c.host(1), "tc", "qdisc", "show", "dev", "eth0"],
             capture_output=True, text=True).stdout
     assert not made & set(namespaces())
+
+
+@needs_root
+def test_kernel_defaults_keep_delayed_acks_and_status_says_which(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(netns, "STATE_DIR", tmp_path)
+    try:
+        assert main(["up", "--name", "t4", "--kernel-defaults"]) == 0
+        assert "(kernel defaults)" in capsys.readouterr().out
+        route = subprocess.run(["ip", "-n", "hidup-t4-h0", "route"], capture_output=True,
+                               text=True).stdout
+        assert "10.87.0.0/24" in route and "quickack" not in route
+        assert main(["status", "--name", "t4"]) == 0
+        assert "(kernel defaults)" in capsys.readouterr().out
+    finally:
+        main(["down", "--name", "t4"])
+    assert not [ns for ns in namespaces() if ns.startswith("hidup-t4-")]
 
 
 @needs_root
