@@ -3,9 +3,9 @@
 torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 As under torchrun, the launcher hosts the ranks' rendezvous store (a TCPStore on a port the
 system picks) and the ranks connect to it (TORCHELASTIC_USE_AGENT_STORE): no rank holds a store
-that the others still need as it exits. A rank writes its one-line error to its own file (hidup.cli.say); when a rank
-fails, the others are stopped and the launcher prints the line of the rank that failed first
-and exits with that rank's code. Ctrl-C stops every rank the same way (each finishes the file it
+that the others still need as it exits. A rank writes its one-line error to its own file
+(hidup.cli.say); when a rank fails, the others are stopped and the launcher prints the line of
+the rank that failed first and exits with that rank's code. Ctrl-C stops every rank the same way (each finishes the file it
 is writing), prints one line and exits 130."""
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch.distributed as dist
 
 from hidup.cli import ERROR_FILE
 
@@ -37,8 +39,6 @@ def default_threads() -> int:
 def launch(module: str, argv: list[str], nproc: int, prog: str) -> int:
     """Run `python -m module argv` on `nproc` ranks; return 0 when all succeed, else print the
     first failed rank's line (prefixed `prog: ` where the rank wrote none) and return its code."""
-    import torch.distributed as dist  # here: the launcher's --help and errors need no torch
-
     store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
     procs = []
     with tempfile.TemporaryDirectory(prefix="hidup-launch-") as folder:
