@@ -14,6 +14,7 @@ The simulator's accuracy on the emulated cluster cannot be better than these all
 `up --kernel-defaults` (links as Linux sets a veth up) with the default (tuned) links."""
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -21,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from calibration.measure import Ranks
 from hidup.cli import Parser
 
 PROG = "python -m experiments.link_noise"
@@ -47,18 +49,16 @@ def parse_args(argv=None):
     return args
 
 
-def timed_calls(x: torch.Tensor, runs: int) -> list[float]:
+def timed_calls(x: torch.Tensor, runs: int, ranks: Ranks) -> list[float]:
     """Seconds of `runs` back-to-back all-reduces of x, each its slowest rank's."""
     dist.all_reduce(x)  # warm-up
-    dist.barrier()
+    ranks.barrier()
     seconds = []
     for _ in range(runs):
         start = time.perf_counter()
         dist.all_reduce(x)
         seconds.append(time.perf_counter() - start)
-    slowest = torch.tensor(seconds, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.tolist()
+    return ranks.max(seconds)
 
 
 def summary(size: int, means: list[float], calls: list[float]) -> str:
@@ -77,19 +77,20 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    ranks = Ranks(os.environ, "gloo", torch.device("cpu"))
+    rank = ranks.rank
     tensors = {n: torch.zeros(max(1, n // 4)) for n in args.sizes}
     means: dict[int, list[float]] = {n: [] for n in args.sizes}
     calls: dict[int, list[float]] = {n: [] for n in args.sizes}
     start = time.monotonic()
     if rank == 0:
-        print(f"{dist.get_world_size()} ranks; per round, each size's mean / median (ms):",
+        print(f"{ranks.world} ranks; per round, each size's mean / median (ms):",
               flush=True)
     try:
         for r in range(args.rounds):
             cells = []
             for n, x in tensors.items():
-                seconds = timed_calls(x, args.runs)
+                seconds = timed_calls(x, args.runs, ranks)
                 means[n].append(statistics.fmean(seconds))
                 calls[n].extend(seconds)
                 cells.append(f"{n} B {means[n][-1] * 1e3:.2f} / "

@@ -94,16 +94,16 @@ def test_ranks_meet_across_hosts_and_everything_is_deleted(tmp_path):
 def test_kernel_defaults_keep_delayed_acks_and_status_says_which(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(netns, "STATE_DIR", tmp_path)
     try:
-        assert main(["up", "--name", "t4", "--kernel-defaults"]) == 0
+        assert main(["up", "--name", "t8", "--kernel-defaults"]) == 0
         assert "(kernel defaults)" in capsys.readouterr().out
-        route = subprocess.run(["ip", "-n", "hidup-t4-h0", "route"], capture_output=True,
+        route = subprocess.run(["ip", "-n", "hidup-t8-h0", "route"], capture_output=True,
                                text=True).stdout
         assert "10.87.0.0/24" in route and "quickack" not in route
-        assert main(["status", "--name", "t4"]) == 0
+        assert main(["status", "--name", "t8"]) == 0
         assert "(kernel defaults)" in capsys.readouterr().out
     finally:
-        main(["down", "--name", "t4"])
-    assert not [ns for ns in namespaces() if ns.startswith("hidup-t4-")]
+        main(["down", "--name", "t8"])
+    assert not [ns for ns in namespaces() if ns.startswith("hidup-t8-")]
 
 
 @needs_root

@@ -259,10 +259,9 @@ class Run:
 
 @contextmanager
 def emulated(hosts: int, ranks_per_host: int, bandwidth: str, latency: str = "0",
-             name: str | None = None, tuned: bool = True):
+             name: str | None = None):
     """A Cluster that is up inside the block and always deleted after it."""
-    cluster = Cluster(name or f"x{os.getpid()}", hosts, ranks_per_host, bandwidth, latency,
-                      tuned)
+    cluster = Cluster(name or f"x{os.getpid()}", hosts, ranks_per_host, bandwidth, latency)
     check_shape(hosts, ranks_per_host)
     check_link(bandwidth, latency)
     cluster.create()

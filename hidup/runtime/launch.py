@@ -5,8 +5,8 @@ As under torchrun, the launcher hosts the ranks' rendezvous store (a TCPStore on
 system picks) and the ranks connect to it (TORCHELASTIC_USE_AGENT_STORE): no rank holds a store
 that the others still need as it exits. A rank writes its one-line error to its own file
 (hidup.cli.say); when a rank fails, the others are stopped and the launcher prints the line of
-the rank that failed first and exits with that rank's code. Ctrl-C stops every rank the same way (each finishes the file it
-is writing), prints one line and exits 130."""
+the rank that failed first and exits with that rank's code. Ctrl-C stops every rank the same
+way (each finishes the file it is writing), prints one line and exits 130."""
 from __future__ import annotations
 
 import os
