@@ -17,6 +17,11 @@ from pathlib import Path
 # Set by hidup.runtime.launch for each rank it starts: the file where the rank writes its one-line
 # error (the launcher prints the line of the rank that failed first, once).
 ERROR_FILE = "HIDUP_ERROR_FILE"
+# Also set by the launcher: the file a rank creates once its imports are done and Ctrl-C ends it in
+# one line (end_on_interrupt). A rank without it is still starting Python (where SIGINT prints a
+# "Fatal Python error") or importing torch; the launcher kills such a rank instead (it has no
+# file to finish).
+READY_FILE = "HIDUP_READY_FILE"
 
 
 def say(line: str, every_rank: bool = False) -> None:
@@ -30,19 +35,60 @@ def say(line: str, every_rank: bool = False) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-def end_on_interrupt(prog: str) -> None:
+_interrupted: list[bool] = []  # Ctrl-C came (and was said) in this process
+
+
+def end_on_interrupt(prog: str, importing: bool = False) -> None:
     """From now on Ctrl-C (SIGINT) prints `PROG: interrupted` once and raises SystemExit(130):
-    no traceback, and `finally` blocks still run."""
-    said = []
+    no traceback, and `finally` blocks still run.
+
+    `importing` (a command's first line, before it imports torch): Ctrl-C is said at once but
+    takes effect at the next call, which the command's argument parser makes after the imports.
+    An exception raised inside an import can be swallowed (torch's C extension imports numpy
+    that way and goes on without it) or abort the process (torch.distributed's C++ set-up cannot
+    pass it on). A rank started by the launcher makes its ready file at that next call."""
+    if _interrupted:
+        raise SystemExit(130)
 
     def handler(signum, frame):
-        if not said:
-            said.append(True)
+        if not _interrupted:
+            _interrupted.append(True)
             say(f"{prog}: interrupted")
-        raise SystemExit(130)
+            sys.unraisablehook = _raise_again
+        if not importing:
+            raise SystemExit(130)
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, handler)
+        ready = os.environ.get(READY_FILE)
+        if ready and not importing:
+            Path(ready).touch()
+
+
+def _raise_again(unraisable) -> None:
+    """The SystemExit of a Ctrl-C that landed in a callback Python cannot raise from (a weakref's,
+    a destructor's) is not printed but delivered again: the handler raises it at the next line."""
+    if isinstance(unraisable.exc_value, (SystemExit, KeyboardInterrupt)):
+        signal.raise_signal(signal.SIGINT)
+    else:
+        sys.__unraisablehook__(unraisable)
+
+
+def exit_main(main) -> None:
+    """`sys.exit(main())` for a command whose ranks may be interrupted mid-step: after Ctrl-C the
+    process ends at once (os._exit, once stdout and stderr are flushed) rather than through
+    torch's C++ teardown, which warns of every collective the interrupt left in flight."""
+    try:
+        code = main()
+    except SystemExit:
+        if not _interrupted:
+            raise
+        code = 130
+    if _interrupted:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    sys.exit(code)
 
 
 @contextmanager

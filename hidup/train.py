@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from hidup.cli import Parser, end_on_interrupt, interrupt_held, say
+from hidup.cli import Parser, end_on_interrupt, exit_main, interrupt_held, say
 
 if __name__ == "__main__":  # Ctrl-C in the seconds the imports take is one line too
-    end_on_interrupt("python -m hidup.train")
+    end_on_interrupt("python -m hidup.train", importing=True)
 
 import torch
 import torch.distributed as dist
@@ -546,4 +546,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_main(main)

@@ -28,7 +28,7 @@ LINE = re.compile(r"step (\d+)/(\d+)  loss \d+\.\d{5}  [\d,]+ tokens/s  lr \d\.\
 def _env() -> dict:
     return {k: v for k, v in os.environ.items()
             if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                         "MASTER_PORT", "HIDUP_ERROR_FILE")}
+                         "MASTER_PORT", "HIDUP_ERROR_FILE", "HIDUP_READY_FILE")}
 
 
 def _start(extra: list[str], ranks: int = 2) -> subprocess.Popen:

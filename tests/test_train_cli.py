@@ -24,7 +24,7 @@ PROGRESS = re.compile(r"step \d+/\d+  loss |resumed from ")
 def _env() -> dict:
     return {k: v for k, v in os.environ.items()
             if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                         "MASTER_PORT", "HIDUP_ERROR_FILE")}
+                         "MASTER_PORT", "HIDUP_ERROR_FILE", "HIDUP_READY_FILE")}
 
 
 def _launcher(extra: list[str]) -> list[str]:
@@ -141,6 +141,29 @@ def test_ctrl_c_while_it_starts_is_one_line_too():
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and err == "python -m hidup.train: interrupted\n", err
+
+
+def test_a_rank_still_starting_is_killed_and_a_started_one_interrupted(tmp_path):
+    # Ctrl-C on a rank still starting Python prints "Fatal Python error: init_import_site": the
+    # launcher kills a rank that has not made its ready file, and interrupts one that has
+    from hidup.runtime.launch import _stop
+
+    starting = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                                 "signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(120)"],
+                                start_new_session=True)
+    ready = tmp_path / "started.ready"
+    started = subprocess.Popen([sys.executable, "-c", "import pathlib, sys, time\n"
+                                f"pathlib.Path({str(ready)!r}).touch()\n"
+                                "try:\n    time.sleep(120)\n"
+                                "except KeyboardInterrupt:\n    sys.exit(130)"],
+                               start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    begun = time.monotonic()
+    _stop([starting, started], [tmp_path / "starting.ready", ready])
+    assert time.monotonic() - begun < 10  # SIGINT, ignored by the starting rank, would wait 30 s
+    assert starting.returncode == -signal.SIGKILL and started.returncode == 130
 
 
 def test_ctrl_c_under_torchrun_is_said_once_by_the_ranks():

@@ -6,7 +6,9 @@ system picks) and the ranks connect to it (TORCHELASTIC_USE_AGENT_STORE): no ran
 that the others still need as it exits. A rank writes its one-line error to its own file
 (hidup.cli.say); when a rank fails, the others are stopped and the launcher prints the line of
 the rank that failed first and exits with that rank's code. Ctrl-C stops every rank the same
-way (each finishes the file it is writing), prints one line and exits 130."""
+way (each finishes the file it is writing; a rank still starting Python or importing torch is
+killed, as SIGINT there can print a fatal error and it has nothing to finish), prints one line
+and exits 130."""
 from __future__ import annotations
 
 import os
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from hidup.cli import ERROR_FILE
+from hidup.cli import ERROR_FILE, READY_FILE
 
 STOP_WAIT = 30.0  # seconds a stopped rank gets to end before SIGKILL (torchrun's figure)
 
@@ -43,6 +45,7 @@ def launch(module: str, argv: list[str], nproc: int, prog: str) -> int:
     procs = []
     with tempfile.TemporaryDirectory(prefix="hidup-launch-") as folder:
         errors = [Path(folder) / f"rank{rank}.err" for rank in range(nproc)]
+        readies = [Path(folder) / f"rank{rank}.ready" for rank in range(nproc)]
         old = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         try:
             for rank in range(nproc):
@@ -50,14 +53,14 @@ def launch(module: str, argv: list[str], nproc: int, prog: str) -> int:
                            WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
                            TORCHELASTIC_USE_AGENT_STORE="True",
-                           **{ERROR_FILE: str(errors[rank])})
+                           **{ERROR_FILE: str(errors[rank]), READY_FILE: str(readies[rank])})
                 # a session of its own, as under torchrun: Ctrl-C reaches the launcher only,
                 # which passes it on once
                 procs.append(subprocess.Popen([sys.executable, "-m", module, *argv], env=env,
                                               start_new_session=True))
             failed = _first_failure(procs)
         finally:
-            _stop(procs)
+            _stop(procs, readies)
             signal.signal(signal.SIGTERM, old)
         if failed is None:
             return 0
@@ -83,13 +86,18 @@ def _first_failure(procs: list[subprocess.Popen]) -> tuple[int, int] | None:
         time.sleep(0.05)
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """Ranks still running get SIGINT (each ends as on Ctrl-C), SIGKILL after STOP_WAIT s."""
+def _stop(procs: list[subprocess.Popen], readies: list[Path]) -> None:
+    """Ranks still running get SIGINT (each ends as on Ctrl-C), SIGKILL after STOP_WAIT s; a rank
+    that has not made its ready file yet is still starting (Python, its imports) and is killed at
+    once."""
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C cannot cut this short
     try:
-        for p in procs:
+        for p, ready in zip(procs, readies):
             if p.poll() is None:
-                p.send_signal(signal.SIGINT)
+                if ready.exists():
+                    p.send_signal(signal.SIGINT)
+                else:
+                    os.killpg(p.pid, signal.SIGKILL)
         deadline = time.monotonic() + STOP_WAIT
         for p in procs:
             try:
