@@ -67,9 +67,13 @@ def end_on_interrupt(prog: str, importing: bool = False) -> None:
 
 def _raise_again(unraisable) -> None:
     """The SystemExit of a Ctrl-C that landed in a callback Python cannot raise from (a weakref's,
-    a destructor's) is not printed but delivered again: the handler raises it at the next line."""
+    a destructor's) is not printed but delivered again, from another thread a moment later: the
+    handler then raises it in the main thread's next line (raise_signal here would run the handler
+    inside this hook, where it would be lost again). A second such landing delivers it again."""
     if isinstance(unraisable.exc_value, (SystemExit, KeyboardInterrupt)):
-        signal.raise_signal(signal.SIGINT)
+        again = threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGINT))
+        again.daemon = True
+        again.start()
     else:
         sys.__unraisablehook__(unraisable)
 
