@@ -4,6 +4,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import socket
+import sys
 import tempfile
 
 import pytest
@@ -38,10 +39,8 @@ def free_port() -> int:
 def _worker(rank, world, store, fn, args, out_dir):
     faulthandler.enable()  # a rank that aborts prints where it was (every thread's stack)
     torch.set_num_threads(1)
-    # the ranks meet in a file, not at a TCP store hosted by rank 0: rank 0 aborted as it exited
-    # ("terminate called without an active exception") in 4 CI runs, its store's server thread
-    # the suspect; torchrun keeps the store out of the ranks too (in its agent), as
-    # hidup.runtime.launch does
+    # the ranks meet in a file, not at a TCP store hosted by rank 0 (torchrun keeps the store out
+    # of the ranks too, in its agent, as hidup.runtime.launch does)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
@@ -49,6 +48,14 @@ def _worker(rank, world, store, fn, args, out_dir):
         dist.barrier()  # no rank tears down while another still works
     finally:
         dist.destroy_process_group()
+    # The rank's result is saved and every rank is done: end here, not through the interpreter's
+    # teardown. There a rank aborted in C++ ("terminate called without an active exception", no
+    # Python frame left) in 5 CI runs: 4 checkpoint tests of test_api and one of
+    # test_calibration_ops, with a TCP store in rank 0 and with a file store alike. Its cause is
+    # not found (about 80 runs here never aborted); it is not what these tests check.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(world: int, fn, *args) -> list:
