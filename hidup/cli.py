@@ -87,7 +87,6 @@ def exit_main(main) -> None:
     except SystemExit:
         if not _interrupted:
             raise
-        code = 130
     if _interrupted:
         sys.stdout.flush()
         sys.stderr.flush()
