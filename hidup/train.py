@@ -303,7 +303,6 @@ def prepare(args, world: int, check_only: bool = False) -> Prepared:
             first = example[0]
             seq = first.shape[1] if first.dim() == 2 and not first.is_floating_point() else 0
             spec = ModelSpec(spec.name, spec.build, spec.inputs, spec.batch, spec.task, seq)
-    ops.require_rules(graph)  # an op without a rule: one line naming it, as hidup.plan says
     strategy = resolve_strategy(args.strategy, graph, world)
     program = lower(graph, strategy, world, k, args.model, optimizer=args.optimizer) \
         if check_only else None

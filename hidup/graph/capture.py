@@ -140,6 +140,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Graph:
                for spec in exported.graph_signature.input_specs}
     nodes: list[Node] = []
     loss = None
+    latest: dict[str, str] = {}  # a tensor an in-place op wrote -> the node holding its new value
     for fx_node in exported.graph.nodes:
         try:
             if fx_node.op == "placeholder":
@@ -147,9 +148,14 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Graph:
             elif fx_node.op == "call_function" and _skipped(fx_node):
                 continue
             elif fx_node.op == "call_function":
-                nodes.append(_broadcast_item(fx_node) or _item(fx_node) or _op_node(fx_node))
+                node = _broadcast_item(fx_node) or _item(fx_node, latest) or \
+                    _op_node(fx_node, latest=latest)
+                nodes.append(node)
+                written = _written(fx_node)
+                if written is not None:
+                    latest[written] = node.name
             elif fx_node.op == "output":
-                loss = _loss_name(fx_node)
+                loss = latest.get(_loss_name(fx_node), _loss_name(fx_node))
         except CaptureError:
             raise
         except Exception as exc:
@@ -180,20 +186,52 @@ def _skipped(fx_node) -> bool:
         val is None and not fx_node.users)
 
 
-def _item(fx_node) -> Node | None:
+def _item(fx_node, latest: dict[str, str]) -> Node | None:
     """`op(...)[i]` of a multi-output op: a node that calls the op and keeps output i."""
     if fx_node.target is not operator.getitem:
         return None
     source, index = fx_node.args
-    return _op_node(source, fx_node, index)
+    return _op_node(source, fx_node, index, latest)
 
 
-def _op_node(fx_node, item=None, index: int | None = None) -> Node:
+def _written(fx_node) -> str | None:
+    """The tensor an in-place op (`add_`, `index_put_`, `detach_`...) writes, if it is one."""
+    schema = getattr(fx_node.target, "_schema", None)
+    if schema is None or not schema.arguments or not fx_node.args:
+        return None
+    info = schema.arguments[0].alias_info
+    if info is None or not info.is_write or schema.arguments[0].kwarg_only:
+        return None
+    base = fx_node.args[0]
+    if not isinstance(base, torch.fx.Node):
+        return None
+    made_by = getattr(base.target, "_schema", None)
+    if made_by is not None and made_by.returns and made_by.returns[0].alias_info is not None:
+        raise CaptureError(f"node {fx_node.name}: {fx_node.target} writes into {base.name}, a view "
+                           f"({base.target}) of another tensor, which HiDup cannot keep "
+                           f"functional; write that part of forward out of place")
+    return base.name
+
+
+def functional(target):
+    """The out-of-place twin of an in-place ATen op (`aten.add_.Tensor` -> `aten.add.Tensor`):
+    the graph is kept functional, each later use of the written tensor reading the new value."""
+    packet = target.overloadpacket.__name__
+    twin = getattr(getattr(torch.ops.aten, packet.removesuffix("_"), None),
+                   target._overloadname, None)
+    if twin is None:
+        raise CaptureError(f"in-place op {target} has no out-of-place twin; write that part of "
+                           f"forward without the in-place op")
+    return twin
+
+
+def _op_node(fx_node, item=None, index: int | None = None, latest=None) -> Node:
     inputs: list[str] = []
+    latest = {} if latest is None else latest
 
     def to_ref(a):
         if isinstance(a, torch.fx.Node):
-            inputs.append(a.name)
+            inputs.append(latest.get(a.name, a.name))
             return Ref(len(inputs) - 1)
         return a
 
@@ -202,11 +240,12 @@ def _op_node(fx_node, item=None, index: int | None = None) -> Node:
     out = _meta(item or fx_node)
     in_metas = [_meta(a) for a in pytree.tree_leaves((fx_node.args, fx_node.kwargs))
                 if isinstance(a, torch.fx.Node)]
-    op = str(fx_node.target)
+    target = functional(fx_node.target) if _written(fx_node) is not None else fx_node.target
+    op = str(target)
     flops = forward_flops(op, [m.shape for m in in_metas], out.shape, args)
     nbytes = sum(m.nbytes for m in in_metas) + out.nbytes
     return Node((item or fx_node).name, "op", op, tuple(inputs), out, flops, nbytes,
-                fx_node.target, args, kwargs, out_index=index)
+                target, args, kwargs, out_index=index)
 
 
 def _is_broadcast(fx_node) -> bool:

@@ -35,7 +35,7 @@ def check(graph: Graph, strategy: Strategy) -> None:
     """Every op's option is one its rule offers, and no parameter or input is Partial."""
     for node in graph.ops:
         opt = strategy.options.get(node.name)
-        if opt is None or opt not in node_options(graph, node, True):
+        if opt is None or opt not in node_options(graph, node):
             raise PlanError(f"node {node.name} ({node.op}): option {opt} is not one of its options")
     for name, p in strategy.placements.items():
         if isinstance(p, Partial):

@@ -65,25 +65,22 @@ def splits_evenly(graph: Graph, tensor: str, p: Placement, n: int) -> bool:
     return not isinstance(p, Shard) or graph.node(tensor).out.shape[p.dim] % n == 0
 
 
-def node_options(graph: Graph, node: Node, replicate_fallback: bool = False
-                 ) -> tuple[ShardingOption, ...]:
+def node_options(graph: Graph, node: Node) -> tuple[ShardingOption, ...]:
     """The node's sharding options (its op's rule, hidup.graph.ops), computed once per graph:
     the search, the plan checks and the baselines ask for every node many times."""
     cache = graph.__dict__.setdefault("_options", {})
-    key = node.name, replicate_fallback
-    if key not in cache:
-        cache[key] = tuple(ops.options(node, node.in_metas(graph), replicate_fallback))
-    return cache[key]
+    if node.name not in cache:
+        cache[node.name] = tuple(ops.options(node, node.in_metas(graph)))
+    return cache[node.name]
 
 
-def fitting_options(graph: Graph, node: Node, n: int, replicate_fallback: bool = False
-                    ) -> tuple[ShardingOption, ...]:
+def fitting_options(graph: Graph, node: Node, n: int) -> tuple[ShardingOption, ...]:
     """The node's options whose every split divides evenly into n (once per graph and n)."""
     cache = graph.__dict__.setdefault("_fitting_options", {})
-    key = node.name, n, replicate_fallback
+    key = node.name, n
     if key not in cache:
         cache[key] = tuple(
-            o for o in node_options(graph, node, replicate_fallback)
+            o for o in node_options(graph, node)
             if splits_evenly(graph, node.name, o.output, n)
             and all(splits_evenly(graph, t, p, n) for t, p in zip(node.inputs, o.inputs)))
     return cache[key]
@@ -91,28 +88,63 @@ def fitting_options(graph: Graph, node: Node, n: int, replicate_fallback: bool =
 
 def propagate(graph: Graph, world: int, name: str, seeds: dict[str, Placement],
               shard_params: bool, allowed: set[str] | None = None,
-              replicate_fallback: bool = False, no_partial: set[str] = frozenset()) -> Strategy:
+              no_partial: set[str] = frozenset(), keep_whole: set[str] = frozenset()
+              ) -> Strategy:
     """Greedy in topological order: each op takes the option that needs the least conversion traffic,
     then the fewest conversions, then the most split parameters (if `shard_params`), then split work.
     Parameters are placed by their first consumer; `allowed` limits the conversions used; the
-    ops in `no_partial` take no option with a Partial output."""
+    ops in `no_partial` take no option with a Partial output, those in `keep_whole` no option
+    that splits a tensor made of whole (replicated) ones. Fails with Unreachable."""
     placements: dict[str, Placement] = {n.name: R for n in graph.nodes if n.kind == "buffer"}
     placements.update(seeds)
     choices: dict[str, ShardingOption] = {}
     for node in graph.ops:
-        cands = [o for o in fitting_options(graph, node, world, replicate_fallback)
-                 if node.name not in no_partial or not isinstance(o.output, Partial)]
+        cands = [o for o in fitting_options(graph, node, world)
+                 if (node.name not in no_partial or not isinstance(o.output, Partial))
+                 and (node.name not in keep_whole
+                      or not _splits_whole(graph, node, o, placements, choices))]
         scored = [(_score(graph, node, o, placements, choices, world, shard_params, allowed), i, o)
                   for i, o in enumerate(cands)]
         best_score, _, best = min(scored, key=lambda s: (s[0], s[1]))
         if math.isinf(best_score[0]):
-            raise ValueError(f"strategy {name}: node {node.name} ({node.op}) has no option reachable "
-                             f"with conversions {sorted(allowed or [])}")
+            raise Unreachable(f"strategy {name}: node {node.name} ({node.op}) has no option "
+                              f"reachable with conversions {sorted(allowed or [])}",
+                              _split_origins(graph, node, placements, choices))
         choices[node.name] = best
         for t, p in zip(node.inputs, best.inputs):
             placements.setdefault(t, p)  # a parameter's home is what its first consumer wants
     return Strategy(name, {n.name: placements.get(n.name, R) for n in graph.nodes
                            if n.kind != "op"}, choices)
+
+
+class Unreachable(ValueError):
+    """Greedy propagation found a node with no reachable option. `origins`: the ops upstream of
+    it that split a tensor made of whole ones (keeping them whole may make it reachable)."""
+
+    def __init__(self, message: str, origins: set[str]):
+        super().__init__(message)
+        self.origins = origins
+
+
+def _split_origins(graph, node: Node, placements, choices) -> set[str]:
+    """The ops upstream of node, through split tensors, whose chosen option split whole inputs."""
+    found, todo, seen = set(), list(node.inputs), set()
+    while todo:
+        t = todo.pop()
+        if t in seen or t not in choices or choices[t].output == R:
+            continue
+        seen.add(t)
+        producer = graph.node(t)
+        if _splits_whole(graph, producer, choices[t], placements, choices):
+            found.add(t)
+        todo.extend(producer.inputs)
+    return found
+
+
+def _splits_whole(graph, node: Node, opt: ShardingOption, placements, choices) -> bool:
+    """Does the option split a tensor made only of whole (replicated) ones?"""
+    return opt.output != R and all(
+        _placed(t, placements, choices) in (R, None) for t in node.inputs)
 
 
 def _placed(t: str, placements, choices) -> Placement | None:
@@ -167,11 +199,19 @@ def microbatch_split(graph: Graph, k: int, batch_dim: int = 0, machines: int = 1
                              f"batch divisible by {parts}")
     cache = graph.__dict__.setdefault("_microbatch_splits", {})  # the search lowers dozens
     if (batch_dim, parts) not in cache:
-        try:
-            cache[batch_dim, parts] = propagate(graph, parts, "micro-batches", seeds,
-                                                shard_params=False, allowed=set())
-        except ValueError as exc:
-            raise ValueError(f"the batch cannot be split into micro-batches: {exc}") from exc
+        keep: set[str] = set()  # ops that must keep whole what is made of whole tensors
+        while (batch_dim, parts) not in cache:
+            try:
+                # one part: a slice of a whole tensor is the identity (read where it is whole)
+                cache[batch_dim, parts] = propagate(graph, parts, "micro-batches", seeds,
+                                                    shard_params=False,
+                                                    allowed={"slice"} if parts == 1 else set(),
+                                                    keep_whole=keep)
+            except Unreachable as exc:
+                if not exc.origins - keep:
+                    raise ValueError(f"the batch cannot be split into micro-batches: {exc}") \
+                        from exc
+                keep |= exc.origins
     return cache[batch_dim, parts]
 
 

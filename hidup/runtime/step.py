@@ -19,7 +19,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from hidup.graph import ops
 from hidup.graph.capture import Graph
-from hidup.graph.placement import Partial, Placement, Shard
+from hidup.graph.placement import Partial, Placement, R, Shard, ShardingOption
 from hidup.planning.strategy import Strategy, microbatch_split
 from hidup.program.tasks import Compute, Convert, Program, Wait, vkey
 from hidup.runtime.passes import simplify
@@ -88,6 +88,7 @@ class _TaskRunner:
         return [loss] + [self.env[key] for key in self.p.param_grads.values()]
 
     def place_inputs(self, params, buffers, inputs) -> None:
+        self.whole_values = {n.name: x for n, x in zip(self.g.user_inputs, inputs)}
         for node, p in zip(self.g.params, params):
             self.env[vkey(node.name, self.s.home(node.name), None)] = p
         given = {"buffer": iter(buffers), "input": iter(inputs)}
@@ -155,8 +156,24 @@ class _TaskRunner:
                (not task.mb_partial or task.mb in (0, None) and self.machine == 0)
         ctx = ops.LocalContext(self.rank, self.world, task.in_shapes, task.out_shape,
                                node.out.shape, tuple(m.shape for m in node.in_metas(self.g)),
-                               root)
+                               root, self.spec.device_type, self.whole)
         return ops.local_callable(node, task.option, ctx)
+
+    def whole(self, name: str) -> torch.Tensor | None:
+        """Graph tensor `name` computed whole from the whole global batch (each op replicated),
+        or None where it depends on a parameter or buffer: a loss counts its kept targets so."""
+        if name not in self.whole_values:
+            node = self.g.node(name)
+            ins = [self.whole(t) for t in node.inputs] if node.kind == "op" else [None]
+            if any(x is None for x in ins):
+                self.whole_values[name] = None
+            else:
+                shapes = tuple(m.shape for m in node.in_metas(self.g))
+                ctx = ops.LocalContext(0, 1, shapes, node.out.shape, node.out.shape, shapes, True,
+                                       self.spec.device_type, self.whole)
+                option = ShardingOption((R,) * len(ins), R)
+                self.whole_values[name] = ops.local_callable(node, option, ctx)(ins)
+        return self.whole_values[name]
 
     def backward(self, task: Compute) -> None:
         if task.op == "hidup.ones":

@@ -85,7 +85,6 @@ class Trainer:
     # -- building ---------------------------------------------------------------------------
     def _build(self, graph) -> None:
         """The executor, the optimizer and its schedule, for the captured graph."""
-        ops.require_rules(graph)
         if self._plan is not None:
             if graph.fingerprint != self._plan.fingerprint:
                 raise PlanError(f"the plan was made for another model (fingerprint "

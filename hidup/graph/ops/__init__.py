@@ -1,5 +1,5 @@
 """Sharding rules, one module per op family; importing this package registers them all."""
 from hidup.graph.ops import (  # noqa: F401 (importing them registers their rules)
-    conv, embedding, gating, loss, matmul, pointwise, reduction, shape)
+    conv, embedding, factory, gating, loss, matmul, pointwise, reduction, shape)
 from hidup.graph.ops.registry import (  # noqa: F401
-    LocalContext, NoRuleError, local_callable, options, register, register_local, require_rules)
+    LocalContext, local_callable, options, register, register_local, replicated_ops, source)

@@ -34,7 +34,7 @@ UNARY = [aten.relu.default, aten.gelu.default, aten.silu.default, aten.tanh.defa
          aten.sigmoid.default, aten.exp.default, aten.log.default, aten.sqrt.default,
          aten.rsqrt.default, aten.abs.default, aten.pow.Tensor_Scalar, aten.dropout.default,
          aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
-         aten._to_copy.default, aten.to.dtype, aten.type_as.default]
+         aten.type_as.default]
 LINEAR_UNARY = [aten.neg.default, aten.clone.default, aten.contiguous.default, aten.alias.default]
 BINARY = [aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor,
           aten.maximum.default, aten.minimum.default, aten.pow.Tensor_Tensor, aten.where.self,

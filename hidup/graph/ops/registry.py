@@ -1,21 +1,19 @@
 """The rule registry: for each ATen op, its sharding options and how a rank runs it locally."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
+import torch
 from torch.utils import _pytree as pytree
 
+from hidup.graph import dtensor
 from hidup.graph.capture import Node, Ref, TensorMeta
 from hidup.graph.placement import R, ShardingOption
 
 RuleFn = Callable[[Node, tuple[TensorMeta, ...]], list[ShardingOption]]
 _RULES: dict[str, RuleFn] = {}
 _LOCALS: dict[str, Callable] = {}
-
-
-class NoRuleError(ValueError):
-    """An op has no sharding rule."""
 
 
 def _keys(ops) -> list[str]:
@@ -45,29 +43,31 @@ def register_local(ops):
 
 
 def has_rule(op: str) -> bool:
+    """Does the project's overlay have a rule for this op (looked up before DTensor's)?"""
     return op in _RULES
 
 
-def require_rules(graph) -> None:
-    """Refuse, in one line naming the first such op and the fix, a graph with an op that has no
-    sharding rule (a user's module: say so before any search or run)."""
-    for node in graph.ops:
-        if node.op not in _RULES:
-            raise NoRuleError(f"op {node.op} (graph node {node.name}) has no sharding rule in "
-                              f"HiDup, so it cannot be planned or run in parallel; write that "
-                              f"part of forward with other ops, or add a rule with "
-                              f"hidup.graph.ops.register (see hidup/graph/ops/*.py)")
+def source(node: Node, in_metas: tuple[TensorMeta, ...]) -> str:
+    """Where a node's options come from: 'overlay' (a rule here), 'dtensor' (DTensor's
+    strategies, through hidup.graph.dtensor) or 'replicated' (nobody covers it: it runs whole
+    on every rank)."""
+    if node.op in _RULES:
+        return "overlay"
+    found = dtensor.options(node, in_metas)
+    return "dtensor" if found is not None and len(found) > 1 else "replicated"
 
 
-def options(node: Node, in_metas: tuple[TensorMeta, ...], replicate_fallback: bool = False
-            ) -> list[ShardingOption]:
-    """The node's sharding options; an op without a rule is an error unless the fallback is asked for."""
+def replicated_ops(graph) -> list[Node]:
+    """The graph's ops that neither an overlay rule nor DTensor covers: each runs replicated."""
+    return [n for n in graph.ops if source(n, n.in_metas(graph)) == "replicated"]
+
+
+def options(node: Node, in_metas: tuple[TensorMeta, ...]) -> list[ShardingOption]:
+    """The node's sharding options: the overlay's rule, else DTensor's strategies, else
+    replicated (always correct: every rank runs the op on whole inputs)."""
     rule = _RULES.get(node.op)
     if rule is None:
-        if replicate_fallback:
-            return [replicated(len(in_metas))]
-        raise NoRuleError(f"node {node.name}: op {node.op} has no sharding rule; add one in "
-                          f"hidup/graph/ops/ or opt in to replication (replicate_fallback=True)")
+        return dtensor.options(node, in_metas) or [replicated(len(in_metas))]
     try:
         opts = rule(node, in_metas)
     except Exception as exc:
@@ -91,6 +91,10 @@ class LocalContext:
     global_out: tuple[int, ...]
     global_in: tuple[tuple[int, ...], ...]
     root: bool  # True on the one (rank, micro-batch) that adds constant terms to a Partial output
+    device: str = "cpu"  # where the step runs: factory ops make their tensors there
+    # a graph tensor computed whole from the whole global batch (every rank has it), or None
+    # where it depends on parameters: how a loss counts the targets it keeps over the batch
+    whole: Callable[[str], object] | None = None
 
 
 def fill(template, tensors):
@@ -100,6 +104,11 @@ def fill(template, tensors):
 
 
 def default_local(node: Node, option: ShardingOption, ctx: LocalContext):
+    index = dtensor.shape_arg(node.target) if isinstance(node.target, torch._ops.OpOverload) \
+        else None
+    if index is not None and index < len(node.args) and ctx.out_shape != ctx.global_out:
+        # a global shape in the arguments (view, new_zeros, ...): this rank's local one instead
+        node = replace(node, args=node.args[:index] + (list(ctx.out_shape),) + node.args[index + 1:])
     if node.out_index is not None:
         return lambda t: node.target(*fill(node.args, t), **fill(node.kwargs, t))[node.out_index]
     return lambda tensors: node.target(*fill(node.args, tensors), **fill(node.kwargs, tensors))

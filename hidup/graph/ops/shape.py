@@ -93,8 +93,9 @@ def cat(node, ins):
     dim = (node.args[1] if len(node.args) > 1 else 0) % n
     k = len(ins)
     opts = [ShardingOption((R,) * k, R), ShardingOption((P,) * k, P)]
-    opts += [ShardingOption((Shard(d),) * k, Shard(d)) for d in range(n)
-             if d != dim and node.out.shape[d] > 1]
+    # a legacy empty 1-d input (cat's "skip it" case) is split with the others: it is empty
+    opts += [ShardingOption(tuple(Shard(d) if len(m.shape) == n else R for m in ins), Shard(d))
+             for d in range(n) if d != dim and node.out.shape[d] > 1]
     return opts
 
 

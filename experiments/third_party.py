@@ -1,0 +1,119 @@
+"""Six model families that nobody in this project wrote, from `transformers` configs at a tiny
+size, each wrapped so that `forward(*batch)` returns the scalar loss: what a user brings.
+
+`transformers` is a test dependency (the dev extra): `pip install -e ".[dev]"`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+IGNORE = -100  # the label transformers' losses skip
+
+
+class WithLoss(torch.nn.Module):
+    """`model(**{names[i]: batch[i]}).loss`: a transformers model as HiDup takes it."""
+
+    def __init__(self, model: torch.nn.Module, names: tuple[str, ...]):
+        super().__init__()
+        self.model, self.names = model, names
+
+    def forward(self, *batch):
+        return self.model(**dict(zip(self.names, batch))).loss
+
+
+@dataclass(frozen=True)
+class ThirdParty:
+    """A third-party model at tiny size: how to build it and make one global batch."""
+
+    name: str
+    build: Callable[[], torch.nn.Module]
+    batch: Callable[[int, torch.Generator], tuple[torch.Tensor, ...]]  # (global batch, generator)
+
+
+def _lm_batch(vocab: int, seq: int):
+    def make(n: int, gen: torch.Generator):
+        ids = torch.randint(0, vocab, (n, seq), generator=gen)
+        labels = ids.clone()
+        labels[:, -3:] = IGNORE  # padded tail: a loss over the kept targets only
+        labels[0, :2] = IGNORE
+        return ids, labels
+    return make
+
+
+def _image_batch(classes: int, size: int):
+    def make(n: int, gen: torch.Generator):
+        return (torch.randn(n, 3, size, size, generator=gen),
+                torch.randint(0, classes, (n,), generator=gen))
+    return make
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    return WithLoss(GPT2LMHeadModel(cfg), ("input_ids", "labels"))
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, use_cache=False)
+    return WithLoss(LlamaForCausalLM(cfg), ("input_ids", "labels"))
+
+
+def _bert():
+    from transformers import BertConfig, BertForSequenceClassification
+    cfg = BertConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, max_position_embeddings=32, num_labels=3,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return WithLoss(BertForSequenceClassification(cfg), ("input_ids", "labels"))
+
+
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+    cfg = MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                        num_experts_per_tok=2, max_position_embeddings=32, use_cache=False)
+    return WithLoss(MixtralForCausalLM(cfg), ("input_ids", "labels"))
+
+
+def _vit():
+    from transformers import ViTConfig, ViTForImageClassification
+    cfg = ViTConfig(image_size=16, patch_size=4, hidden_size=32, intermediate_size=64,
+                    num_hidden_layers=2, num_attention_heads=4, num_labels=5,
+                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return WithLoss(ViTForImageClassification(cfg), ("pixel_values", "labels"))
+
+
+def _resnet():
+    from transformers import ResNetConfig, ResNetForImageClassification
+    cfg = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=5,
+                       layer_type="basic")
+    return WithLoss(ResNetForImageClassification(cfg), ("pixel_values", "labels"))
+
+
+def _seq_batch(vocab: int, seq: int, classes: int):
+    def make(n: int, gen: torch.Generator):
+        return (torch.randint(0, vocab, (n, seq), generator=gen),
+                torch.randint(0, classes, (n,), generator=gen))
+    return make
+
+
+MODELS = {m.name: m for m in (
+    ThirdParty("gpt2", _gpt2, _lm_batch(96, 16)),
+    ThirdParty("llama", _llama, _lm_batch(96, 16)),
+    ThirdParty("bert", _bert, _seq_batch(96, 16, 3)),
+    ThirdParty("mixtral", _mixtral, _lm_batch(96, 16)),
+    ThirdParty("vit", _vit, _image_batch(5, 16)),
+    ThirdParty("resnet", _resnet, _image_batch(5, 16)),
+)}
+
+
+def build(name: str, seed: int = 0) -> torch.nn.Module:
+    """The named model with seeded weights, in training mode."""
+    if name not in MODELS:
+        raise ValueError(f"model {name!r}: give one of {sorted(MODELS)}")
+    torch.manual_seed(seed)
+    return MODELS[name].build().train()

@@ -1,0 +1,81 @@
+"""Models nobody here wrote (tiny `transformers` configs, experiments.third_party) plan and train
+equal to single-device eager PyTorch: loss and every gradient, on gloo ranks."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import run_ranks
+from test_equivalence import rel_err
+
+from hidup.graph.capture import capture
+from hidup.planning.costs import load_profile
+from hidup.planning.search import search
+from hidup.planning.strategy import fixed_strategy
+from hidup.program import lower
+from hidup.runtime.execute import Executor
+
+pytest.importorskip("transformers")
+from experiments.third_party import MODELS, build  # noqa: E402
+
+BATCH = 8
+
+
+def batch(name: str, seed: int = 1):
+    return MODELS[name].batch(BATCH, torch.Generator().manual_seed(seed))
+
+
+def reference(name: str):
+    model = build(name)
+    loss = model(*batch(name))
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in
+                         model.named_parameters(remove_duplicate=False) if p.grad is not None}
+
+
+def strategy_of(graph, how: str, world: int, k: int):
+    if how == "search":
+        return search(graph, world, load_profile("v100-8x8-10gbps"), k).strategy
+    return fixed_strategy(how, graph, world)
+
+
+def third_party_grads(rank, world, cases):
+    """{case: (loss, whole gradients, strategy text)} after one step of each case."""
+    out = {}
+    for name, how, k in cases:
+        model = build(name)
+        graph = capture(model, batch(name, seed=0))
+        strategy = strategy_of(graph, how, world, k)
+        program = lower(graph, strategy, world, k, name)
+        ex = Executor(graph, strategy, program,
+                      dict(model.named_parameters(remove_duplicate=False)),
+                      buffers=dict(model.named_buffers()))
+        inputs = dict(zip([n.source for n in graph.user_inputs], batch(name)))
+        loss = ex.step(inputs, update=False)
+        grads = {graph.node(p).source: ex.full(p, g) for p, g in ex.grads.items()}
+        out[(name, how, k)] = (float(loss), grads, str(strategy))
+    return out
+
+
+def check(results, cases):
+    refs = {name: reference(name) for name in {c[0] for c in cases}}
+    for case in cases:
+        ref_loss, ref_grads = refs[case[0]]
+        scale = 1e-3 * max(float(g.norm()) for g in ref_grads.values())
+        for rank_result in results:
+            loss, grads, text = rank_result[case]
+            assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (case, loss, ref_loss)
+            assert set(grads) <= set(ref_grads), (case, set(grads) - set(ref_grads))
+            for pname, g in grads.items():
+                g, ref = g, ref_grads[pname]
+                err = rel_err(g, ref, scale)
+                assert err <= 1e-4, (case, pname, err)
+
+
+CASES = [(m, how, k) for m in ("gpt2", "llama", "bert", "vit") for how in ("ddp", "megatron")
+         for k in (1,)]
+
+
+@pytest.mark.slow
+def test_third_party_models_match_eager_on_2_ranks():
+    results = run_ranks(2, third_party_grads, CASES)
+    check(results, CASES)
