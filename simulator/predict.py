@@ -21,7 +21,7 @@ from hidup.planning.costs import Profile, load_profile
 from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import resolve_strategy, save_plan
 from hidup.planning.search import search
-from hidup.planning.strategy import Strategy, fixed_strategies
+from hidup.planning.strategy import Strategy, fixed_strategies, microbatch_split
 from hidup.program import HOST_MODES, OPTIMIZERS, lower
 from simulator.montecarlo import expected_step, step_time_interval
 from simulator.report import Comparison, Prediction
@@ -89,15 +89,21 @@ def compare(model: str, cluster: str, gpus: int, batch: int | None, k: int, samp
 def choose(name: str, profile: Profile, batch: int, graph: Graph, gpus: int, k: int,
            samples: int = 0, noise: float = 0.1, bucket_mb: float = 25.0, mode: str = "graph",
            show_plan: bool = False, optimizer: str = "sgd") -> Comparison:
-    """`compare` on a captured graph (of any module: hidup.plan's too)."""
+    """`compare` on a captured graph (of any module: hidup.plan's too). Where the batch cannot
+    be split into k micro-batches, plain SPMD only (k = 1), and the note says why."""
     plans, note, seconds = [], "", 0.0
+    if k > 1:
+        try:
+            microbatch_split(graph, k)
+        except ValueError as exc:
+            note, k = f"no Duplex: {exc}", 1
     try:
         found = search(graph, gpus, profile, k, profile.device_memory, optimizer=optimizer)
         seconds = found.seconds
         plans.append(replace(found.strategy, name="hidup"))
         log.info("searched in %.2f s (%d labels)", found.seconds, found.states)
     except ValueError as exc:
-        note = f"no searched plan: {exc}"
+        note = "; ".join(filter(None, [note, f"no searched plan: {exc}"]))
     plans += fixed_strategies(graph, gpus).values()
     if not plans:
         raise ValueError(f"no strategy applies to {name} on {gpus} GPUs ({note}); try "
