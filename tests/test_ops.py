@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hidup.graph import ops
+from hidup.graph import dtensor, ops
 from hidup.graph.capture import capture
 from hidup.graph.placement import parse_option
 
@@ -87,13 +87,49 @@ def test_embedding_and_cross_entropy():
     assert opts == ["(R, R) -> R", "(S(0), S(0)) -> P"]
 
 
-def test_op_without_rule_is_named_and_fallback_is_explicit():
-    graph = capture(Fn(lambda x: torch.flip(x, [0]).sum()), (torch.randn(4),))
-    node = next(n for n in graph.ops if "flip" in n.op)
-    with pytest.raises(ops.NoRuleError, match=r"node flip: op aten.flip.default has no sharding rule"):
-        ops.options(node, node.in_metas(graph))
-    assert [str(o) for o in ops.options(node, node.in_metas(graph), replicate_fallback=True)] == \
-        ["(R) -> R"]
+@torch.library.custom_op("hidup_test::twice", mutates_args=())
+def twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@twice.register_fake
+def _twice_shape(x):
+    return torch.empty_like(x)
+
+
+def test_options_come_from_the_overlay_then_dtensor_then_replication():
+    """flip has no overlay rule: DTensor's strategy splits any dim but the flipped one; an op
+    nobody covers (a user's custom op) runs replicated and is named as such."""
+    graph = capture(Fn(lambda x: torch.flip(x, [0]).sum() + torch.ops.hidup_test.twice(x).sum()),
+                    (torch.randn(4, 6),))
+    got = {n.op: (ops.source(n, n.in_metas(graph)), [str(o) for o in ops.options(n, n.in_metas(graph))])
+           for n in graph.ops}
+    assert got["aten.flip.default"] == ("dtensor", ["(R) -> R", "(S(1)) -> S(1)", "(P) -> P"])
+    assert got["hidup_test.twice.default"] == ("replicated", ["(R) -> R"])
+    assert got["aten.sum.default"][0] == "overlay"
+    assert [n.op for n in ops.replicated_ops(graph)] == ["hidup_test.twice.default"]
+
+
+def test_dtensor_adapter_refuses_an_untested_torch_in_one_line():
+    with pytest.raises(dtensor.UnsupportedTorchError,
+                       match=r"torch 2\.9\.1\+cu126 is installed, but HiDup reads DTensor's "
+                             r"sharding strategies only on torch 2\.13; install"):
+        dtensor.check_torch("2.9.1+cu126")
+    dtensor.check_torch("2.13.0+cpu")
+
+
+def test_in_place_ops_are_captured_as_their_functional_twins():
+    """x.add_(1) then a use of x: the use reads the new value; no in-place op is left."""
+    def f(x):
+        y = x * 2
+        y.add_(1)
+        return (y * y).sum()
+
+    graph = capture(Fn(f), (torch.randn(3),))
+    assert [n.op for n in graph.ops] == ["aten.mul.Tensor", "aten.add.Tensor", "aten.mul.Tensor",
+                                         "aten.sum.default"]
+    add = graph.ops[1]
+    assert graph.ops[2].inputs == (add.name, add.name)
 
 
 def test_option_text_round_trips():

@@ -57,8 +57,12 @@ def _dtensor():
 
     api = Api()
     api.prop = DTensor._op_dispatcher.sharding_propagator
-    # a mesh of 2 with no process group: strategies depend on the mesh's shape, not its size
-    api.mesh = DeviceMesh("cpu", torch.arange(2), _init_backend=False, _rank=0)
+    # a mesh of 2 with no process group: strategies depend on the mesh's shape, not its size;
+    # made of real tensors even when first asked for inside a trace (the step's make_fx)
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+        api.mesh = DeviceMesh("cpu", torch.arange(2), _init_backend=False, _rank=0)
     api.Spec, api.Meta, api.Schema = DTensorSpec, DMeta, OpSchema
     api.OpSpec, api.OpStrategy, api.Placeholder = OpSpec, OpStrategy, _ShardingPlaceholder
     api.Shard, api.Replicate, api.Partial, api.Strided = DShard, DReplicate, DPartial, _StridedShard

@@ -11,6 +11,7 @@ the 1-D mesh of every rank."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from hidup.graph import ops
@@ -382,11 +383,24 @@ def describe(graph: Graph, strategy: Strategy) -> str:
     across = f"data parallel across {strategy.machines} machines; inside each: " \
         if strategy.machines > 1 else ""
     if not counts:
-        return f"{across}no key ops"
+        return f"{across}no key ops" + uncovered(graph)
     (style, n), rest = counts[0], counts[1:]
     if not rest:
-        return f"{across}all {n} key ops {style}"
-    return across + ", ".join([f"{n} key ops {style}"] + [f"{m} {s}" for s, m in rest])
+        return f"{across}all {n} key ops {style}" + uncovered(graph)
+    return across + ", ".join([f"{n} key ops {style}"] + [f"{m} {s}" for s, m in rest]) + \
+        uncovered(graph)
+
+
+def uncovered(graph: Graph) -> str:
+    """'; 2 ops covered by no rule run replicated (my.op x2, 3.1% of the forward FLOPs)', or ''."""
+    nodes = ops.replicated_ops(graph)
+    if not nodes:
+        return ""
+    names = ", ".join(f"{op} x{n}" for op, n in Counter(n.op for n in nodes).most_common())
+    total = sum(n.flops for n in graph.ops) or 1.0
+    share = 100 * sum(n.flops for n in nodes) / total
+    return f"; {len(nodes)} ops covered by no rule run replicated ({names}, {share:.1f}% of " \
+           f"the forward FLOPs)"
 
 
 def mesh_option(graph: Graph, strategy: Strategy, node: str) -> str:

@@ -61,7 +61,6 @@ class Trainer:
                              f"start {plan.gpus} ranks (torchrun --nproc-per-node "
                              f"{plan.gpus}) or make a plan for {self.world} with "
                              f"hidup.plan(..., gpus={self.world})")
-        _refuse_tied(model)
         self._model_keys = set(model.state_dict())
         self._fixed, self._plan = (plan, None) if isinstance(plan, str) else (None, plan)
         self._micro_batches = micro_batches
@@ -101,7 +100,7 @@ class Trainer:
         program = lower(graph, strategy, self.world, k, name, optimizer=optimizer_name)
         # on the run's device: NCCL broadcasts device tensors only
         params = {n: p.detach().to(self.device, copy=True)
-                  for n, p in self._model.named_parameters()}
+                  for n, p in self._model.named_parameters(remove_duplicate=False)}
         buffers = {n: b.detach().to(self.device, copy=True)
                    for n, b in self._model.named_buffers()}
         if self.world > 1:  # every rank starts from rank 0's weights, as DDP does
@@ -114,7 +113,9 @@ class Trainer:
         self._sources = {n.name: n.source for n in graph.params}
         self._inputs = [n.source for n in graph.user_inputs]
         self._buffers = [n.source for n in graph.nodes if n.kind == "buffer"]
-        grads = {name: p.requires_grad for name, p in self._model.named_parameters()}
+        # tied weights (one tensor under two names) are one placeholder in the captured graph
+        grads = {name: p.requires_grad
+                 for name, p in self._model.named_parameters(remove_duplicate=False)}
         self._trainable = [shard for n, shard in zip(graph.params, self.executor.params.values())
                            if grads[n.source]]  # frozen parameters are not updated, as in eager
         make_optimizer, make_schedule = self._factories
@@ -423,17 +424,6 @@ def _check_optimizer(optimizer, strategy, graph, planned: str) -> None:
     if kind and kind != planned:
         log.warning("the plan was priced for optimizer %s, this one is %s: its predicted memory "
                     "and update time assumed %s", planned, name, planned)
-
-
-def _refuse_tied(model: torch.nn.Module) -> None:
-    """One line for tied weights (one tensor under two names): each use would train apart."""
-    seen: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            raise ValueError(f"parameters {seen[id(p)]} and {name} are one tensor (tied weights); "
-                             f"HiDup shards each use on its own and cannot keep them equal yet: "
-                             f"untie them (e.g. give {name} its own nn.Parameter)")
-        seen[id(p)] = name
 
 
 def _elementwise(value, shard: torch.Tensor) -> bool:
