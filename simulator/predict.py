@@ -21,7 +21,8 @@ from hidup.planning.costs import Profile, load_profile
 from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import resolve_strategy, save_plan
 from hidup.planning.search import search
-from hidup.planning.strategy import Strategy, fixed_strategies, microbatch_split
+from hidup.planning.strategy import (NoMicroBatches, Strategy, fixed_strategies,
+                                     microbatch_split)
 from hidup.program import HOST_MODES, OPTIMIZERS, lower
 from simulator.montecarlo import expected_step, step_time_interval
 from simulator.report import Comparison, Prediction
@@ -95,7 +96,7 @@ def choose(name: str, profile: Profile, batch: int, graph: Graph, gpus: int, k: 
     if k > 1:
         try:
             microbatch_split(graph, k)
-        except ValueError as exc:
+        except NoMicroBatches as exc:
             note, k = f"no Duplex: {exc}", 1
     try:
         found = search(graph, gpus, profile, k, profile.device_memory, optimizer=optimizer)

@@ -118,6 +118,10 @@ def propagate(graph: Graph, world: int, name: str, seeds: dict[str, Placement],
                            if n.kind != "op"}, choices)
 
 
+class NoMicroBatches(ValueError):
+    """Some op cannot run on a micro-batch's part of the batch (plain SPMD still can)."""
+
+
 class Unreachable(ValueError):
     """Greedy propagation found a node with no reachable option. `origins`: the ops upstream of
     it that split a tensor made of whole ones (keeping them whole may make it reachable)."""
@@ -210,7 +214,7 @@ def microbatch_split(graph: Graph, k: int, batch_dim: int = 0, machines: int = 1
                                                     keep_whole=keep)
             except Unreachable as exc:
                 if not exc.origins - keep:
-                    raise ValueError(f"the batch cannot be split into micro-batches: {exc}") \
+                    raise NoMicroBatches(f"the batch cannot be split into micro-batches: {exc}") \
                         from exc
                 keep |= exc.origins
     return cache[batch_dim, parts]
