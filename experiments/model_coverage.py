@@ -80,7 +80,7 @@ def coverage(name: str, world: int) -> dict:
     row = {"model": name}
     try:
         graph = capture(model, batch)
-        row.update(Counter(ops.source(n, n.in_metas(graph)) for n in graph.ops))
+        row.update(Counter(ops.source(graph, n) for n in graph.ops))
         row["replicated ops"] = sorted({n.op for n in ops.replicated_ops(graph)})
         start = time.perf_counter()
         plan = hidup.plan(model, batch, cluster=CLUSTER, gpus=world)

@@ -49,49 +49,34 @@ def _image_batch(classes: int, size: int):
     return make
 
 
-def _gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-    cfg = GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=4,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
-    return WithLoss(GPT2LMHeadModel(cfg), ("input_ids", "labels"))
+def _transformers(config: str, model: str, names: tuple[str, ...], **settings):
+    """A builder of transformers' `model` class from its `config` class with these settings."""
+    def build() -> torch.nn.Module:
+        import transformers
+        cfg = getattr(transformers, config)(**settings)
+        return WithLoss(getattr(transformers, model)(cfg), names)
+    return build
 
 
-def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, use_cache=False)
-    return WithLoss(LlamaForCausalLM(cfg), ("input_ids", "labels"))
-
-
-def _bert():
-    from transformers import BertConfig, BertForSequenceClassification
-    cfg = BertConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=4, max_position_embeddings=32, num_labels=3,
-                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    return WithLoss(BertForSequenceClassification(cfg), ("input_ids", "labels"))
-
-
-def _mixtral():
-    from transformers import MixtralConfig, MixtralForCausalLM
-    cfg = MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                        num_experts_per_tok=2, max_position_embeddings=32, use_cache=False)
-    return WithLoss(MixtralForCausalLM(cfg), ("input_ids", "labels"))
-
-
-def _vit():
-    from transformers import ViTConfig, ViTForImageClassification
-    cfg = ViTConfig(image_size=16, patch_size=4, hidden_size=32, intermediate_size=64,
-                    num_hidden_layers=2, num_attention_heads=4, num_labels=5,
-                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    return WithLoss(ViTForImageClassification(cfg), ("pixel_values", "labels"))
-
-
-def _resnet():
-    from transformers import ResNetConfig, ResNetForImageClassification
-    cfg = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=5,
-                       layer_type="basic")
-    return WithLoss(ResNetForImageClassification(cfg), ("pixel_values", "labels"))
+TEXT, IMAGE = ("input_ids", "labels"), ("pixel_values", "labels")
+SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=32)
+NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+_gpt2 = _transformers("GPT2Config", "GPT2LMHeadModel", TEXT, vocab_size=96, n_positions=32,
+                      n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                      attn_pdrop=0.0, use_cache=False)
+_llama = _transformers("LlamaConfig", "LlamaForCausalLM", TEXT, **SMALL, num_key_value_heads=2,
+                       use_cache=False)
+_bert = _transformers("BertConfig", "BertForSequenceClassification", TEXT, **SMALL, num_labels=3,
+                      **NO_DROPOUT)
+_mixtral = _transformers("MixtralConfig", "MixtralForCausalLM", TEXT, **SMALL,
+                         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                         use_cache=False)
+_vit = _transformers("ViTConfig", "ViTForImageClassification", IMAGE, image_size=16, patch_size=4,
+                     hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_labels=5, **NO_DROPOUT)
+_resnet = _transformers("ResNetConfig", "ResNetForImageClassification", IMAGE, embedding_size=8,
+                        hidden_sizes=[8, 16], depths=[1, 1], num_labels=5, layer_type="basic")
 
 
 def _seq_batch(vocab: int, seq: int, classes: int):

@@ -56,14 +56,21 @@ def distributed_grads(rank, world, cases, make_strategy=one_d_strategy):
         strategy = make_strategy(graph, strategy_name, world, k)
         if strategy is None:
             continue
-        program = lower(graph, strategy, world, k, name)
-        ex = Executor(graph, strategy, program, dict(model.named_parameters()),
-                      buffers=dict(model.named_buffers()))
-        inputs = dict(zip([n.source for n in graph.user_inputs], batch_of(spec)))
-        loss = ex.step(inputs, update=False)
-        grads = {graph.node(p).source: ex.full(p, g) for p, g in ex.grads.items()}
-        out[(name, strategy_name, k)] = (float(loss), grads, str(strategy))
+        out[(name, strategy_name, k)] = one_step(model, graph, strategy, world, k, name,
+                                                 batch_of(spec))
     return out
+
+
+def one_step(model, graph, strategy, world: int, k: int, name: str, batch):
+    """(loss, whole gradients by parameter name, the strategy as text) after one step of the
+    executor without update, on this rank."""
+    program = lower(graph, strategy, world, k, name)
+    ex = Executor(graph, strategy, program, dict(model.named_parameters(remove_duplicate=False)),
+                  buffers=dict(model.named_buffers()))
+    inputs = dict(zip([n.source for n in graph.user_inputs], batch))
+    loss = ex.step(inputs, update=False)
+    grads = {graph.node(p).source: ex.full(p, g) for p, g in ex.grads.items()}
+    return float(loss), grads, str(strategy)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor, scale: float = 0.0) -> float:

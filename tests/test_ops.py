@@ -102,7 +102,7 @@ def test_options_come_from_the_overlay_then_dtensor_then_replication():
     nobody covers (a user's custom op) runs replicated and is named as such."""
     graph = capture(Fn(lambda x: torch.flip(x, [0]).sum() + torch.ops.hidup_test.twice(x).sum()),
                     (torch.randn(4, 6),))
-    got = {n.op: (ops.source(n, n.in_metas(graph)), [str(o) for o in ops.options(n, n.in_metas(graph))])
+    got = {n.op: (ops.source(graph, n), [str(o) for o in ops.options(n, n.in_metas(graph))])
            for n in graph.ops}
     assert got["aten.flip.default"] == ("dtensor", ["(R) -> R", "(S(1)) -> S(1)", "(P) -> P"])
     assert got["hidup_test.twice.default"] == ("replicated", ["(R) -> R"])

@@ -5,14 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import run_ranks
-from test_equivalence import rel_err
+from test_equivalence import one_step, rel_err
 
 from hidup.graph.capture import capture
 from hidup.planning.costs import load_profile
 from hidup.planning.search import search
 from hidup.planning.strategy import fixed_strategy
-from hidup.program import lower
-from hidup.runtime.execute import Executor
 
 pytest.importorskip("transformers")
 from experiments.third_party import MODELS, build  # noqa: E402
@@ -28,8 +26,9 @@ def reference(name: str):
     model = build(name)
     loss = model(*batch(name))
     loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in
-                         model.named_parameters(remove_duplicate=False) if p.grad is not None}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)
+             if p.grad is not None}
+    return loss.item(), grads, sum(p.grad is not None for p in model.parameters())
 
 
 def strategy_of(graph, how: str, world: int, k: int):
@@ -45,29 +44,23 @@ def third_party_grads(rank, world, cases):
         model = build(name)
         graph = capture(model, batch(name, seed=0))
         strategy = strategy_of(graph, how, world, k)
-        program = lower(graph, strategy, world, k, name)
-        ex = Executor(graph, strategy, program,
-                      dict(model.named_parameters(remove_duplicate=False)),
-                      buffers=dict(model.named_buffers()))
-        inputs = dict(zip([n.source for n in graph.user_inputs], batch(name)))
-        loss = ex.step(inputs, update=False)
-        grads = {graph.node(p).source: ex.full(p, g) for p, g in ex.grads.items()}
-        out[(name, how, k)] = (float(loss), grads, str(strategy))
+        out[(name, how, k)] = one_step(model, graph, strategy, world, k, name, batch(name))
     return out
 
 
 def check(results, cases):
     refs = {name: reference(name) for name in {c[0] for c in cases}}
     for case in cases:
-        ref_loss, ref_grads = refs[case[0]]
+        ref_loss, ref_grads, n_tensors = refs[case[0]]
         scale = 1e-3 * max(float(g.norm()) for g in ref_grads.values())
         for rank_result in results:
             loss, grads, text = rank_result[case]
             assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (case, loss, ref_loss)
+            # one gradient per parameter tensor (tied weights under one of their names)
             assert set(grads) <= set(ref_grads), (case, set(grads) - set(ref_grads))
+            assert len(grads) == n_tensors, (case, len(grads), n_tensors)
             for pname, g in grads.items():
-                g, ref = g, ref_grads[pname]
-                err = rel_err(g, ref, scale)
+                err = rel_err(g, ref_grads[pname], scale)
                 assert err <= 1e-4, (case, pname, err)
 
 

@@ -46,6 +46,7 @@ def _dtensor():
     from torch.distributed.tensor import Partial as DPartial
     from torch.distributed.tensor import Replicate as DReplicate
     from torch.distributed.tensor import Shard as DShard
+    from torch.distributed.tensor._decompositions import DecompShardingStrategy
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.distributed.tensor._dtensor_spec import TensorMeta as DMeta
     from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
@@ -57,6 +58,7 @@ def _dtensor():
 
     api = Api()
     api.prop = DTensor._op_dispatcher.sharding_propagator
+    api.has_decomp = DecompShardingStrategy.has_decomp
     # a mesh of 2 with no process group: strategies depend on the mesh's shape, not its size;
     # made of real tensors even when first asked for inside a trace (the step's make_fx)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -72,9 +74,8 @@ def _dtensor():
 def covers(op) -> bool:
     """Does DTensor have any sharding strategy for this op (an OpOverload)?"""
     api = _dtensor()
-    from torch.distributed.tensor._decompositions import DecompShardingStrategy
     return (op in api.prop.op_single_dim_strategy_funcs or op in api.prop.op_strategy_funcs
-            or op in api.prop.op_to_rules or DecompShardingStrategy.has_decomp(op))
+            or op in api.prop.op_to_rules or api.has_decomp(op))
 
 
 def shape_arg(op) -> int | None:

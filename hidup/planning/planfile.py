@@ -8,8 +8,9 @@ import math
 from pathlib import Path
 
 from hidup.graph.capture import Graph
+from hidup.graph.ops import node_options
 from hidup.graph.placement import Partial, parse_option, parse_placement
-from hidup.planning.strategy import Strategy, fixed_strategy, node_options
+from hidup.planning.strategy import Strategy, fixed_strategy
 
 PLAN_FORMAT, PLAN_VERSION = "hidup-plan", 1
 

@@ -66,22 +66,13 @@ def splits_evenly(graph: Graph, tensor: str, p: Placement, n: int) -> bool:
     return not isinstance(p, Shard) or graph.node(tensor).out.shape[p.dim] % n == 0
 
 
-def node_options(graph: Graph, node: Node) -> tuple[ShardingOption, ...]:
-    """The node's sharding options (its op's rule, hidup.graph.ops), computed once per graph:
-    the search, the plan checks and the baselines ask for every node many times."""
-    cache = graph.__dict__.setdefault("_options", {})
-    if node.name not in cache:
-        cache[node.name] = tuple(ops.options(node, node.in_metas(graph)))
-    return cache[node.name]
-
-
 def fitting_options(graph: Graph, node: Node, n: int) -> tuple[ShardingOption, ...]:
     """The node's options whose every split divides evenly into n (once per graph and n)."""
     cache = graph.__dict__.setdefault("_fitting_options", {})
     key = node.name, n
     if key not in cache:
         cache[key] = tuple(
-            o for o in node_options(graph, node)
+            o for o in ops.node_options(graph, node)
             if splits_evenly(graph, node.name, o.output, n)
             and all(splits_evenly(graph, t, p, n) for t, p in zip(node.inputs, o.inputs)))
     return cache[key]

@@ -98,9 +98,11 @@ class Trainer:
         if optimizer_name is None:  # priced as what the factory makes (tried on a scalar)
             optimizer_name = kind_of(self._factories[0]([torch.zeros(1)])) or "adamw"
         program = lower(graph, strategy, self.world, k, name, optimizer=optimizer_name)
-        # on the run's device: NCCL broadcasts device tensors only
-        params = {n: p.detach().to(self.device, copy=True)
-                  for n, p in self._model.named_parameters(remove_duplicate=False)}
+        # on the run's device (NCCL broadcasts device tensors only), by the graph's names: tied
+        # weights (one tensor under two names) are one placeholder
+        named = dict(self._model.named_parameters(remove_duplicate=False))
+        params = {n.source: named[n.source].detach().to(self.device, copy=True)
+                  for n in graph.params}
         buffers = {n: b.detach().to(self.device, copy=True)
                    for n, b in self._model.named_buffers()}
         if self.world > 1:  # every rank starts from rank 0's weights, as DDP does
@@ -113,11 +115,9 @@ class Trainer:
         self._sources = {n.name: n.source for n in graph.params}
         self._inputs = [n.source for n in graph.user_inputs]
         self._buffers = [n.source for n in graph.nodes if n.kind == "buffer"]
-        # tied weights (one tensor under two names) are one placeholder in the captured graph
-        grads = {name: p.requires_grad
-                 for name, p in self._model.named_parameters(remove_duplicate=False)}
+        # frozen parameters are not updated, as in eager
         self._trainable = [shard for n, shard in zip(graph.params, self.executor.params.values())
-                           if grads[n.source]]  # frozen parameters are not updated, as in eager
+                           if named[n.source].requires_grad]
         make_optimizer, make_schedule = self._factories
         self.optimizer = make_optimizer(list(self._trainable))
         if not isinstance(self.optimizer, torch.optim.Optimizer):

@@ -2,4 +2,5 @@
 from hidup.graph.ops import (  # noqa: F401 (importing them registers their rules)
     conv, embedding, factory, gating, loss, matmul, pointwise, reduction, shape)
 from hidup.graph.ops.registry import (  # noqa: F401
-    LocalContext, local_callable, options, register, register_local, replicated_ops, source)
+    LocalContext, local_callable, node_options, options, register, register_local, replicated_ops,
+    source)

@@ -62,16 +62,16 @@ def local_loss(node, option, ctx):
     whole_target = ctx.whole(node.inputs[1]) if is_class and ctx.whole is not None else None
 
     def run(t):
+        total = node.target(*fill(tuple(args), t), **fill(kwargs, t))
         if whole_target is not None:  # the mean over the kept targets of the whole batch
-            kept = (whole_target != ignore).sum()
-            return node.target(*fill(tuple(args), t), **fill(kwargs, t)) / kept
+            return total / (whole_target != ignore).sum()
         if is_class:  # checked on the device, without a host sync
             torch._assert_async((t[1] != ignore).all(),
                                 f"node {node.name}: a target equals ignore_index={ignore}, and "
                                 f"the target depends on parameters, so the kept targets of the "
                                 f"whole batch cannot be counted; compute the target from the "
                                 f"inputs alone")
-        return node.target(*fill(tuple(args), t), **fill(kwargs, t)) / count
+        return total / count
 
     return run
 

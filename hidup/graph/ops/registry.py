@@ -47,19 +47,27 @@ def has_rule(op: str) -> bool:
     return op in _RULES
 
 
-def source(node: Node, in_metas: tuple[TensorMeta, ...]) -> str:
+def node_options(graph, node: Node) -> tuple[ShardingOption, ...]:
+    """`options` of a graph's node, computed once per graph: the search, the plan checks, the
+    baselines and the plan's description ask for every node many times."""
+    cache = graph.__dict__.setdefault("_options", {})
+    if node.name not in cache:
+        cache[node.name] = tuple(options(node, node.in_metas(graph)))
+    return cache[node.name]
+
+
+def source(graph, node: Node) -> str:
     """Where a node's options come from: 'overlay' (a rule here), 'dtensor' (DTensor's
     strategies, through hidup.graph.dtensor) or 'replicated' (nobody covers it: it runs whole
     on every rank)."""
     if node.op in _RULES:
         return "overlay"
-    found = dtensor.options(node, in_metas)
-    return "dtensor" if found is not None and len(found) > 1 else "replicated"
+    return "dtensor" if len(node_options(graph, node)) > 1 else "replicated"
 
 
 def replicated_ops(graph) -> list[Node]:
     """The graph's ops that neither an overlay rule nor DTensor covers: each runs replicated."""
-    return [n for n in graph.ops if source(n, n.in_metas(graph)) == "replicated"]
+    return [n for n in graph.ops if source(graph, n) == "replicated"]
 
 
 def options(node: Node, in_metas: tuple[TensorMeta, ...]) -> list[ShardingOption]:
