@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -22,6 +24,19 @@ def test_own_model_example_plans_predicts_and_learns():
     assert len(losses) == 4 and losses[-1] < losses[0] / 10, run.stdout  # it learns
 
 
-def test_the_readme_shows_the_example_as_it_is():
+def test_transformers_example_plans_and_learns():
+    pytest.importorskip("transformers")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          str(ROOT / "examples" / "transformers_model.py")], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "key ops tensor parallel" in run.stdout, run.stdout  # plan.describe()
+    losses = [float(x) for x in re.findall(r"step \d+: loss ([0-9.]+)", run.stdout)]
+    assert len(losses) == 4 and losses[-1] < 0.9 * losses[0], run.stdout  # it learns
+
+
+def test_the_readme_shows_the_examples_as_they_are():
     readme = (ROOT / "README.md").read_text()
-    assert (ROOT / "examples" / "own_model.py").read_text().rstrip() in readme
+    for example in ("own_model.py", "transformers_model.py"):
+        assert (ROOT / "examples" / example).read_text().rstrip() in readme, example

@@ -78,3 +78,20 @@ CASES_4 = [("gpt2", "megatron", 1), ("llama", "ddp", 1), ("llama", "megatron", 1
 def test_third_party_models_match_eager(world, cases):
     results = run_ranks(world, third_party_grads, cases)
     check(results, cases)
+
+
+def test_tied_weights_train_as_one_tensor():
+    """GPT-2 ties its embedding and output weights: torch.export gives each name a placeholder
+    but uses one. After a step, both names hold the trained value, which eager SGD gives."""
+    import hidup
+
+    model, eager = build("gpt2"), build("gpt2")
+    plan = hidup.plan(model, batch("gpt2"), cluster="cpu-gloo-loopback", gpus=1, optimizer="sgd")
+    trainer = hidup.parallelize(model, plan, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5))
+    trainer.step(*batch("gpt2"))
+    state = trainer.full_state_dict()
+    eager(*batch("gpt2")).backward()
+    torch.optim.SGD(eager.parameters(), lr=0.5).step()
+    want = eager.model.lm_head.weight.detach()
+    for name in ("model.transformer.wte.weight", "model.lm_head.weight"):
+        assert torch.allclose(state[name], want, rtol=0, atol=1e-6), name

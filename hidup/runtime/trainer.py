@@ -113,6 +113,7 @@ class Trainer:
                                  buffers=buffers, rank=self.rank, autocast=self._autocast,
                                  mode=self._mode)
         self._sources = {n.name: n.source for n in graph.params}
+        self._tied = _tied_aliases(graph, named)
         self._inputs = [n.source for n in graph.user_inputs]
         self._buffers = [n.source for n in graph.nodes if n.kind == "buffer"]
         # frozen parameters are not updated, as in eager
@@ -263,6 +264,8 @@ class Trainer:
         for node, shard in self.executor.params.items():
             whole = self.executor.full(node, shard)
             out[self._sources[node]] = whole.detach().cpu().clone()
+        for alias, used in self._tied.items():  # one tensor in the module: the trained value
+            out[alias] = out[used]
         for source, buf in zip(self._buffers, self.executor.buffers):
             if source in self._model_keys:
                 out[source] = buf.detach().cpu().clone()
@@ -424,6 +427,20 @@ def _check_optimizer(optimizer, strategy, graph, planned: str) -> None:
     if kind and kind != planned:
         log.warning("the plan was priced for optimizer %s, this one is %s: its predicted memory "
                     "and update time assumed %s", planned, name, planned)
+
+
+def _tied_aliases(graph, named: dict[str, torch.nn.Parameter]) -> dict[str, str]:
+    """Tied weights (one tensor under several names): torch.export gives each name a placeholder
+    but routes every use through one. {unused name: the name that is used}."""
+    used = {n.source for n in graph.params if graph.consumers(n.name)}
+    names_of: dict[int, list[str]] = {}
+    for name, p in named.items():
+        names_of.setdefault(id(p), []).append(name)
+    aliases = {}
+    for names in names_of.values():
+        users = [n for n in names if n in used]
+        aliases.update({n: users[0] for n in names if users and n not in used})
+    return aliases
 
 
 def _elementwise(value, shard: torch.Tensor) -> bool:
