@@ -206,7 +206,7 @@ def test_frozen_parameters_stay_as_in_eager():
     assert torch.equal(full["norm.weight"], torch.ones(16))
 
 
-def test_what_the_trainer_cannot_do_is_one_line():
+def test_what_the_trainer_cannot_do_is_one_line_and_tied_weights_train():
     from hidup.planning.strategy import fixed_strategy
     from hidup.runtime import trainer as trainer_module
 
@@ -215,8 +215,10 @@ def test_what_the_trainer_cannot_do_is_one_line():
             super().__init__()
             self.head.weight = self.emb.weight
 
-    with pytest.raises(ValueError, match=r"^parameters emb.weight and head.weight are one tensor"):
-        hidup.parallelize(Tied(), "ddp", optimizer=adamw)
+    tied = hidup.parallelize(Tied(), "ddp", optimizer=adamw, example_inputs=batches()[0])
+    tied.step(*batches()[0])  # tied weights train as one tensor: both names hold its value
+    state = tied.full_state_dict()
+    assert torch.equal(state["emb.weight"], state["head.weight"])
     trainer = hidup.parallelize(TinyLM(), "ddp", optimizer=adamw, example_inputs=batches()[0])
     short = tuple(x[:7] for x in batches()[0])
     with pytest.raises(ValueError, match=r"planned for: tokens int64\[8,6\], targets int64\[8,6\]; "

@@ -1,7 +1,7 @@
 """A user's own model for `python -m hidup.train --model tests.user_model:make` (not in HiDup's
 zoo): a factory of no arguments returning (module, inputs), where module(*batch) is the loss and
-inputs(batch_size, generator) the global batch. `flipped` uses an op HiDup has no sharding rule
-for (aten.flip); `not_a_pair` returns something else than (module, inputs)."""
+inputs(batch_size, generator) the global batch. `flipped` uses an op HiDup has no rule of its own
+for (aten.flip: DTensor's strategy covers it); `not_a_pair` returns something else than (module, inputs)."""
 from __future__ import annotations
 
 import torch
