@@ -2,6 +2,8 @@
 equal to single-device eager PyTorch: loss and every gradient, on gloo ranks."""
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from conftest import run_ranks
@@ -10,7 +12,8 @@ from test_equivalence import one_step, rel_err
 from hidup.graph.capture import capture
 from hidup.planning.costs import load_profile
 from hidup.planning.search import search
-from hidup.planning.strategy import fixed_strategy
+from hidup.planning.strategy import NoMicroBatches, fixed_strategy, microbatch_split, \
+    random_strategy
 
 pytest.importorskip("transformers")
 from experiments.third_party import MODELS, build  # noqa: E402
@@ -28,33 +31,40 @@ def reference(name: str):
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)
              if p.grad is not None}
-    return loss.item(), grads, sum(p.grad is not None for p in model.parameters())
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    return loss.item(), grads, sum(p.grad is not None for p in model.parameters()), buffers
 
 
 def strategy_of(graph, how: str, world: int, k: int):
     if how == "search":
         return search(graph, world, load_profile("v100-8x8-10gbps"), k).strategy
+    if how == "random":  # any option of any op, DTensor's included
+        return random_strategy(graph, world, random.Random(f"{graph.fingerprint}{world}"))
     return fixed_strategy(how, graph, world)
 
 
 def third_party_grads(rank, world, cases):
-    """{case: (loss, whole gradients, strategy text)} after one step of each case."""
+    """{case: (loss, whole gradients, strategy text, buffers)} after one step of each case (the
+    executor writes forward's buffer updates into the model's own buffers, as eager does)."""
     out = {}
     for name, how, k in cases:
         model = build(name)
         graph = capture(model, batch(name, seed=0))
         strategy = strategy_of(graph, how, world, k)
-        out[(name, how, k)] = one_step(model, graph, strategy, world, k, name, batch(name))
+        result = one_step(model, graph, strategy, world, k, name, batch(name))
+        out[(name, how, k)] = result + ({n: b.clone() for n, b in model.named_buffers()},)
     return out
 
 
 def check(results, cases):
     refs = {name: reference(name) for name in {c[0] for c in cases}}
     for case in cases:
-        ref_loss, ref_grads, n_tensors = refs[case[0]]
+        ref_loss, ref_grads, n_tensors, ref_buffers = refs[case[0]]
         scale = 1e-3 * max(float(g.norm()) for g in ref_grads.values())
         for rank_result in results:
-            loss, grads, text = rank_result[case]
+            loss, grads, text, buffers = rank_result[case]
+            for bname, b in ref_buffers.items():  # BatchNorm's running statistics, counters
+                assert rel_err(buffers[bname].double(), b.double()) <= 1e-5, (case, bname)
             assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (case, loss, ref_loss)
             # one gradient per parameter tensor (tied weights under one of their names)
             assert set(grads) <= set(ref_grads), (case, set(grads) - set(ref_grads))
@@ -64,13 +74,16 @@ def check(results, cases):
                 assert err <= 1e-4, (case, pname, err)
 
 
-# Duplex (k = 2) where the batch splits into micro-batches; GPT-2's and Llama's attention masks
-# index a whole tensor by batch position, which the micro-batch split does not slice (yet)
-CASES = [(m, how, 1) for m in ("gpt2", "llama", "bert", "vit") for how in ("ddp", "megatron")]
-CASES += [(m, how, 2) for m in ("bert", "vit") for how in ("ddp", "megatron", "search")]
-CASES += [(m, "search", 1) for m in ("gpt2", "llama")]
-CASES_4 = [("gpt2", "megatron", 1), ("llama", "ddp", 1), ("llama", "megatron", 1),
-           ("bert", "search", 2), ("vit", "megatron", 2), ("bert", "ddp", 2)]
+# Duplex (k = 2) wherever the batch splits into micro-batches: not for ResNet (BatchNorm's
+# statistics are the whole batch's, so no micro-batch can go on before all are seen) nor Mixtral
+# (its router sorts every token of the batch together); test_microbatch_refusals checks both
+CASES = [(m, how, 1) for m in MODELS for how in ("ddp", "megatron")]
+CASES += [(m, "search", 1) for m in ("mixtral", "resnet")]
+CASES += [(m, how, 2) for m in ("gpt2", "llama", "bert", "vit")
+          for how in ("ddp", "megatron", "search", "random")]
+CASES_4 = [("gpt2", "megatron", 2), ("llama", "ddp", 2), ("llama", "random", 1),
+           ("bert", "search", 2), ("vit", "megatron", 2), ("mixtral", "megatron", 1),
+           ("mixtral", "ddp", 1), ("resnet", "ddp", 1), ("resnet", "search", 1)]
 
 
 @pytest.mark.slow
@@ -95,3 +108,16 @@ def test_tied_weights_train_as_one_tensor():
     want = eager.model.lm_head.weight.detach()
     for name in ("model.transformer.wte.weight", "model.lm_head.weight"):
         assert torch.allclose(state[name], want, rtol=0, atol=1e-6), name
+
+
+@pytest.mark.parametrize("name, why", [("resnet", "running statistics"), ("mixtral", "sort")])
+def test_microbatch_refusals(name, why):
+    """Where an op needs the whole batch at once, the micro-batch split says which, and
+    hidup.plan falls back to plain SPMD (one micro-batch) with a note that says so."""
+    import hidup
+
+    graph = capture(build(name), batch(name))
+    with pytest.raises(NoMicroBatches, match=why):
+        microbatch_split(graph, 2)
+    plan = hidup.plan(build(name), batch(name), cluster="cpu-gloo-loopback", gpus=2)
+    assert plan.micro_batches == 1 and "no Duplex" in plan.describe(), plan.describe()

@@ -16,6 +16,7 @@ import torch
 from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
+from hidup.graph.decompose import decompose
 from hidup.graph.flops import forward_flops
 
 
@@ -85,6 +86,9 @@ class Graph:
     nodes: tuple[Node, ...]
     loss: str
     fingerprint: str
+    # (buffer, op): forward writes the op's value into the buffer (BatchNorm's running statistics,
+    # counters), as eager's in-place ops do; the step writes it back
+    updates: tuple[tuple[str, str], ...] = ()
     _index: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -140,6 +144,11 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Graph:
                for spec in exported.graph_signature.input_specs}
     nodes: list[Node] = []
     loss = None
+    try:
+        written = decompose(exported.graph)
+    except ValueError as exc:
+        raise CaptureError(str(exc)) from exc
+    writes = {node: buf for buf, node in written.items()}  # fx node -> the buffer it updates
     latest: dict[str, str] = {}  # a tensor an in-place op wrote -> the node holding its new value
     for fx_node in exported.graph.nodes:
         try:
@@ -151,9 +160,9 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Graph:
                 node = _broadcast_item(fx_node) or _item(fx_node, latest) or \
                     _op_node(fx_node, latest=latest)
                 nodes.append(node)
-                written = _written(fx_node)
-                if written is not None:
-                    latest[written] = node.name
+                target = _written(fx_node) or writes.get(fx_node)
+                if target is not None:
+                    latest[target] = node.name
             elif fx_node.op == "output":
                 loss = latest.get(_loss_name(fx_node), _loss_name(fx_node))
         except CaptureError:
@@ -161,7 +170,9 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Graph:
         except Exception as exc:
             raise CaptureError(f"node {fx_node.name} ({fx_node.target}): {exc}") from exc
     nodes = _keep_row_dims(nodes)
-    return Graph(tuple(nodes), loss, _fingerprint(nodes))
+    updates = tuple((n.name, latest[n.name]) for n in nodes
+                    if n.kind == "buffer" and n.name in latest)
+    return Graph(tuple(nodes), loss, _fingerprint(nodes), updates)
 
 
 def _meta(fx_node) -> TensorMeta:

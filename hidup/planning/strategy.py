@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from hidup.graph import ops
 from hidup.graph.capture import Graph, Node
-from hidup.graph.placement import R, Partial, Placement, Replicate, Shard, ShardingOption
+from hidup.graph.placement import P, R, Partial, Placement, Replicate, Shard, ShardingOption
 
 
 @dataclass(frozen=True)
@@ -193,9 +193,17 @@ def microbatch_split(graph: Graph, k: int, batch_dim: int = 0, machines: int = 1
             raise ValueError(f"input {n.name}: batch of {n.out.shape[batch_dim]} (dim {batch_dim} of "
                              f"{n.out.shape}) does not split into {what}; choose a "
                              f"batch divisible by {parts}")
+    batch = _from_batch(graph)
+    for buffer, node in graph.updates if parts > 1 else ():
+        if node in batch:
+            raise NoMicroBatches(
+                f"the batch cannot be split into {what}: buffer {graph.node(buffer).source} "
+                f"takes a value ({node}) computed from the whole batch, as BatchNorm's running "
+                f"statistics are")
     cache = graph.__dict__.setdefault("_microbatch_splits", {})  # the search lowers dozens
     if (batch_dim, parts) not in cache:
         keep: set[str] = set()  # ops that must keep whole what is made of whole tensors
+        first = None
         while (batch_dim, parts) not in cache:
             try:
                 # one part: a slice of a whole tensor is the identity (read where it is whole)
@@ -204,11 +212,35 @@ def microbatch_split(graph: Graph, k: int, batch_dim: int = 0, machines: int = 1
                                                     allowed={"slice"} if parts == 1 else set(),
                                                     keep_whole=keep)
             except Unreachable as exc:
-                if not exc.origins - keep:
-                    raise NoMicroBatches(f"the batch cannot be split into micro-batches: {exc}") \
-                        from exc
-                keep |= exc.origins
+                if exc.origins - keep:
+                    keep |= exc.origins
+                elif parts == 1:  # nothing to split: each op sees the whole batch
+                    cache[batch_dim, parts] = _one_part(graph)
+                else:  # the first op that could not take a micro-batch: repairs did not help
+                    raise NoMicroBatches(f"the batch cannot be split into micro-batches: "
+                                         f"{first or exc}") from exc
+                first = first or exc
     return cache[batch_dim, parts]
+
+
+def _from_batch(graph: Graph) -> set[str]:
+    """The tensors computed from the user inputs."""
+    found = {n.name for n in graph.user_inputs}
+    for node in graph.ops:
+        if any(t in found for t in node.inputs):
+            found.add(node.name)
+    return found
+
+
+def _one_part(graph: Graph) -> Strategy:
+    """The micro-batch split of one part where ops cannot keep a split: every tensor made from
+    the batch is held per micro-batch (as P, a sum over the one part: the whole value), the rest
+    once per step (R)."""
+    per = _from_batch(graph)
+    options = {node.name: ShardingOption(tuple(P if t in per else R for t in node.inputs),
+                                         P if node.name in per else R) for node in graph.ops}
+    return Strategy("micro-batches", {n.name: P if n.name in per else R for n in graph.nodes
+                                      if n.kind != "op"}, options)
 
 
 def random_strategy(graph: Graph, world: int, rng, divide: int | None = None) -> Strategy:

@@ -59,6 +59,8 @@ class Lowering:
         for node in graph.ops:
             for i, (t, p) in enumerate(zip(node.inputs, strategy.options[node.name].inputs)):
                 self.uses[t].append((node, i, p))
+        for _, t in graph.updates:  # the value written into a buffer: whole on every rank
+            self.uses[t].append((None, 0, R))
         self._grad_analysis()
 
     # -- shapes and micro-batches -------------------------------------------------------------
@@ -371,7 +373,8 @@ class Lowering:
         self.update()
         return Program(self.model, self.g.fingerprint, self.s.name, self.ranks, self.k,
                        tuple(self.tasks), tuple(loss_keys), final, self.optimizer.name,
-                       self.machines)
+                       self.machines, {buffer: vkey(t, R, self.in_mb(t, 0))
+                                       for buffer, t in self.g.updates})
 
 
 def lower(graph: Graph, strategy: Strategy, world: int, k: int = 1, model: str = "",

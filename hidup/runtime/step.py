@@ -80,6 +80,9 @@ class _TaskRunner:
                 continue
             with fx_traceback.annotate({"task": task.id}):
                 self.run_task(task, params, lr)
+        for node, buf in zip((n for n in self.g.nodes if n.kind == "buffer"), buffers):
+            if node.name in self.p.buffer_updates:  # as eager's in-place update of the buffer
+                buf.copy_(self.env[self.p.buffer_updates[node.name]])
         loss = self.env[self.p.loss_keys[0]]
         for key in self.p.loss_keys[1:]:
             loss = loss + self.env[key]
@@ -131,8 +134,9 @@ class _TaskRunner:
     # -- compute ----------------------------------------------------------------------------
     def forward(self, task: Compute) -> None:
         node = self.g.node(task.node)
-        leaves = [x.detach().requires_grad_(True) if x.is_floating_point() else x
-                  for x in (self.env[key] for key in task.inputs)]
+        differentiated = (task.node, task.mb) in self.backward_of
+        leaves = [x.detach().requires_grad_(True) if differentiated and x.is_floating_point()
+                  else x for x in (self.env[key] for key in task.inputs)]
         with torch.enable_grad(), self.autocast():
             out = self.callable(task, node)(leaves)
         if self.spec.autocast is not None and out.is_floating_point():
