@@ -60,3 +60,67 @@ def test_multi_output_op_is_one_node_per_output():
     graph = capture(TopK(), (torch.randn(3, 5),))
     items = [n for n in graph.ops if n.op == "aten.topk.default"]
     assert [(n.out_index, n.out.dtype) for n in items] == [(0, "float32"), (1, "int64")]
+
+
+class _Normed(torch.nn.Module):
+    def __init__(self, momentum=0.1):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.bn = torch.nn.BatchNorm2d(4, momentum=momentum)
+
+    def forward(self, x):
+        return self.bn(self.conv(x)).square().mean()
+
+
+def test_batch_norm_runs_as_its_statistics_and_writes_its_buffers():
+    """A training BatchNorm becomes means over the batch (which a split batch all-reduces) and
+    new running statistics and counter that the step writes back (Graph.updates)."""
+    from hidup.graph.ops import node_options
+    from hidup.graph.placement import Partial, Shard
+
+    model = _Normed().train()
+    graph = capture(model, (torch.randn(4, 3, 6, 6),))
+    assert not any("batch_norm" in n.op for n in graph.ops)
+    written = {graph.node(b).source for b, _ in graph.updates}
+    assert written == {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
+    stats = [n for n in graph.ops if n.op == "aten.mean.dim" and n.out.shape == (1, 4, 1, 1)]
+    assert len(stats) == 2
+    assert all(any(o.inputs == (Shard(0),) and isinstance(o.output, Partial)
+                   for o in node_options(graph, n)) for n in stats)
+    with pytest.raises(CaptureError):  # a momentum read from a counter: refused, not run wrong
+        capture(_Normed(momentum=None).train(), (torch.randn(4, 3, 6, 6),))
+
+
+class _Gathered(torch.nn.Module):
+    """x[arange(b)[:, None, None], arange(s)[None, :, None], index[None, None, :]]."""
+
+    def __init__(self, flip: bool):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(5))
+        self.flip = flip
+
+    def forward(self, x):
+        b, s, n = x.shape
+        index = torch.arange(n).flip(0) if self.flip else torch.arange(n)
+        picked = x[torch.arange(b)[:, None, None], torch.arange(s)[None, :, None],
+                   index[None, None, :]]
+        return (picked * self.w[: picked.shape[-1]]).sum()
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_index_by_aranges_is_a_view(flip):
+    """Indexing each dim by a constant arange along it is a view (which a split batch can take of
+    its own part); any other constant index stays an index. Both give eager's values."""
+    from hidup.graph.ops import LocalContext, local_callable
+    from hidup.graph.ops.registry import replicated
+
+    model, x = _Gathered(flip), torch.randn(2, 3, 5)
+    graph = capture(model, (x,))
+    assert any(n.op == "aten.index.Tensor" for n in graph.ops) == flip
+    values = {graph.user_inputs[0].name: x, graph.params[0].name: model.w.detach()}
+    for node in graph.ops:  # run the graph's ops whole, as one rank would
+        shapes = tuple(m.shape for m in node.in_metas(graph))
+        ctx = LocalContext(0, 1, shapes, node.out.shape, node.out.shape, shapes, True)
+        fn = local_callable(node, replicated(len(node.inputs)), ctx)
+        values[node.name] = fn([values[t] for t in node.inputs])
+    assert torch.allclose(values[graph.loss], model(x).detach())

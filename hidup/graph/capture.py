@@ -136,6 +136,9 @@ _KIND = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer", InputKind.USE
 
 def capture(model: torch.nn.Module, example_inputs: tuple) -> Graph:
     """Export `model(*example_inputs)` (which must return a scalar loss) to a Graph."""
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):  # no weights: no data
+        example_inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x
+                               for x in example_inputs)
     try:
         exported = torch.export.export(model, tuple(example_inputs))
     except Exception as exc:  # torch.export names the failing op in its own message

@@ -33,7 +33,7 @@ class Executor:
                  device: torch.device | str = "cpu", group=None,
                  buffers: dict[str, torch.Tensor] | None = None, rank: int | None = None,
                  autocast: torch.dtype | None = None, mode: str = "graph",
-                 local_collectives: bool = False):
+                 local_collectives: bool = False, local: bool = False):
         _check(program, mode, torch.device(device))
         self.g, self.s, self.p = graph, strategy, program
         self.world, self.k, self.device, self.mode = program.world, program.k, torch.device(device), mode
@@ -43,11 +43,11 @@ class Executor:
                              "and columns are made from it); leave group out")
         self.per_machine = program.mesh[1]  # what the placements split over
         self.params = {}  # param node name -> this rank's shard (updated in place by the step)
-        for node in graph.params:
-            full = params[node.source].detach().to(self.device)
-            self.params[node.name] = shard_of(full, strategy.home(node.name), None, 1, None,
-                                              self.rank % self.per_machine,
-                                              self.per_machine).clone()
+        for node in graph.params:  # `params` whole, or with `local` this rank's shards already
+            given = params[node.source].detach().to(self.device)
+            self.params[node.name] = given if local else shard_of(
+                given, strategy.home(node.name), None, 1, None, self.rank % self.per_machine,
+                self.per_machine).clone()
         buffers = buffers or {}
         missing = [n.source for n in graph.nodes if n.kind == "buffer" and n.source not in buffers]
         if missing:

@@ -29,6 +29,7 @@ from hidup.planning.planfile import PlanError, check
 from hidup.planning.strategy import fixed_strategy
 from hidup.program import lower
 from hidup.runtime.execute import Executor
+from hidup.runtime.materialize import is_meta, local_weights
 from hidup.runtime.step import shard_of
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,8 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, plan, optimizer: Callable, lr_scheduler=None,
                  compile: bool = False, device: torch.device | str | None = None,
                  micro_batches: int | None = None, autocast: torch.dtype | None = None,
-                 cuda_graphs: bool = False, example_inputs: tuple | None = None):
+                 cuda_graphs: bool = False, example_inputs: tuple | None = None,
+                 state_dict: dict | None = None):
         from hidup.api import Plan
         from hidup.api import example_inputs as zeros_like_inputs
 
@@ -68,6 +70,7 @@ class Trainer:
         self._mode = "cuda-graphs" if cuda_graphs else "compile" if compile else "graph"
         self._autocast = autocast
         self._model = model
+        self._state_dict = state_dict
         # JSON-able values of the caller's own (e.g. hidup.train's losses and random state),
         # saved in the state's "extra" and restored by load_state_dict
         self.extra_state: dict = {}
@@ -101,17 +104,23 @@ class Trainer:
         # on the run's device (NCCL broadcasts device tensors only), by the graph's names: tied
         # weights (one tensor under two names) are one placeholder
         named = dict(self._model.named_parameters(remove_duplicate=False))
-        params = {n.source: named[n.source].detach().to(self.device, copy=True)
-                  for n in graph.params}
-        buffers = {n: b.detach().to(self.device, copy=True)
-                   for n, b in self._model.named_buffers()}
-        if self.world > 1:  # every rank starts from rank 0's weights, as DDP does
-            for t in [*params.values(), *buffers.values()]:
-                dist.broadcast(t, 0)
+        local = self._state_dict is not None or is_meta(self._model)
+        if local:  # this rank's shards only, never the whole model
+            params, buffers = local_weights(self._model, graph, strategy, self.rank,
+                                            program.mesh[1], self.device, self._state_dict)
+        else:
+            params = {n.source: named[n.source].detach().to(self.device, copy=True)
+                      for n in graph.params}
+            buffers = {n: b.detach().to(self.device, copy=True)
+                       for n, b in self._model.named_buffers()}
+            if self.world > 1:  # every rank starts from rank 0's weights, as DDP does
+                for t in [*params.values(), *buffers.values()]:
+                    dist.broadcast(t, 0)
+        self._state_dict = None
         self.graph, self.strategy, self.program = graph, strategy, program
         self.executor = Executor(graph, strategy, program, params, 0.0, self.device,
                                  buffers=buffers, rank=self.rank, autocast=self._autocast,
-                                 mode=self._mode)
+                                 mode=self._mode, local=local)
         self._sources = {n.name: n.source for n in graph.params}
         self._tied = _tied_aliases(graph, named)
         self._inputs = [n.source for n in graph.user_inputs]
@@ -343,7 +352,8 @@ def parallelize(model: torch.nn.Module, plan, *, optimizer: Callable,
                 lr_scheduler: Callable | None = None, compile: bool = False,
                 device: torch.device | str | None = None,
                 micro_batches: int | None = None, autocast: torch.dtype | None = None,
-                cuda_graphs: bool = False, example_inputs: tuple | None = None) -> Trainer:
+                cuda_graphs: bool = False, example_inputs: tuple | None = None,
+                state_dict: dict | None = None) -> Trainer:
     """Run `plan` (a hidup.Plan, or "ddp" / "megatron" / "expert") for `model` on this rank (under
     torchrun with the process group initialized, or alone): returns the Trainer.
 
@@ -356,9 +366,15 @@ def parallelize(model: torch.nn.Module, plan, *, optimizer: Callable,
     a dtype such as torch.bfloat16 runs each op under torch.autocast (weights, gradients and
     communication stay in their own dtype). example_inputs (a global batch) lets a fixed
     strategy build at once instead of at the first step (a checkpoint can then be loaded before
-    any step). Parameters with requires_grad False are not updated."""
+    any step). Parameters with requires_grad False are not updated.
+
+    A model built under `torch.device("meta")` (no storage) is planned and run without its
+    whole weights on any rank: each rank makes its own shards, module by module, with the
+    module's reset_parameters() or the enclosing model's _init_weights(module) (all ranks draw
+    rank 0's random numbers); or, with state_dict (whole tensors by the module's names, e.g.
+    read from a file), each rank cuts its shards out of it."""
     return Trainer(model, plan, optimizer, lr_scheduler, compile, device, micro_batches,
-                   autocast, cuda_graphs, example_inputs)
+                   autocast, cuda_graphs, example_inputs, state_dict)
 
 
 @contextlib.contextmanager
