@@ -1,0 +1,99 @@
+"""Planning full-size models built on the meta device (no weights allocated): a Llama-3-8B-shaped
+and a Mixtral-8x7B-shaped `transformers` model on 64 GPUs of `v100-8x8-10gbps`. Prints, per
+model, the time to build it, to capture it (torch.export), the whole `hidup.plan` (capture,
+search, and the simulated comparison with the fixed strategies), the planning process's peak
+memory, and the plan (or why none fits). Each model is planned in a process of its own, so that
+the peak memory is its own.
+
+    python -m experiments.meta_planning [--models llama3-8b,mixtral-8x7b] [--gpus 64]
+
+`transformers` is a test dependency (the dev extra): `pip install -e ".[dev]"`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+# transformers config class, model class, settings: the published shapes
+MODELS = {
+    "llama3-8b": ("LlamaConfig", "LlamaForCausalLM", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+        rope_theta=500000.0, use_cache=False)),
+    "mixtral-8x7b": ("MixtralConfig", "MixtralForCausalLM", dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+        num_experts_per_tok=2, max_position_embeddings=32768, use_cache=False)),
+}
+
+
+def plan_one(name: str, gpus: int, batch: int, seq: int, cluster: str) -> dict:
+    """Build `name` on the meta device and plan it; the timings and the outcome."""
+    import torch
+    import transformers
+
+    import hidup
+    from experiments.third_party import WithLoss
+    from hidup.graph.capture import capture
+
+    config, model_class, settings = MODELS[name]
+    start = time.perf_counter()
+    with torch.device("meta"):
+        model = WithLoss(getattr(transformers, model_class)(
+            getattr(transformers, config)(**settings)), ("input_ids", "labels"))
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    row = {"model": name, "params (B)": sum(p.numel() for p in model.parameters()) / 1e9,
+           "build s": time.perf_counter() - start}
+    start = time.perf_counter()
+    graph = capture(model, (ids, ids))
+    row["capture s"], row["ops"] = time.perf_counter() - start, len(graph.ops)
+    start = time.perf_counter()
+    try:
+        plan = hidup.plan(model, (ids, ids), cluster=cluster, gpus=gpus, optimizer="sgd")
+        row["plan"] = plan.describe()
+    except ValueError as exc:
+        row["plan"] = f"none: {exc}"
+    row["plan s"] = time.perf_counter() - start
+    row["peak GiB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.meta_planning",
+                                description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("--models", default=",".join(MODELS),
+                   help=f"comma-separated, from {', '.join(MODELS)} (default: all)")
+    p.add_argument("--gpus", type=int, default=64, help="GPUs to plan for (default 64)")
+    p.add_argument("--batch", type=int, default=128, help="global batch, sequences (default 128)")
+    p.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
+    p.add_argument("--cluster", default="v100-8x8-10gbps",
+                   help="cluster profile (default v100-8x8-10gbps)")
+    p.add_argument("--one", help=argparse.SUPPRESS)  # the child process: plan this model only
+    args = p.parse_args(argv)
+    if args.one:
+        print(json.dumps(plan_one(args.one, args.gpus, args.batch, args.seq, args.cluster)))
+        return 0
+    for name in args.models.split(","):
+        if name not in MODELS:
+            p.error(f"model {name!r}: choose from {', '.join(MODELS)}")
+        out = subprocess.run([sys.executable, "-m", "experiments.meta_planning", "--one", name,
+                              "--gpus", str(args.gpus), "--batch", str(args.batch),
+                              "--seq", str(args.seq), "--cluster", args.cluster],
+                             capture_output=True, text=True)
+        if out.returncode:
+            print(f"{name}: failed\n{out.stderr[-2000:]}")
+            continue
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"{name}: {row['params (B)']:.2f} B parameters, {row['ops']} ops; build "
+              f"{row['build s']:.2f} s, capture {row['capture s']:.2f} s, hidup.plan "
+              f"{row['plan s']:.2f} s (capture included), peak memory {row['peak GiB']:.2f} GiB")
+        print(f"  plan: {row['plan']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
