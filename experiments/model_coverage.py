@@ -5,6 +5,7 @@ options come from (an overlay rule, DTensor's strategies, or none: replicated), 
 single-device training (loss and every gradient).
 
     python -m experiments.model_coverage [--models gpt2,llama] [--gpus 2]
+    python -m experiments.model_coverage --models Qwen2Config:Qwen2ForCausalLM
 """
 from __future__ import annotations
 
@@ -32,18 +33,19 @@ CLUSTER = "cpu-gloo-loopback"
 def _rank(rank: int, world: int, store: str, name: str, out: str) -> None:
     """One rank: plan the model, train one SGD step (lr LR), save the loss and the whole
     parameters."""
-    from experiments.third_party import MODELS, build
+    from experiments.third_party import build, model_spec
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         model = build(name)
-        batch = MODELS[name].batch(BATCH, torch.Generator().manual_seed(1))
+        batch = model_spec(name).batch(BATCH, torch.Generator().manual_seed(1))
         plan = hidup.plan(model, batch, cluster=CLUSTER, gpus=world, optimizer="sgd")
         trainer = hidup.parallelize(model, plan, optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
         loss = float(trainer.step(*batch))
+        whole = trainer.full_state_dict()  # every rank: it gathers the shards
         if rank == 0:
-            torch.save((loss, trainer.full_state_dict()), out)
+            torch.save((loss, whole), out)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -52,11 +54,11 @@ def _rank(rank: int, world: int, store: str, name: str, out: str) -> None:
 def equals_eager(name: str, world: int) -> tuple[bool, str]:
     """Train one step of the searched plan on `world` ranks; compare loss and update (minus the
     gradient) with eager PyTorch's."""
-    from experiments.third_party import MODELS, build
+    from experiments.third_party import build, model_spec
 
     eager = build(name)
     before = {n: p.detach().clone() for n, p in eager.named_parameters(remove_duplicate=False)}
-    ref = eager(*MODELS[name].batch(BATCH, torch.Generator().manual_seed(1)))
+    ref = eager(*model_spec(name).batch(BATCH, torch.Generator().manual_seed(1)))
     ref.backward()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.pt")
@@ -76,10 +78,10 @@ def equals_eager(name: str, world: int) -> tuple[bool, str]:
 
 
 def coverage(name: str, world: int) -> dict:
-    from experiments.third_party import MODELS, build
+    from experiments.third_party import build, model_spec
 
     model = build(name)
-    batch = MODELS[name].batch(BATCH, torch.Generator().manual_seed(1))
+    batch = model_spec(name).batch(BATCH, torch.Generator().manual_seed(1))
     row = {"model": name}
     try:
         graph = capture(model, batch)
@@ -92,7 +94,11 @@ def coverage(name: str, world: int) -> dict:
     except Exception as exc:  # a row that says what failed, and the table goes on
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         return row
-    row["equal"], row["detail"] = equals_eager(name, world)
+    try:
+        row["equal"], row["detail"] = equals_eager(name, world)
+    except Exception as exc:  # training failed on a rank: the row says how
+        row["equal"] = False
+        row["detail"] = f"training failed: {str(exc).strip().splitlines()[-1][:200]}"
     return row
 
 
@@ -102,7 +108,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.model_coverage",
                                 description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--models", default=",".join(MODELS),
-                   help=f"comma-separated, from {', '.join(MODELS)} (default: all)")
+                   help=f"comma-separated, from {', '.join(MODELS)} (default: all), or any "
+                        f"transformers model as ConfigClass:ModelClass (e.g. "
+                        f"Qwen2Config:Qwen2ForCausalLM), built at a tiny size")
     p.add_argument("--gpus", type=int, default=2, help="gloo ranks to train on (default 2)")
     args = p.parse_args(argv)
     print(f"{'model':8} {'ops':>4} {'overlay':>7} {'dtensor':>7} {'replic.':>7} {'plan s':>6}  "

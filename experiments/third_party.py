@@ -96,9 +96,49 @@ MODELS = {m.name: m for m in (
 )}
 
 
+def any_model(spec: str) -> ThirdParty:
+    """Any `transformers` model class at a tiny size, from 'ConfigClass:ModelClass' (e.g.
+    'Qwen2Config:Qwen2ForCausalLM'): the settings of SMALL that the config knows, without
+    dropout; a causal LM, sequence or image classifier by the model class's name."""
+    import inspect
+
+    import transformers
+
+    config_name, _, model_name = spec.partition(":")
+    if not model_name or not hasattr(transformers, config_name) or \
+            not hasattr(transformers, model_name):
+        raise ValueError(f"model {spec!r}: give 'ConfigClass:ModelClass' of transformers, e.g. "
+                         f"Qwen2Config:Qwen2ForCausalLM")
+    config = getattr(transformers, config_name)
+    known = set(inspect.signature(config.__init__).parameters) | set(config().to_dict())
+    tiny = {**SMALL, **NO_DROPOUT, "image_size": 16, "patch_size": 4, "num_labels": 5,
+            "num_key_value_heads": 2, "use_cache": False, "hidden_dropout": 0.0,
+            "attention_dropout": 0.0, "dropout": 0.0}
+    settings = {k: v for k, v in tiny.items() if k in known}
+    if model_name.endswith("ForImageClassification"):  # 64 pixels: convnets downsample 32x
+        settings["num_labels"] = 5
+        settings.update({k: 64 for k in ("image_size",) if k in known})
+        names, batch = IMAGE, _image_batch(5, 64)
+    elif model_name.endswith("ForSequenceClassification"):
+        settings["num_labels"] = 5
+        names, batch = TEXT, _seq_batch(96, 16, 5)
+    else:
+        names, batch = TEXT, _lm_batch(96, 16)
+    return ThirdParty(spec, _transformers(config_name, model_name, names, **settings), batch)
+
+
+def model_spec(name: str) -> ThirdParty:
+    """One of MODELS by name, or any transformers model as 'ConfigClass:ModelClass'."""
+    if name in MODELS:
+        return MODELS[name]
+    if ":" in name:
+        return any_model(name)
+    raise ValueError(f"model {name!r}: give one of {sorted(MODELS)} or a transformers "
+                     f"'ConfigClass:ModelClass'")
+
+
 def build(name: str, seed: int = 0) -> torch.nn.Module:
-    """The named model with seeded weights, in training mode."""
-    if name not in MODELS:
-        raise ValueError(f"model {name!r}: give one of {sorted(MODELS)}")
+    """The named model (see model_spec) with seeded weights, in training mode."""
+    spec = model_spec(name)
     torch.manual_seed(seed)
-    return MODELS[name].build().train()
+    return spec.build().train()

@@ -49,9 +49,13 @@ class Lowering:
         self._kernels: dict[str, tuple] = {}  # node -> kernel()
         self.home = {n.name: strategy.home(n.name) for n in graph.nodes}.__getitem__  # tensor ->
         #   where it lives after it is produced
-        self.once = {n.name for n in graph.nodes if isinstance(self.mbs_split.home(n.name),
-                                                              Replicate)}
-        #   the tensors held once per step, not per micro-batch (parameters, what they make)
+        self.once: set[str] = set()  # the tensors held once per step, not per micro-batch
+        #   (parameters, what they make): replicated over micro-batches and made of such only
+        #   (an op that makes the same value from each micro-batch's input runs on each)
+        for n in graph.nodes:
+            if isinstance(self.mbs_split.home(n.name), Replicate) and \
+                    all(t in self.once for t in n.inputs):
+                self.once.add(n.name)
         self.tasks: list[Task] = []
         self.pending: dict[str, list[int]] = {}  # value key -> collectives that write it
         self.waited: set[int] = set()  # collectives already waited for
