@@ -80,10 +80,10 @@ def equals_eager(name: str, world: int) -> tuple[bool, str]:
 def coverage(name: str, world: int) -> dict:
     from experiments.third_party import build, model_spec
 
-    model = build(name)
-    batch = model_spec(name).batch(BATCH, torch.Generator().manual_seed(1))
     row = {"model": name}
     try:
+        model = build(name)
+        batch = model_spec(name).batch(BATCH, torch.Generator().manual_seed(1))
         graph = capture(model, batch)
         row.update(Counter(ops.source(graph, n) for n in graph.ops))
         row["replicated ops"] = sorted({n.op for n in ops.replicated_ops(graph)})

@@ -113,7 +113,8 @@ def any_model(spec: str) -> ThirdParty:
     known = set(inspect.signature(config.__init__).parameters) | set(config().to_dict())
     tiny = {**SMALL, **NO_DROPOUT, "image_size": 16, "patch_size": 4, "num_labels": 5,
             "num_key_value_heads": 2, "use_cache": False, "hidden_dropout": 0.0,
-            "attention_dropout": 0.0, "dropout": 0.0}
+            "attention_dropout": 0.0, "dropout": 0.0, "pad_token_id": 0, "bos_token_id": 1,
+            "eos_token_id": 2}
     settings = {k: v for k, v in tiny.items() if k in known}
     if model_name.endswith("ForImageClassification"):  # 64 pixels: convnets downsample 32x
         settings["num_labels"] = 5

@@ -1,10 +1,23 @@
-"""FLOPs of one op call from its shapes (matmul-like ops exactly, others as one FLOP per element)."""
+"""FLOPs of one op call from its shapes. Matmuls, convolutions and attention by
+torch.utils.flop_counter's formulas (the matmul ones written out: `linear`, `matmul` and
+`einsum` are composites the counter sees as the mm / bmm they decompose to); any other op as one
+FLOP per element of its largest tensor. Backward: the counter's formulas for convolution and
+attention; twice the forward for the rest (a matmul's input and weight gradients are two
+matmuls; an element-wise op's backward is about two passes)."""
 from __future__ import annotations
 
 import math
 
+from torch.utils.flop_counter import (conv_backward_flop, conv_flop_count, sdpa_backward_flop_count,
+                                      sdpa_flop_count)
+
 _MATMUL = {"aten.linear.default", "aten.matmul.default", "aten.mm.default", "aten.bmm.default",
            "aten.addmm.default", "aten.baddbmm.default"}
+_CONV = {f"aten.{name}.{overload}" for name in ("conv1d", "conv2d", "conv3d")
+         for overload in ("default", "padding")} | {"aten.convolution.default",
+                                                    "aten._convolution.default"}
+_TRANSPOSED = {f"aten.conv_transpose{d}d.input" for d in (1, 2, 3)}
+_SDPA = "aten.scaled_dot_product_attention.default"
 
 
 def forward_flops(op: str, in_shapes, out_shape, args=()) -> float:
@@ -14,19 +27,45 @@ def forward_flops(op: str, in_shapes, out_shape, args=()) -> float:
         return 2.0 * out * k
     if op == "aten.einsum.default":
         return 2.0 * _einsum_points(args[0], in_shapes)
-    if op == "aten.scaled_dot_product_attention.default":
-        *batch, s_q, d = in_shapes[0]
-        s_k, d_v = in_shapes[1][-2], in_shapes[2][-1]
-        b = math.prod(batch)
-        return 2.0 * b * s_q * s_k * (d + d_v) + 5.0 * b * s_q * s_k
+    if op in _CONV or op in _TRANSPOSED:
+        return float(conv_flop_count(list(in_shapes[0]), list(in_shapes[1]), list(out_shape),
+                                     _transposed(op, args)))
+    if op == _SDPA:
+        return float(sdpa_flop_count(*(_heads(s) for s in in_shapes[:3])))
     if op == "aten.embedding.default":
         return 0.0
     return float(max(out, max((math.prod(s) for s in in_shapes), default=0)))
 
 
-def backward_flops(op: str, fwd: float) -> float:
-    """Backward of a matmul costs two matmuls (input and weight grads); element-wise about two passes."""
+def backward_flops(op: str, fwd: float, in_shapes=(), out_shape=(), args=()) -> float:
+    """The backward's FLOPs (both input and weight gradients) of an op whose forward took
+    `fwd`, by the counter's formulas where it has them (shapes given), else 2 x fwd."""
+    if op in _CONV and in_shapes:
+        x, w = list(in_shapes[0]), list(in_shapes[1])  # and their gradients' shapes
+        return float(conv_backward_flop(list(out_shape), x, w, None, None, None, None,
+                                        _transposed(op, args), None, None, [True, True, False],
+                                        out_val=(x, w, None)))
+    if op == _SDPA and in_shapes:
+        return float(sdpa_backward_flop_count(_heads(out_shape),
+                                              *(_heads(s) for s in in_shapes[:3])))
     return 2.0 * fwd
+
+
+def _transposed(op: str, args) -> bool:
+    if op in _TRANSPOSED:
+        return True
+    generic = op in ("aten.convolution.default", "aten._convolution.default")
+    return generic and len(args) > 6 and bool(args[6])
+
+
+def _heads(shape) -> list[int]:
+    """An attention operand as (batch, heads, sequence, dim): leading dims merged, or a
+    batch of one head."""
+    shape = list(shape)
+    if len(shape) < 3:
+        return [1, 1, *([1] * (2 - len(shape))), *shape]
+    return [math.prod(shape[:-3]) if len(shape) > 3 else 1, *shape[-3:]] if len(shape) != 4 \
+        else shape
 
 
 def _einsum_points(equation: str, in_shapes) -> int:

@@ -281,7 +281,8 @@ class Search:
         fwd = forward_flops(node.op, ins, out, node.args)
         nbytes = sum(math.prod(s) for s in ins + [out]) * node.out.itemsize
         compute = self.profile.kernel_time(fwd, nbytes) + \
-            self.profile.kernel_time(backward_flops(node.op, fwd), 2 * nbytes)
+            self.profile.kernel_time(backward_flops(node.op, fwd, ins, out, node.args),
+                                     2 * nbytes)
         if self.mbs.home(node.name) == R:
             compute /= self.k  # runs once per step
         grads = 0.0

@@ -287,7 +287,8 @@ class Lowering:
         ins, out, fwd, nbytes, partial = self.kernel(node)  # the backward reads what the
         nbytes += sum(self.nbytes(t, p) for t, p in zip(node.inputs, opt.inputs))  # forward
         self.tasks.append(Compute(  # did and writes its inputs' gradients
-            len(self.tasks), node.name, node.op, "bwd", m, backward_flops(node.op, fwd),
+            len(self.tasks), node.name, node.op, "bwd", m,
+            backward_flops(node.op, fwd, ins, out, node.args),
             nbytes, ins, out, (grad_in,) + fwd_keys, tuple(outs), opt, partial, tuple(root)))
         for t, p, mm in done:
             self.contributed(t, p, mm)
