@@ -115,7 +115,8 @@ def any_model(spec: str) -> ThirdParty:
             "num_key_value_heads": 2, "use_cache": False, "hidden_dropout": 0.0,
             "attention_dropout": 0.0, "dropout": 0.0, "pad_token_id": 0, "bos_token_id": 1,
             "eos_token_id": 2}
-    settings = {k: v for k, v in tiny.items() if k in known}
+    renamed = getattr(config, "attribute_map", {})  # e.g. GPT-J's n_embd for hidden_size
+    settings = {renamed.get(k, k): v for k, v in tiny.items() if renamed.get(k, k) in known}
     if model_name.endswith("ForImageClassification"):  # 64 pixels: convnets downsample 32x
         settings["num_labels"] = 5
         settings.update({k: 64 for k in ("image_size",) if k in known})

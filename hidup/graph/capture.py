@@ -89,6 +89,9 @@ class Graph:
     # (buffer, op): forward writes the op's value into the buffer (BatchNorm's running statistics,
     # counters), as eager's in-place ops do; the step writes it back
     updates: tuple[tuple[str, str], ...] = ()
+    # tensors that forward makes from nothing (torch.export lifts them as constants), by source:
+    # the step reads them as it reads buffers
+    constants: dict = field(default_factory=dict, compare=False, repr=False)
     _index: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -175,7 +178,10 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Graph:
     nodes = _keep_row_dims(nodes)
     updates = tuple((n.name, latest[n.name]) for n in nodes
                     if n.kind == "buffer" and n.name in latest)
-    return Graph(tuple(nodes), loss, _fingerprint(nodes), updates)
+    constants = {spec.target: exported.constants[spec.target]
+                 for spec in exported.graph_signature.input_specs
+                 if spec.kind == InputKind.CONSTANT_TENSOR and spec.target in exported.constants}
+    return Graph(tuple(nodes), loss, _fingerprint(nodes), updates, constants)
 
 
 def _meta(fx_node) -> TensorMeta:

@@ -48,7 +48,7 @@ class Executor:
             self.params[node.name] = given if local else shard_of(
                 given, strategy.home(node.name), None, 1, None, self.rank % self.per_machine,
                 self.per_machine).clone()
-        buffers = buffers or {}
+        buffers = {**graph.constants, **(buffers or {})}
         missing = [n.source for n in graph.nodes if n.kind == "buffer" and n.source not in buffers]
         if missing:
             raise ValueError(f"the model's buffers {missing} were not given to the executor")
