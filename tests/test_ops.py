@@ -30,7 +30,7 @@ def node_options(fn, *inputs, shapes=(), op=None):
 def test_linear_options_from_einsum():
     opts = node_options(lambda x, w, b: F.linear(x, w, b).sum(), torch.randn(4, 8),
                         shapes=[(6, 8), (6,)], op="aten.linear.default")
-    assert opts == ["(R, R, R) -> R", "(S(0), R, R) -> S(0)", "(S(1), S(1), R) -> P",
+    assert opts == ["(R, R, R) -> R", "(S(0), R, R) -> S(0)", "(S(1), S(1), R) -> P(sum)",
                     "(R, S(0), S(0)) -> S(1)"]
 
 
@@ -38,7 +38,7 @@ def test_batched_matmul_options():
     opts = node_options(lambda a, b: (a @ b).sum(), torch.randn(2, 3, 4), torch.randn(2, 4, 5),
                         op="aten.matmul.default")
     assert len(opts) == 5  # R, batch, rows, columns, contraction
-    assert "(S(2), S(1)) -> P" in opts and "(S(0), S(0)) -> S(0)" in opts
+    assert "(S(2), S(1)) -> P(sum)" in opts and "(S(0), S(0)) -> S(0)" in opts
 
 
 def test_broadcast_matmul_keeps_size_one_dim_whole():
@@ -50,7 +50,8 @@ def test_broadcast_matmul_keeps_size_one_dim_whole():
 def test_elementwise_broadcast_and_partial():
     opts = node_options(lambda a, b: (a + b).sum(), torch.randn(4, 6), torch.randn(6),
                         op="aten.add.Tensor")
-    assert opts == ["(R, R) -> R", "(S(0), R) -> S(0)", "(S(1), S(0)) -> S(1)", "(P, P) -> P"]
+    assert opts == ["(R, R) -> R", "(S(0), R) -> S(0)", "(S(1), S(0)) -> S(1)",
+                    "(P(sum), P(sum)) -> P(sum)"]
 
 
 def test_softmax_never_splits_its_dim():
@@ -67,24 +68,24 @@ def test_layer_norm_leading_dims_only():
 def test_view_maps_leading_dim_of_merged_group():
     opts = node_options(lambda x: x.reshape(8, 8).sum(), torch.randn(2, 4, 8),
                         op="aten.reshape.default")
-    assert opts == ["(R) -> R", "(P) -> P", "(S(0)) -> S(0)", "(S(2)) -> S(1)"]
+    assert opts == ["(R) -> R", "(P(sum)) -> P(sum)", "(S(0)) -> S(0)", "(S(2)) -> S(1)"]
 
 
 def test_transpose_and_mean():
     assert node_options(lambda x: x.transpose(0, 1).sum(), torch.randn(2, 3),
                         op="aten.transpose.int")[2:] == ["(S(0)) -> S(1)", "(S(1)) -> S(0)"]
     assert node_options(lambda x: x.mean(dim=1).sum(), torch.randn(2, 3),
-                        op="aten.mean.dim")[2:] == ["(S(0)) -> S(0)", "(S(1)) -> P"]
+                        op="aten.mean.dim")[2:] == ["(S(0)) -> S(0)", "(S(1)) -> P(sum)"]
 
 
 def test_embedding_and_cross_entropy():
     opts = node_options(lambda i, w: F.embedding(i, w).sum(), torch.randint(0, 10, (2, 3)),
                         shapes=[(10, 4)], op="aten.embedding.default")
     assert opts == ["(R, R) -> R", "(R, S(0)) -> S(0)", "(R, S(1)) -> S(1)",
-                    "(S(1), R) -> S(2)", "(S(0), R) -> P"]
+                    "(S(1), R) -> S(2)", "(S(0), R) -> P(sum)"]
     opts = node_options(lambda x, t: F.cross_entropy(x, t), torch.randn(4, 5),
                         torch.randint(0, 5, (4,)), op="aten.cross_entropy_loss.default")
-    assert opts == ["(R, R) -> R", "(S(0), S(0)) -> P"]
+    assert opts == ["(R, R) -> R", "(S(0), S(0)) -> P(sum)"]
 
 
 @torch.library.custom_op("hidup_test::twice", mutates_args=())
@@ -104,7 +105,8 @@ def test_options_come_from_the_overlay_then_dtensor_then_replication():
                     (torch.randn(4, 6),))
     got = {n.op: (ops.source(graph, n), [str(o) for o in ops.options(n, n.in_metas(graph))])
            for n in graph.ops}
-    assert got["aten.flip.default"] == ("dtensor", ["(R) -> R", "(S(1)) -> S(1)", "(P) -> P"])
+    assert got["aten.flip.default"] == ("dtensor",
+                                        ["(R) -> R", "(S(1)) -> S(1)", "(P(sum)) -> P(sum)"])
     assert got["hidup_test.twice.default"] == ("replicated", ["(R) -> R"])
     assert got["aten.sum.default"][0] == "overlay"
     assert [n.op for n in ops.replicated_ops(graph)] == ["hidup_test.twice.default"]
@@ -133,7 +135,8 @@ def test_in_place_ops_are_captured_as_their_functional_twins():
 
 
 def test_option_text_round_trips():
-    assert str(parse_option("(S(0), R, P) -> S(1)")) == "(S(0), R, P) -> S(1)"
+    assert str(parse_option("(S(0), R, P(sum)) -> S(1)")) == "(S(0), R, P(sum)) -> S(1)"
+    assert str(parse_option("(P, R) -> P")) == "(P(sum), R) -> P(sum)"  # plans saved before
     with pytest.raises(ValueError, match="not of the form"):
         parse_option("S(0) R")
 
@@ -155,7 +158,7 @@ def test_expert_einsum_and_patch_convolution():
     opts = node_options(lambda x, w, b: F.conv2d(x, w, b, stride=2).sum(), torch.randn(2, 3, 4, 4),
                         shapes=[(8, 3, 2, 2), (8,)], op="aten.conv2d.default")
     assert opts == ["(R, R, R) -> R", "(S(0), R, R) -> S(0)", "(R, S(0), S(0)) -> S(1)",
-                    "(S(1), S(1), R) -> P"]
+                    "(S(1), S(1), R) -> P(sum)"]
 
 
 def test_expand_can_produce_a_split_broadcast_dim():

@@ -16,7 +16,7 @@ def test_ddp_splits_batch_and_replicates_parameters(tiny_graphs):
     assert all(s.home(p.name) == R for p in graph.params)
     assert s.home("x") == Shard(0)
     assert str(s.options["linear"]) == "(S(0), R, R) -> S(0)"
-    assert str(s.options["mse_loss"]) == "(S(0), S(0)) -> P"
+    assert str(s.options["mse_loss"]) == "(S(0), S(0)) -> P(sum)"
 
 
 def test_megatron_alternates_column_and_row_parallel(tiny_graphs):
@@ -24,8 +24,8 @@ def test_megatron_alternates_column_and_row_parallel(tiny_graphs):
     s = megatron(graph, 2)
     assert str(s.options["linear"]) == "(R, S(0), S(0)) -> S(2)"  # q: column parallel
     assert str(s.options["scaled_dot_product_attention"]) == "(S(1), S(1), S(1)) -> S(1)"  # heads
-    assert str(s.options["linear_3"]) == "(S(2), S(1), R) -> P"  # attention projection: rows
-    assert str(s.options["linear_5"]) == "(S(2), S(1), R) -> P"  # second feed-forward: rows
+    assert str(s.options["linear_3"]) == "(S(2), S(1), R) -> P(sum)"  # attention projection: rows
+    assert str(s.options["linear_5"]) == "(S(2), S(1), R) -> P(sum)"  # second feed-forward: rows
 
 
 def test_plan_file_round_trip(tmp_path, tiny_graphs):

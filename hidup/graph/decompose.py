@@ -115,7 +115,8 @@ def _index_by_arange(graph: torch.fx.Graph, node: torch.fx.Node, values: dict) -
                     - len(index.meta["val"].shape))  # the axis in the broadcast index shape
     if len(set(axes)) != len(axes):
         return False
-    order = sorted(range(len(indices)), key=axes.__getitem__) + list(range(len(indices), xval.dim()))
+    order = sorted(range(len(indices)), key=axes.__getitem__) + \
+        list(range(len(indices), xval.dim()))
     b = _Builder(graph, node, detect_fake_mode([xval]))
     out = x if order == list(range(xval.dim())) else b(aten.permute.default, x, order)
     out = b(aten.view.default, out, list(node.meta["val"].shape))

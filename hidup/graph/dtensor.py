@@ -123,10 +123,8 @@ def _ours(api, p) -> Placement | None:
     """DTensor's placement as HiDup runs it, or None where it runs differently."""
     if isinstance(p, api.Strided):
         return None
-    if isinstance(p, api.Shard):
-        return Shard(p.dim)
-    if isinstance(p, api.Replicate):
-        return R
+    if isinstance(p, (api.Shard, api.Replicate)):
+        return p  # DTensor's placements are HiDup's
     if type(p) is api.Partial and p.reduce_op == "sum":
         return P
     return None  # Partial(avg / max / min), a masked partial

@@ -1,37 +1,17 @@
-"""Placements of a tensor over a 1-D device mesh, in PyTorch DTensor's vocabulary."""
+"""Placements of a tensor over a 1-D device mesh: DTensor's own types (Shard(d): split in equal
+contiguous chunks along d, rank r holding chunk r; Replicate: whole on every rank; Partial: a
+partial sum on every rank, the tensor their sum), written as DTensor writes them: 'S(0)', 'R',
+'P(sum)'."""
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class Shard:
-    """The tensor is split in equal contiguous chunks along `dim` (rank r holds chunk r)."""
-
-    dim: int
-
-    def __str__(self) -> str:
-        return f"S({self.dim})"
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 
-@dataclass(frozen=True)
-class Replicate:
-    """Every rank holds the whole tensor."""
-
-    def __str__(self) -> str:
-        return "R"
-
-
-@dataclass(frozen=True)
-class Partial:
-    """Every rank holds a partial sum; the tensor is the sum over ranks."""
-
-    def __str__(self) -> str:
-        return "P"
-
-
-Placement = Shard | Replicate | Partial
+Placement = Shard | Replicate | Partial  # Partial: a sum (DTensor's other reduce ops are dropped
+#   where DTensor's options come in: hidup.graph.dtensor)
 R = Replicate()
 P = Partial()
 
@@ -39,15 +19,15 @@ _SHARD = re.compile(r"S\((-?\d+)\)")
 
 
 def parse_placement(text: str) -> Placement:
-    """Inverse of `str(placement)`: 'S(1)', 'R' or 'P'."""
+    """Inverse of `str(placement)`: 'S(1)', 'R' or 'P(sum)' ('P' in plans saved before)."""
     text = text.strip()
     if text == "R":
         return R
-    if text == "P":
+    if text in ("P", "P(sum)"):
         return P
     match = _SHARD.fullmatch(text)
     if match is None:
-        raise ValueError(f"placement {text!r} is not one of 'S(d)', 'R', 'P'")
+        raise ValueError(f"placement {text!r} is not one of 'S(d)', 'R', 'P(sum)'")
     return Shard(int(match.group(1)))
 
 

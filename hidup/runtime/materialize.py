@@ -4,8 +4,8 @@ any model, given a state dict) becomes this rank's parameter shards only.
 From a state dict, each rank cuts its shards out of the tensors it is given. Without one, the
 modules are made real one at a time (`to_empty`), initialised as the model's own code does it
 (the module's `reset_parameters()`, then the `_init_weights(module)` of the nearest enclosing
-module that has one, as `transformers`' models do after construction), cut to this rank's shards and put back on
-the meta device: at most one module's weights are whole at a time. Every rank starts from rank
+module that has one, as `transformers`' models do after construction), cut to this rank's
+shards and put back on the meta device: at most one module's weights are whole at a time. Every rank starts from rank
 0's random state, so that all of them draw the same weights.
 """
 from __future__ import annotations

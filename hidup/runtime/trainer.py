@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from hidup.graph import ops
 from hidup.graph.capture import TensorMeta, capture
-from hidup.graph.placement import Shard
+from hidup.graph.placement import R, Shard
 from hidup.planning.planfile import PlanError, check
 from hidup.planning.strategy import fixed_strategy
 from hidup.program import lower
@@ -309,18 +309,13 @@ class Trainer:
     def _placements(self, node: str) -> list:
         """The DTensor placements of a parameter (and its optimizer states) in this plan, one
         per mesh dimension: replicated across machines on a 2-D mesh."""
-        from torch.distributed.tensor import Replicate
-
         inside = self._placement(node)
-        return [Replicate(), inside] if self.program.machines > 1 else [inside]
+        return [R, inside] if self.program.machines > 1 else [inside]
 
     def _placement(self, node: str):
         """The DTensor placement of a parameter (and its optimizer states) inside a machine."""
-        from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor import Shard as DShard
-
         home = self.strategy.home(node)
-        return DShard(home.dim) if isinstance(home, Shard) and self.world > 1 else Replicate()
+        return home if isinstance(home, Shard) and self.world > 1 else R
 
     def _names_of_shards(self) -> dict[int, str]:
         return {id(t): n for n, t in self.executor.params.items()}
