@@ -165,3 +165,28 @@ def test_expand_can_produce_a_split_broadcast_dim():
     opts = node_options(lambda c: c.expand(4, -1, -1).sum(), torch.randn(1, 1, 8),
                         op="aten.expand.default")
     assert "(R) -> S(0)" in opts and "(S(2)) -> S(2)" in opts
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_experts_mm_over_ranks_sums_to_the_grouped_matmul(world):
+    """Expert parallel grouped matmul: each rank's experts' rows (zero elsewhere), summed over
+    the ranks, are every row times its expert's weight; so are the input's gradients, and each
+    rank's weight gradients are its experts'. An expert with no rows is allowed."""
+    from hidup.graph.ops.grouped import experts_mm
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(10, 3, generator=gen), torch.randn(4, 3, 5, generator=gen)
+    offs = torch.tensor([3, 3, 7, 10])  # expert 1 has no rows
+    starts = [0, 3, 3, 7]
+    want = torch.cat([x[s:e] @ w[i] for i, (s, e) in enumerate(zip(starts, offs.tolist()))])
+    grad = torch.randn(10, 5, generator=gen)
+    xs = x.clone().requires_grad_(True)
+    shards = [part.clone().requires_grad_(True) for part in w.chunk(world)]
+    out = sum(experts_mm(xs, part, offs, r * (4 // world)) for r, part in enumerate(shards))
+    out.backward(grad)
+    xw, ww = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    ref = torch.cat([xw[s:e] @ ww[i] for i, (s, e) in enumerate(zip(starts, offs.tolist()))])
+    ref.backward(grad)
+    assert torch.allclose(out, want, atol=1e-6)
+    assert torch.allclose(xs.grad, xw.grad, atol=1e-6)
+    assert torch.allclose(torch.cat([p.grad for p in shards]), ww.grad, atol=1e-6)

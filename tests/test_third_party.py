@@ -78,12 +78,13 @@ def check(results, cases):
 # statistics are the whole batch's, so no micro-batch can go on before all are seen) nor Mixtral
 # (its router sorts every token of the batch together); test_microbatch_refusals checks both
 CASES = [(m, how, 1) for m in MODELS for how in ("ddp", "megatron")]
-CASES += [(m, "search", 1) for m in ("mixtral", "resnet")]
+CASES += [(m, "search", 1) for m in ("mixtral", "resnet")] + [("mixtral", "expert", 1)]
 CASES += [(m, how, 2) for m in ("gpt2", "llama", "bert", "vit")
           for how in ("ddp", "megatron", "search", "random")]
 CASES_4 = [("gpt2", "megatron", 2), ("llama", "ddp", 2), ("llama", "random", 1),
            ("bert", "search", 2), ("vit", "megatron", 2), ("mixtral", "megatron", 1),
-           ("mixtral", "ddp", 1), ("resnet", "ddp", 1), ("resnet", "search", 1)]
+           ("mixtral", "ddp", 1), ("mixtral", "expert", 1), ("resnet", "ddp", 1),
+           ("resnet", "search", 1)]
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """FLOPs of one op call from its shapes. Matmuls, convolutions and attention's two matmuls by
 torch.utils.flop_counter's formulas (the matmul ones written out: `linear`, `matmul` and
-`einsum` are composites the counter sees as the mm / bmm they decompose to), attention's softmax
+`einsum` are composites the counter sees as the mm / bmm they decompose to; a grouped matmul
+as the rows' matmuls with their experts), attention's softmax
 as five passes over the scores; any other op as one FLOP per element of its largest tensor.
 Backward: the counter's formula for convolutions; twice the forward for the rest (a matmul's
 input and weight gradients are two matmuls; an element-wise op's backward is about two passes).
@@ -19,6 +20,7 @@ _CONV = {f"aten.{name}.{overload}" for name in ("conv1d", "conv2d", "conv3d")
                                                     "aten._convolution.default"}
 _TRANSPOSED = {f"aten.conv_transpose{d}d.input" for d in (1, 2, 3)}
 _SDPA = "aten.scaled_dot_product_attention.default"
+_GROUPED = {"aten._grouped_mm.default", "transformers.grouped_mm_fallback.default"}
 
 
 def forward_flops(op: str, in_shapes, out_shape, args=()) -> float:
@@ -35,6 +37,11 @@ def forward_flops(op: str, in_shapes, out_shape, args=()) -> float:
         *batch, s_q, _ = in_shapes[0]
         scores = math.prod(batch) * s_q * in_shapes[1][-2]
         return float(sdpa_flop_count(*(_heads(s) for s in in_shapes[:3]))) + 5.0 * scores
+    if op in _GROUPED and len(in_shapes) == 3 and len(in_shapes[1]) == 3:
+        # each row times one expert's weight; a rank holding some of the experts (in_shapes[1])
+        # of all (offs, in_shapes[2]) computes their share of the rows
+        rows, k = in_shapes[0]
+        return 2.0 * rows * k * out_shape[-1] * in_shapes[1][0] / max(in_shapes[2][0], 1)
     if op == "aten.embedding.default":
         return 0.0
     return float(max(out, max((math.prod(s) for s in in_shapes), default=0)))

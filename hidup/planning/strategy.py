@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from hidup.graph import ops
 from hidup.graph.capture import Graph, Node
+from hidup.graph.ops.grouped import GROUPED
 from hidup.graph.placement import P, R, Partial, Placement, Replicate, Shard, ShardingOption
 
 
@@ -268,21 +269,33 @@ def random_strategy(graph: Graph, world: int, rng, divide: int | None = None) ->
 def expert_parallel(graph: Graph, world: int, batch_dim: int = 0) -> Strategy:
     """DeepSpeed-MoE / FastMoE: data parallel, except the experts, split across ranks (each holds
     experts / world of them), reached with all-to-all and left the same way (no partial sums).
-    Expert weights are the 3-d parameters that einsums read (experts, in, out). The loss's sum
+    Expert weights are the 3-d parameters that einsums or grouped matmuls read (experts first),
+    themselves or through views; a grouped matmul's experts give a Partial sum (each rank its
+    experts' rows), all-reduced where it is read. The loss's sum
     over the batch stays a partial sum, as in data parallel."""
     seeds: dict[str, Placement] = {n.name: Shard(batch_dim) for n in graph.user_inputs}
     einsums = {n.name for n in graph.ops if n.op == "aten.einsum.default"}
     for node in graph.ops:
-        if node.name in einsums:
+        if node.name in einsums or node.op in GROUPED:
             for t in node.inputs:
-                if graph.node(t).kind == "param" and len(graph.node(t).out.shape) == 3:
-                    seeds[t] = Shard(0)
+                weight = _through_views(graph, t)
+                if weight.kind == "param" and len(weight.out.shape) == 3:
+                    seeds[weight.name] = Shard(0)
     if not any(isinstance(p, Shard) and graph.node(n).kind == "param" for n, p in seeds.items()):
         raise ValueError("strategy expert: the model has no expert weights (3-d parameters read "
-                         "by einsums); use ddp")
+                         "by einsums or grouped matmuls); use ddp")
     return propagate(graph, world, "expert", seeds, shard_params=False, no_partial=einsums)
 
 
+def _through_views(graph: Graph, t: str) -> Node:
+    """The tensor that t views (through transposes and views of one input), or t's node."""
+    node = graph.node(t)
+    while node.kind == "op" and len(node.inputs) == 1 and node.op.split(".")[1] in _VIEWS:
+        node = graph.node(node.inputs[0])
+    return node
+
+
+_VIEWS = ("transpose", "permute", "view", "reshape", "t", "contiguous", "_unsafe_view")
 FIXED = {"ddp": data_parallel, "megatron": megatron, "expert": expert_parallel}
 # on a 2-D mesh: the strategy inside each machine, data parallel across the machines
 ACROSS = {"dp-megatron": "megatron", "dp-expert": "expert"}
@@ -372,7 +385,8 @@ def _divisors(n: int) -> str:
     return ", ".join(map(str, found[:8])) if found else "none above 1"
 
 
-KEY_OPS = ("linear", "einsum", "embedding", "conv", "scaled_dot_product_attention")
+KEY_OPS = ("linear", "einsum", "embedding", "conv", "scaled_dot_product_attention",
+           "grouped_mm")
 STYLES = ("data parallel", "tensor parallel", "expert parallel", "split otherwise", "replicated")
 
 
