@@ -5,8 +5,8 @@ From a state dict, each rank cuts its shards out of the tensors it is given. Wit
 modules are made real one at a time (`to_empty`), initialised as the model's own code does it
 (the module's `reset_parameters()`, then the `_init_weights(module)` of the nearest enclosing
 module that has one, as `transformers`' models do after construction), cut to this rank's
-shards and put back on the meta device: at most one module's weights are whole at a time. Every rank starts from rank
-0's random state, so that all of them draw the same weights.
+shards and put back on the meta device: at most one module's weights are whole at a time.
+Every rank starts from rank 0's random state, so that all of them draw the same weights.
 """
 from __future__ import annotations
 
