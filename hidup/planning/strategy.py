@@ -281,9 +281,15 @@ def expert_parallel(graph: Graph, world: int, batch_dim: int = 0) -> Strategy:
                 weight = _through_views(graph, t)
                 if weight.kind == "param" and len(weight.out.shape) == 3:
                     seeds[weight.name] = Shard(0)
-    if not any(isinstance(p, Shard) and graph.node(n).kind == "param" for n, p in seeds.items()):
+    experts = [n for n, p in seeds.items()
+               if isinstance(p, Shard) and graph.node(n).kind == "param"]
+    if not experts:
         raise ValueError("strategy expert: the model has no expert weights (3-d parameters read "
                          "by einsums or grouped matmuls); use ddp")
+    count = graph.node(experts[0]).out.shape[0]
+    if any(graph.node(n).out.shape[0] % world for n in experts):
+        raise ValueError(f"strategy expert on {world} GPUs: the {count} experts do not split "
+                         f"over {world} ranks; choose a GPU count that divides {count}")
     return propagate(graph, world, "expert", seeds, shard_params=False, no_partial=einsums)
 
 
