@@ -122,3 +122,15 @@ def test_microbatch_refusals(name, why):
         microbatch_split(graph, 2)
     plan = hidup.plan(build(name), batch(name), cluster="cpu-gloo-loopback", gpus=2)
     assert plan.micro_batches == 1 and "no Duplex" in plan.describe(), plan.describe()
+
+
+def test_expert_strategy_splits_grouped_matmul_experts():
+    """Mixtral's experts (3-d weights read by its grouped matmul) are split by the expert
+    strategy over ranks that divide their count, and refused in one line otherwise."""
+    graph = capture(build("mixtral"), batch("mixtral"))
+    strategy = fixed_strategy("expert", graph, 2)
+    grouped = [n for n in graph.ops if "grouped_mm" in n.op]
+    assert grouped and any(str(strategy.options[n.name]) == "(R, S(0), R) -> P(sum)"
+                           for n in grouped)
+    with pytest.raises(ValueError, match="4 experts do not split over 8 ranks"):
+        fixed_strategy("expert", graph, 8)
