@@ -164,7 +164,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Graph:
                 continue
             elif fx_node.op == "call_function":
                 node = _broadcast_item(fx_node) or _item(fx_node, latest) or \
-                    _op_node(fx_node, latest=latest)
+                    _op_node(fx_node, latest)
                 nodes.append(node)
                 target = _written(fx_node) or writes.get(fx_node)
                 if target is not None:
@@ -211,7 +211,7 @@ def _item(fx_node, latest: dict[str, str]) -> Node | None:
     if fx_node.target is not operator.getitem:
         return None
     source, index = fx_node.args
-    return _op_node(source, fx_node, index, latest)
+    return _op_node(source, latest, fx_node, index)
 
 
 def _written(fx_node) -> str | None:
@@ -245,9 +245,9 @@ def functional(target):
     return twin
 
 
-def _op_node(fx_node, item=None, index: int | None = None, latest=None) -> Node:
+def _op_node(fx_node, latest: dict[str, str], item=None, index: int | None = None
+             ) -> Node:
     inputs: list[str] = []
-    latest = {} if latest is None else latest
 
     def to_ref(a):
         if isinstance(a, torch.fx.Node):

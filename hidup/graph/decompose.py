@@ -67,16 +67,16 @@ def _batch_norm(graph: torch.fx.Graph, node: torch.fx.Node, fake_mode) -> dict[s
 CONSTANT_NUMEL = 1 << 20  # the largest constant evaluated at capture to recognise an index
 
 
-def _constant(node, values: dict, budget: int = CONSTANT_NUMEL):
+def _constant(node, values: dict):
     """The value of an FX node that depends on no input, parameter or buffer (a tensor of at most
-    `budget` elements, evaluated on the CPU), else None."""
+    CONSTANT_NUMEL elements, evaluated on the CPU), else None."""
     if not isinstance(node, torch.fx.Node):
         return node
     if node in values:
         return values[node]
     val, out = node.meta.get("val"), None
-    if node.op == "call_function" and isinstance(val, torch.Tensor) and val.numel() <= budget:
-        args = [_constant(a, values, budget) if isinstance(a, torch.fx.Node) else a
+    if node.op == "call_function" and isinstance(val, torch.Tensor) and val.numel() <= CONSTANT_NUMEL:
+        args = [_constant(a, values) if isinstance(a, torch.fx.Node) else a
                 for a in node.args]
         if all(a is not None for a in args):
             kwargs = {k: v for k, v in node.kwargs.items() if k != "device"}

@@ -1,8 +1,8 @@
 """FLOPs of one op call from its shapes. Matmuls, convolutions and attention's two matmuls by
 torch.utils.flop_counter's formulas (the matmul ones written out: `linear`, `matmul` and
 `einsum` are composites the counter sees as the mm / bmm they decompose to; a grouped matmul
-as the rows' matmuls with their experts), attention's softmax
-as five passes over the scores; any other op as one FLOP per element of its largest tensor.
+as the rows' matmuls with their experts), attention's softmax as five passes over the scores;
+any other op as one FLOP per element of its largest tensor.
 Backward: the counter's formula for convolutions; twice the forward for the rest (a matmul's
 input and weight gradients are two matmuls; an element-wise op's backward is about two passes).
 (The counter's attention backward, 2.5 x its forward, is not used: the shipped profiles were
@@ -20,7 +20,8 @@ _CONV = {f"aten.{name}.{overload}" for name in ("conv1d", "conv2d", "conv3d")
                                                     "aten._convolution.default"}
 _TRANSPOSED = {f"aten.conv_transpose{d}d.input" for d in (1, 2, 3)}
 _SDPA = "aten.scaled_dot_product_attention.default"
-_GROUPED = {"aten._grouped_mm.default", "transformers.grouped_mm_fallback.default"}
+# a grouped matmul (routed experts): PyTorch's, and the same op a library registers for the CPU
+GROUPED_MM = ("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default")
 
 
 def forward_flops(op: str, in_shapes, out_shape, args=()) -> float:
@@ -37,7 +38,7 @@ def forward_flops(op: str, in_shapes, out_shape, args=()) -> float:
         *batch, s_q, _ = in_shapes[0]
         scores = math.prod(batch) * s_q * in_shapes[1][-2]
         return float(sdpa_flop_count(*(_heads(s) for s in in_shapes[:3]))) + 5.0 * scores
-    if op in _GROUPED and len(in_shapes) == 3 and len(in_shapes[1]) == 3:
+    if op in GROUPED_MM and len(in_shapes) == 3 and len(in_shapes[1]) == 3:
         # each row times one expert's weight; a rank holding some of the experts (in_shapes[1])
         # of all (offs, in_shapes[2]) computes their share of the rows
         rows, k = in_shapes[0]
@@ -68,11 +69,8 @@ def _transposed(op: str, args) -> bool:
 def _heads(shape) -> list[int]:
     """An attention operand as (batch, heads, sequence, dim): leading dims merged, or a
     batch of one head."""
-    shape = list(shape)
-    if len(shape) < 3:
-        return [1, 1, *([1] * (2 - len(shape))), *shape]
-    return [math.prod(shape[:-3]) if len(shape) > 3 else 1, *shape[-3:]] if len(shape) != 4 \
-        else shape
+    shape = [1] * (4 - len(shape)) + list(shape)
+    return [math.prod(shape[:-3]), *shape[-3:]]
 
 
 def _einsum_points(equation: str, in_shapes) -> int:

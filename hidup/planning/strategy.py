@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from hidup.graph import ops
 from hidup.graph.capture import Graph, Node
-from hidup.graph.ops.grouped import GROUPED
+from hidup.graph.flops import GROUPED_MM
 from hidup.graph.placement import P, R, Partial, Placement, Replicate, Shard, ShardingOption
 
 
@@ -276,7 +276,7 @@ def expert_parallel(graph: Graph, world: int, batch_dim: int = 0) -> Strategy:
     seeds: dict[str, Placement] = {n.name: Shard(batch_dim) for n in graph.user_inputs}
     einsums = {n.name for n in graph.ops if n.op == "aten.einsum.default"}
     for node in graph.ops:
-        if node.name in einsums or node.op in GROUPED:
+        if node.name in einsums or node.op in GROUPED_MM:
             for t in node.inputs:
                 weight = _through_views(graph, t)
                 if weight.kind == "param" and len(weight.out.shape) == 3:
@@ -432,10 +432,9 @@ def describe(graph: Graph, strategy: Strategy) -> str:
     if not counts:
         return f"{across}no key ops" + uncovered(graph)
     (style, n), rest = counts[0], counts[1:]
-    if not rest:
-        return f"{across}all {n} key ops {style}" + uncovered(graph)
-    return across + ", ".join([f"{n} key ops {style}"] + [f"{m} {s}" for s, m in rest]) + \
-        uncovered(graph)
+    what = f"all {n} key ops {style}" if not rest else \
+        ", ".join([f"{n} key ops {style}"] + [f"{m} {s}" for s, m in rest])
+    return across + what + uncovered(graph)
 
 
 def uncovered(graph: Graph) -> str:

@@ -62,24 +62,22 @@ def _from_modules(model, wanted, cut, params, buffers, device) -> None:
         torch.set_rng_state(state)
     owners = _init_owners(model)
     for prefix, module in model.named_modules(remove_duplicate=False):
-        def named(kind):
+        def own(kind):  # this module's own tensors by full name (new ones after to_empty)
             return {f"{prefix}.{n}" if prefix else n: t
                     for n, t in getattr(module, kind)(recurse=False)}
 
-        lacking = [n for n in named("named_parameters") if n in wanted and n not in params] + \
-                  [n for n in named("named_buffers") if n not in buffers]
-        if not lacking:
+        new_params = [n for n in own("named_parameters") if n in wanted and n not in params]
+        new_buffers = [n for n in own("named_buffers") if n not in buffers]
+        if not new_params and not new_buffers:
             continue
-        on_meta = any(t.is_meta for t in (*named("named_parameters").values(),
-                                          *named("named_buffers").values()))
+        on_meta = any(t.is_meta for t in (*module.parameters(recurse=False),
+                                          *module.buffers(recurse=False)))
         if on_meta:
             module.to_empty(device="cpu", recurse=False)
             _initialise(module, prefix, owners)
-        for name, tensor in named("named_parameters").items():
-            if name in wanted and name not in params:
-                params[name] = cut(name, tensor)
-        for name, tensor in named("named_buffers").items():
-            buffers.setdefault(name, tensor.detach().to(device).clone())
+        tensors = {**own("named_parameters"), **own("named_buffers")}
+        params.update({n: cut(n, tensors[n]) for n in new_params})
+        buffers.update({n: tensors[n].detach().to(device).clone() for n in new_buffers})
         if on_meta:  # back to no storage: only this rank's shards stay
             module.to_empty(device="meta", recurse=False)
 

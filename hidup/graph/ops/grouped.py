@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from hidup.graph.flops import GROUPED_MM
 from hidup.graph.ops.registry import default_local, register, register_local
 from hidup.graph.placement import P, R, Shard, ShardingOption
-
-GROUPED = ["aten._grouped_mm.default", "transformers.grouped_mm_fallback.default"]
 
 
 def _bounds(offs: torch.Tensor, first: int, count: int) -> list[tuple[int, int]]:
@@ -71,7 +70,7 @@ def _setup(ctx, inputs, output):
 experts_mm.register_autograd(_backward, setup_context=_setup)
 
 
-@register(GROUPED)
+@register(GROUPED_MM)
 def grouped_mm(node, ins):
     replicated = ShardingOption((R,) * len(ins), R)
     if len(ins) != 3 or len(ins[0].shape) != 2 or len(ins[1].shape) != 3:
@@ -83,7 +82,7 @@ def grouped_mm(node, ins):
             ShardingOption((Shard(1), Shard(1)) + rest, P)]  # the contraction
 
 
-@register_local(GROUPED)
+@register_local(GROUPED_MM)
 def local_grouped_mm(node, option, ctx):
     if option.inputs[1] == Shard(0):  # this rank's experts: rank x experts per rank onwards
         first = ctx.rank * ctx.in_shapes[1][0]
