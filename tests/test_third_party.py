@@ -12,8 +12,9 @@ from test_equivalence import one_step, rel_err
 from hidup.graph.capture import capture
 from hidup.planning.costs import load_profile
 from hidup.planning.search import search
-from hidup.planning.strategy import NoMicroBatches, fixed_strategy, microbatch_split, \
-    random_strategy
+from hidup.graph.placement import R, Shard
+from hidup.planning.strategy import conversion, fixed_strategy, microbatch_split, random_strategy
+from hidup.runtime.step import mb_join, mb_part, shard_of
 
 pytest.importorskip("transformers")
 from experiments.third_party import MODELS, build  # noqa: E402
@@ -74,17 +75,16 @@ def check(results, cases):
                 assert err <= 1e-4, (case, pname, err)
 
 
-# Duplex (k = 2) wherever the batch splits into micro-batches: not for ResNet (BatchNorm's
-# statistics are the whole batch's, so no micro-batch can go on before all are seen) nor Mixtral
-# (its router sorts every token of the batch together); test_microbatch_refusals checks both
+# Duplex (k = 2) for all six: ResNet's BatchNorm statistics and Mixtral's router (it sorts every
+# token of the batch together) join the micro-batches there (test_microbatch_joins)
 CASES = [(m, how, 1) for m in MODELS for how in ("ddp", "megatron")]
 CASES += [(m, "search", 1) for m in ("mixtral", "resnet")] + [("mixtral", "expert", 1)]
-CASES += [(m, how, 2) for m in ("gpt2", "llama", "bert", "vit")
-          for how in ("ddp", "megatron", "search", "random")]
+CASES += [(m, how, 2) for m in MODELS for how in ("ddp", "megatron", "search", "random")]
+CASES += [("mixtral", "expert", 2)]
 CASES_4 = [("gpt2", "megatron", 2), ("llama", "ddp", 2), ("llama", "random", 1),
            ("bert", "search", 2), ("vit", "megatron", 2), ("mixtral", "megatron", 1),
-           ("mixtral", "ddp", 1), ("mixtral", "expert", 1), ("resnet", "ddp", 1),
-           ("resnet", "search", 1)]
+           ("mixtral", "ddp", 2), ("mixtral", "expert", 2), ("resnet", "ddp", 1),
+           ("resnet", "search", 2)]
 
 
 @pytest.mark.slow
@@ -111,17 +111,42 @@ def test_tied_weights_train_as_one_tensor():
         assert torch.allclose(state[name], want, rtol=0, atol=1e-6), name
 
 
-@pytest.mark.parametrize("name, why", [("resnet", "running statistics"), ("mixtral", "sort")])
-def test_microbatch_refusals(name, why):
-    """Where an op needs the whole batch at once, the micro-batch split says which, and
-    hidup.plan falls back to plain SPMD (one micro-batch) with a note that says so."""
+@pytest.mark.parametrize("name, op, kind", [("resnet", "aten.sub", "all_reduce"),
+                                             ("mixtral", "aten.sort", "all_gather")])
+def test_microbatch_joins(name, op, kind):
+    """Where an op needs the whole batch at once (BatchNorm's statistics, a router's sort), the
+    micro-batch split joins the micro-batches there (summed / concatenated), says where, and
+    Duplex is planned: every other op still runs on each micro-batch."""
     import hidup
 
     graph = capture(build(name), batch(name))
-    with pytest.raises(NoMicroBatches, match=why):
-        microbatch_split(graph, 2)
+    split = microbatch_split(graph, 2)
+    assert split.notes and op in split.notes[0], split.notes
+    joins = {conversion(split.home(t), q) for node in graph.ops
+             for t, q in zip(node.inputs, split.options[node.name].inputs)} - {None}
+    assert kind in joins, joins
+    per_mb = sum(split.home(n.name) != R for n in graph.ops)
+    assert per_mb > len(graph.ops) / 3, (per_mb, len(graph.ops))
     plan = hidup.plan(build(name), batch(name), cluster="cpu-gloo-loopback", gpus=2)
-    assert plan.micro_batches == 1 and "no Duplex" in plan.describe(), plan.describe()
+    assert "no Duplex" not in plan.describe(), plan.describe()
+
+
+def test_microbatch_parts_join_into_the_shard():
+    """A micro-batch's part along a dim the ranks do not split holds a piece of every rank's
+    block, so that the parts joined are the whole again, and a rank's parts of its shard are
+    the same rows its micro-batches hold of the whole."""
+    whole = torch.arange(48.).reshape(24, 2)
+    for k, blocks in ((2, 1), (2, 3), (3, 2)):
+        parts = [mb_part(whole, 0, k, m, blocks) for m in range(k)]
+        assert torch.equal(mb_join(parts, 0, blocks), whole)
+    world, k = 3, 2
+    for rank in range(world):
+        shard = [shard_of(whole, Shard(0), Shard(0), k, m, rank, world, True) for m in range(k)]
+        assert torch.equal(torch.cat(shard), whole.chunk(world)[rank])
+        for m in range(k):  # all-gathering the ranks' pieces of a micro-batch gives its part
+            gathered = torch.cat([shard_of(whole, Shard(0), Shard(0), k, m, r, world, True)
+                                  for r in range(world)])
+            assert torch.equal(gathered, shard_of(whole, R, Shard(0), k, m, 0, world, True))
 
 
 def test_expert_strategy_splits_grouped_matmul_experts():

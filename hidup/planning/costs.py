@@ -29,7 +29,8 @@ from functools import cached_property, lru_cache
 from importlib import resources
 from pathlib import Path
 
-from hidup.program.tasks import COLLECTIVES, HOST_MODES, Compute, Convert, Wait, kernel_tasks
+from hidup.program.tasks import (COLLECTIVES, HOST_MODES, LOCAL_KERNELS, Compute, Convert, Wait,
+                                 kernel_tasks)
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ class Profile:
             return self.kernel_time(task.flops, task.bytes)
         if task.kind == "alias":
             return 0.0
-        if task.kind == "slice":
+        if task.kind in LOCAL_KERNELS:  # a copy of its bytes
             return self.op_overhead + task.bytes / self.mem_bandwidth
         raise ProfileError(f"task {task} is a collective, not a compute-stream kernel")
 

@@ -98,7 +98,7 @@ def _scan(program: Program) -> tuple[dict[str, int], dict[str, int], dict[str, i
         for key in t.inputs:
             last[key] = i
         if type(t) is Convert:
-            _convert_sizes(numel, first, t, i, program.world)
+            _convert_sizes(numel, first, t, i, program.world, program.k)
         elif t.phase == "fwd":
             saved[(t.node, t.mb)] = t
             for key, shape in zip(t.inputs, t.in_shapes):
@@ -125,14 +125,14 @@ def _written(numel: dict[str, int], first: dict[str, int], outputs, i: int) -> N
             numel[key] = math.prod(shape)
 
 
-def _convert_sizes(numel, first, t: Convert, i: int, world: int) -> None:
+def _convert_sizes(numel, first, t: Convert, i: int, world: int, k: int) -> None:
     """A conversion reads `shape`; several inputs and outputs are a bucket, converted pairwise."""
     if t.inputs[0] not in numel:
         numel[t.inputs[0]] = math.prod(t.shape)
     for src, dst in zip(t.inputs, t.outputs):
         if dst not in first:
             first[dst] = i
-            numel[dst] = _converted_numel(t, _known(numel, src, t), world)
+            numel[dst] = _converted_numel(t, _known(numel, src, t), world, k)
 
 
 def _known(numel: dict[str, int], key: str, t: Convert) -> int:
@@ -142,8 +142,11 @@ def _known(numel: dict[str, int], key: str, t: Convert) -> int:
     return numel[key]
 
 
-def _converted_numel(t: Convert, n: int, world: int) -> int:
-    """Elements of a conversion's result: gathered x group, scattered or sliced / group."""
+def _converted_numel(t: Convert, n: int, world: int, k: int) -> int:
+    """Elements of a conversion's result: gathered x group, scattered or sliced / group; the
+    micro-batches' parts joined x k, the whole sliced / k."""
+    if t.kind in ("mb_gather", "mb_slice"):
+        return n * k if t.kind == "mb_gather" else n // k
     group = len(t.group) or world
     if t.kind == "all_gather":
         return n * group

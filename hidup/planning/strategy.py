@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hidup.graph import ops
 from hidup.graph.capture import Graph, Node
@@ -184,8 +184,13 @@ def megatron(graph: Graph, world: int) -> Strategy:
 
 def microbatch_split(graph: Graph, k: int, batch_dim: int = 0, machines: int = 1) -> Strategy:
     """How the k micro-batches of each of `machines` machines (a 2-D mesh's dim 0) split each
-    tensor: data parallel over k x machines parts with no conversion at all. Shard(d): split
-    along d; R: computed once per step on each machine (depends on parameters only); P: summed."""
+    tensor: data parallel over k x machines parts. Shard(d): split along d; R: computed once per
+    step on each machine (depends on parameters only, or on a join); P: summed.
+
+    First with no conversion at all, so that every op runs on each micro-batch. Where some op
+    cannot (a sort over the whole batch, BatchNorm's statistics over it), with joins: the
+    micro-batches' parts of a tensor concatenated (all_gather) or summed (all_reduce) into one
+    value of the whole batch, computed once per step, and sliced back for the ops after it."""
     seeds = {n.name: Shard(batch_dim) for n in graph.user_inputs}
     parts = k * machines
     what = f"{k} micro-batches" + (f" on each of {machines} machines" if machines > 1 else "")
@@ -194,13 +199,6 @@ def microbatch_split(graph: Graph, k: int, batch_dim: int = 0, machines: int = 1
             raise ValueError(f"input {n.name}: batch of {n.out.shape[batch_dim]} (dim {batch_dim} of "
                              f"{n.out.shape}) does not split into {what}; choose a "
                              f"batch divisible by {parts}")
-    batch = _from_batch(graph)
-    for buffer, node in graph.updates if parts > 1 else ():
-        if node in batch:
-            raise NoMicroBatches(
-                f"the batch cannot be split into {what}: buffer {graph.node(buffer).source} "
-                f"takes a value ({node}) computed from the whole batch, as BatchNorm's running "
-                f"statistics are")
     cache = graph.__dict__.setdefault("_microbatch_splits", {})  # the search lowers dozens
     if (batch_dim, parts) not in cache:
         keep: set[str] = set()  # ops that must keep whole what is made of whole tensors
@@ -217,11 +215,21 @@ def microbatch_split(graph: Graph, k: int, batch_dim: int = 0, machines: int = 1
                     keep |= exc.origins
                 elif parts == 1:  # nothing to split: each op sees the whole batch
                     cache[batch_dim, parts] = _one_part(graph)
-                else:  # the first op that could not take a micro-batch: repairs did not help
-                    raise NoMicroBatches(f"the batch cannot be split into micro-batches: "
-                                         f"{first or exc}") from exc
+                else:
+                    cache[batch_dim, parts] = _with_joins(graph, parts, seeds, first or exc)
                 first = first or exc
     return cache[batch_dim, parts]
+
+
+def _with_joins(graph: Graph, parts: int, seeds, first: Exception) -> Strategy:
+    """The micro-batch split where some op needs the whole batch: joins (all_gather: concatenate
+    the parts, all_reduce: sum them) and slices allowed, the fewest bytes joined first."""
+    try:
+        split = propagate(graph, parts, "micro-batches", seeds, shard_params=False,
+                          allowed={"all_gather", "all_reduce", "slice"})
+    except Unreachable as exc:  # the first op that could not take a micro-batch
+        raise NoMicroBatches(f"the batch cannot be split into micro-batches: {first}") from exc
+    return replace(split, notes=(f"micro-batches joined where {first}",))
 
 
 def _from_batch(graph: Graph) -> set[str]:

@@ -38,6 +38,15 @@ class Lowering:
         self.bucket_bytes, self.flushed = bucket_bytes, set()
         self.buckets: dict[str, list[str]] = {"world": [], "column": []}
         self.mbs_split = microbatch_split(graph, k, machines=self.machines)
+        self.parts = k * self.machines
+        self.joins = self.parts > 1 and any(  # some op reads the micro-batches joined or sliced
+            q != self.mbs_split.home(t) for n in graph.ops
+            for t, q in zip(n.inputs, self.mbs_split.options[n.name].inputs))
+        if self.joins and self.machines > 1:
+            raise LoweringError(f"{model or 'the model'}: some op needs the whole batch "
+                                f"({self.mbs_split.notes[0] if self.mbs_split.notes else 'a join'})"
+                                f", which a 2-D mesh's machines would have to join; use a 1-D "
+                                f"mesh (one machine) for it")
         rows, columns = mesh_groups(world, self.machines)
         # scope -> (rank 0's group, every group): one machine's ranks, one position on every
         # machine, or the whole world
@@ -50,12 +59,20 @@ class Lowering:
         self.home = {n.name: strategy.home(n.name) for n in graph.nodes}.__getitem__  # tensor ->
         #   where it lives after it is produced
         self.once: set[str] = set()  # the tensors held once per step, not per micro-batch
-        #   (parameters, what they make): replicated over micro-batches and made of such only
-        #   (an op that makes the same value from each micro-batch's input runs on each)
+        #   (parameters, what they make): replicated over micro-batches and made of such only,
+        #   or of the micro-batches joined (an op that makes the same value from each
+        #   micro-batch's input runs on each)
+        self.after_join: set[str] = set()  # once-per-step ops that wait for a join
         for n in graph.nodes:
+            mb_in = self.mbs_split.options[n.name].inputs if n.kind == "op" else ()
+            joined = [self.joined(t, q) for t, q in zip(n.inputs, mb_in)]
             if isinstance(self.mbs_split.home(n.name), Replicate) and \
-                    all(t in self.once for t in n.inputs):
+                    all(t in self.once or j for t, j in zip(n.inputs, joined)):
                 self.once.add(n.name)
+                if any(joined) or self.after_join & set(n.inputs):
+                    self.after_join.add(n.name)
+        self.written: set[str] = {vkey(n.name, strategy.home(n.name), m) for n in graph.nodes
+                                  if n.kind != "op" for m in self.mbs(n.name)}
         self.tasks: list[Task] = []
         self.pending: dict[str, list[int]] = {}  # value key -> collectives that write it
         self.waited: set[int] = set()  # collectives already waited for
@@ -74,6 +91,74 @@ class Lowering:
 
     def in_mb(self, t: str, m: int | None) -> int | None:
         return None if t in self.once else m
+
+    # -- micro-batches joined and sliced --------------------------------------------------------
+    def joined(self, t: str, q: Placement) -> bool:
+        """Is t read whole (q = R) where its micro-batches hold parts or partial sums of it?"""
+        return self.parts > 1 and q == R and self.mbs_split.home(t) != R
+
+    def mb_converted(self, t: str, q: Placement) -> bool:
+        """Is t read split over micro-batches as q, other than it is held (a join or a slice)?"""
+        return self.parts > 1 and q != self.mbs_split.home(t)
+
+    def read_key(self, t: str, p: Placement, q: Placement, m: int | None) -> str:
+        """The key of tensor t's value at rank placement p, split over micro-batches as q, that
+        micro-batch m reads: as held, or joined (one per step) or sliced (per micro-batch)."""
+        if not self.mb_converted(t, q):
+            return vkey(t, p, self.in_mb(t, m))
+        return f"{vkey(t, p, None if q == R else m)}~{q}"
+
+    def emit_mb_conversion(self, t: str, p: Placement, q: Placement, m: int | None) -> None:
+        """Make read_key(t, p, q, m) if not made yet: the micro-batches' parts of t concatenated
+        (mb_gather) or summed (mb_sum) into the whole value, or the whole value cut into the
+        micro-batch's part (mb_slice), all on this rank (no communication)."""
+        key, h = self.read_key(t, p, q, m), self.mbs_split.home(t)
+        if key in self.written:
+            return
+        if q == R:
+            ins = tuple(vkey(t, p, mm) for mm in range(self.k))
+            kind, mb, nbytes = ("mb_gather" if isinstance(h, Shard) else "mb_sum"), None, \
+                self.nbytes(t, p, R)
+        else:
+            if t not in self.once:
+                raise LoweringError(f"tensor {t}: sliced over micro-batches ({q}) from a value "
+                                    f"each micro-batch holds ({h}); not supported")
+            ins, kind, mb, nbytes = (vkey(t, p, None),), "mb_slice", m, self.nbytes(t, p)
+        for key_in in ins:
+            self.wait_for(key_in)
+        self.add(Convert(len(self.tasks), kind, t, h, q, "fwd", mb, self.shape(t, p), nbytes, (),
+                         ins, (key,), blocks=self.blocks(t, p, h if q == R else q)))
+
+    def blocks(self, t: str, p: Placement, split: Placement) -> int:
+        """The rank blocks a micro-batch's part of t holds along the dim they split (`split`):
+        one where p splits that dim over the ranks (the part is in this rank's block), else one
+        per rank. Each must divide evenly."""
+        if not isinstance(split, Shard) or p == split or self.world == 1:
+            return 1
+        size = self.shape(t, p, split)[split.dim]
+        if size % self.world:
+            raise LoweringError(f"tensor {t}: a micro-batch's {size} along dim {split.dim} do not "
+                                f"split into the {self.world} ranks' blocks that a join needs; "
+                                f"choose a batch divisible by micro-batches x GPUs")
+        return self.world
+
+    def inputs_ready(self, node, m: int | None) -> bool:
+        """Are the values node reads in micro-batch m written, or joins of written ones?"""
+        opt, mb_opt = self.s.options[node.name], self.mbs_split.options[node.name]
+        for t, p, q in zip(node.inputs, opt.inputs, mb_opt.inputs):
+            if self.joined(t, q):
+                needed = [vkey(t, p, mm) for mm in range(self.k)]
+            elif self.mb_converted(t, q):
+                needed = [vkey(t, p, None)]
+            else:
+                needed = [vkey(t, p, self.in_mb(t, m))]
+            if not all(key in self.written for key in needed):
+                return False
+        return True
+
+    def add(self, task: Task) -> None:
+        self.tasks.append(task)
+        self.written.update(getattr(task, "outputs", ()))
 
     # -- gradients: which tensors get one, and replicated gradients' kind (R or P) ------------
     def _grad_analysis(self) -> None:
@@ -100,16 +185,24 @@ class Lowering:
         self.reduced_at = {t for t in self.has_grad if g.node(t).kind == "op"
                            and self.home(t) == R and "P" in self.r_kinds.get(t, ())}
         self.expected: dict[str, int] = {}
+        mb_reads = set()  # (t, p, q) read joined or sliced: its backward adds to t's gradient
         for node in g.ops:
             if node.name not in self.has_grad:
                 continue
-            for t, p in zip(node.inputs, s.options[node.name].inputs):
+            mb_in = self.mbs_split.options[node.name].inputs
+            for t, p, q in zip(node.inputs, s.options[node.name].inputs, mb_in):
                 if t in self.has_grad:
                     for m in self.mbs(node.name):
-                        key = gkey(t, p, self.in_mb(t, m))
+                        key = "d" + self.read_key(t, p, q, m)
                         self.expected[key] = self.expected.get(key, 0) + 1
-        for t in self.has_grad:  # each conversion's backward adds once to t's own gradient
-            for _ in self.converted(t):
+                    if self.mb_converted(t, q):
+                        mb_reads.add((t, p, q))
+        for t, p, q in mb_reads:  # a join's gradient goes to each micro-batch; a slice's
+            for m in (range(self.k) if q == R else [None]):  # gradients, gathered, to the whole
+                key = gkey(t, p, m)
+                self.expected[key] = self.expected.get(key, 0) + 1
+        for t in self.has_grad:  # each conversion a differentiated op reads adds once, in its
+            for _ in self.converted(t, differentiated=True):  # backward, to t's own gradient
                 for m in self.mbs(t):
                     key = gkey(t, self.home(t), m)
                     self.expected[key] = self.expected.get(key, 0) + 1
@@ -132,10 +225,12 @@ class Lowering:
             return p
         return Partial() if "P" in self.r_kinds.get(t, ()) else R
 
-    def converted(self, t: str) -> list[Placement]:
-        """Placements that consumers need t in, other than its home (each needs a conversion)."""
+    def converted(self, t: str, differentiated: bool = False) -> list[Placement]:
+        """Placements that consumers (with `differentiated`: those whose backward runs) need t
+        in, other than its home (each needs a conversion)."""
         home = self.home(t)
-        return list(dict.fromkeys(p for _, _, p in self.uses[t] if p != home))
+        return list(dict.fromkeys(p for node, _, p in self.uses[t] if p != home and (
+            not differentiated or node is not None and node.name in self.has_grad)))
 
     # -- emitting tasks -----------------------------------------------------------------------
     def emit_convert(self, kind, t, src, dst, phase, m, in_key, out_key, shape, nbytes,
@@ -144,7 +239,7 @@ class Lowering:
         group, groups = self.scopes[scope] if kind in COLLECTIVES else ((), ())
         task = Convert(len(self.tasks), kind, t, src, dst, phase, m, shape, nbytes, group,
                        (in_key,), (out_key,), (out_key,) if root_only else (), groups)
-        self.tasks.append(task)
+        self.add(task)
         if task.collective:
             self.pending.setdefault(out_key, []).append(task.id)
 
@@ -152,7 +247,7 @@ class Lowering:
         for cid in self.pending.get(key, []):
             if cid not in self.waited:
                 self.waited.add(cid)
-                self.tasks.append(Wait(len(self.tasks), cid))
+                self.add(Wait(len(self.tasks), cid))
 
     def convert_for_consumers(self, t: str, m: int | None) -> None:
         home = self.home(t)
@@ -163,30 +258,41 @@ class Lowering:
                               self.shape(t, home), nbytes)
 
     def in_keys(self, node, m) -> list[str]:
-        opt = self.s.options[node.name]
-        return [vkey(t, p, self.in_mb(t, m)) for t, p in zip(node.inputs, opt.inputs)]
+        opt, mb_opt = self.s.options[node.name], self.mbs_split.options[node.name]
+        return [self.read_key(t, p, q, m) for t, p, q in zip(node.inputs, opt.inputs, mb_opt.inputs)]
 
     def blocked(self, keys) -> bool:
         """Would reading these values wait for a collective still in flight?"""
         return any(c not in self.waited for key in keys for c in self.pending.get(key, ()))
 
-    def interleave(self, nodes, emit, needs, marks=frozenset(), lead: int = 3) -> None:
+    def interleave(self, nodes, emit, needs, ready, marks=frozenset(), lead: int = 3) -> None:
         """Duplex order: run one micro-batch until it needs a collective's result still in flight,
         or until it is `lead` marked nodes ahead of the micro-batch behind it; then switch to the
-        next one, whose computation hides that communication."""
+        next one, whose computation hides that communication. A node held once per step among
+        `nodes` (after a join) runs once, when the first micro-batch that reaches it finds it
+        `ready`; a micro-batch waits (switches) at a node not yet ready."""
         ahead = [0] * len(nodes)  # marked nodes before position i
         for i, node in enumerate(nodes[:-1]):
             ahead[i + 1] = ahead[i] + (node.name in marks)
-        cursor, m = [0] * self.k, 0
+        cursor, m, done, idle = [0] * self.k, 0, set(), 0
         while any(c < len(nodes) for c in cursor):
             first = True
             while cursor[m] < len(nodes):
                 node = nodes[cursor[m]]
-                if not first and (self.blocked(needs(node, m)) or
-                                  self.too_far(cursor, m, ahead, lead)):
+                mb = None if node.name in self.once else m
+                if mb is None and node.name in done:
+                    cursor[m] += 1
+                    continue
+                if not ready(node, mb) or not first and (
+                        self.blocked(needs(node, mb)) or self.too_far(cursor, m, ahead, lead)):
                     break
-                emit(node, m)
+                emit(node, mb)
+                done.add(node.name)
                 cursor[m], first = cursor[m] + 1, False
+            idle = 0 if not first else idle + 1
+            if idle > self.k:
+                raise LoweringError(f"the micro-batches cannot go on past node {node.name} "
+                                    f"({node.op}): its inputs are never complete")
             m = (m + 1) % self.k
 
     def too_far(self, cursor, m, ahead, lead) -> bool:
@@ -200,20 +306,28 @@ class Lowering:
                 for m in self.mbs(node.name):
                     self.convert_for_consumers(node.name, m)
         self.loss_keys: list[str] = []
-        per_mb = [n for n in self.g.ops if self.mbs(n.name) != [None]]
+        per_mb = [n for n in self.g.ops if n.name not in self.once or n.name in self.after_join]
         for node in self.g.ops:  # computed once per step, from parameters only
-            if self.mbs(node.name) == [None]:
+            if node.name in self.once and node.name not in self.after_join:
                 self.forward_node(node, None)
-        self.interleave(per_mb, self.forward_node, self.in_keys)
+        self.interleave(per_mb, self.forward_node, self.in_keys, self.inputs_ready)
+        self.updates = {}  # buffer -> the key of its new value: whole on every rank, joined
+        for buffer, t in self.g.updates:  # where the micro-batches hold parts of it
+            self.updates[buffer] = self.read_key(t, R, R, 0)
+            if self.joined(t, R):
+                self.emit_mb_conversion(t, R, R, None)
         return self.loss_keys
 
     def forward_node(self, node, m) -> None:
-        opt = self.s.options[node.name]
+        opt, mb_opt = self.s.options[node.name], self.mbs_split.options[node.name]
+        for t, p, q in zip(node.inputs, opt.inputs, mb_opt.inputs):
+            if self.mb_converted(t, q):
+                self.emit_mb_conversion(t, p, q, m)
         keys = self.in_keys(node, m)
         for key in keys:
             self.wait_for(key)
         ins, out, flops, nbytes, partial = self.kernel(node)
-        self.tasks.append(Compute(
+        self.add(Compute(
             len(self.tasks), node.name, node.op, "fwd", m, flops, nbytes, ins, out, tuple(keys),
             (vkey(node.name, opt.output, m),), opt, partial))
         self.convert_for_consumers(node.name, m)
@@ -224,10 +338,10 @@ class Lowering:
         """The node's forward kernel, the same for every micro-batch: (input shapes, output
         shape, FLOPs, bytes moved, whether its output is a partial sum over micro-batches)."""
         if node.name not in self._kernels:
-            opt = self.s.options[node.name]
-            ins = tuple(self.shape(t, p) for t, p in zip(node.inputs, opt.inputs))
+            opt, mb_in = self.s.options[node.name], self.mbs_split.options[node.name].inputs
+            ins = tuple(self.shape(t, p, q) for t, p, q in zip(node.inputs, opt.inputs, mb_in))
             out = self.shape(node.name, opt.output)
-            nbytes = sum(self.nbytes(t, p) for t, p in zip(node.inputs, opt.inputs))
+            nbytes = sum(self.nbytes(t, p, q) for t, p, q in zip(node.inputs, opt.inputs, mb_in))
             self._kernels[node.name] = (
                 ins, out, forward_flops(node.op, ins, out, node.args),
                 nbytes + self.nbytes(node.name, opt.output),
@@ -252,46 +366,78 @@ class Lowering:
         loss = self.g.loss
         for m in self.mbs(loss):
             shape = self.shape(loss, self.home(loss))
-            self.tasks.append(Compute(len(self.tasks), loss, "hidup.ones", "bwd", m, 0.0, 0.0, (),
+            self.add(Compute(len(self.tasks), loss, "hidup.ones", "bwd", m, 0.0, 0.0, (),
                                       shape, (), (gkey(loss, self.home(loss), m),)))
         nodes = [n for n in reversed(self.g.ops) if n.name in self.has_grad]
-        per_mb = [n for n in nodes if self.mbs(n.name) != [None]]
+        per_mb = [n for n in nodes if n.name not in self.once or n.name in self.after_join]
         reduced = {p.name for p in self.g.params if p.name in self.has_grad
                    and isinstance(self.gplace(p.name, self.home(p.name)), Partial)}
         # a parameter's gradient is reduced once every micro-batch has added to it: no micro-batch
         # runs far ahead past nodes that add to one, so reductions start early, under the backward
         self.interleave(per_mb, self.backward_node,
                         lambda n, m: [self.out_grad(n.name, m)],
+                        lambda n, m: not self.expected.get(gkey(n.name, self.home(n.name), m)),
                         {n.name for n in per_mb if reduced & set(n.inputs)})
         for node in nodes:  # once per step, after every micro-batch's contribution
-            if self.mbs(node.name) == [None]:
+            if node.name in self.once and node.name not in self.after_join:
                 self.backward_node(node, None)
         return self.final
 
     def backward_node(self, node, m) -> None:
-        opt = self.s.options[node.name]
+        opt, mb_opt = self.s.options[node.name], self.mbs_split.options[node.name]
         grad_in = self.out_grad(node.name, m)
         self.wait_for(grad_in)
-        fwd_keys = tuple(vkey(t, p, self.in_mb(t, m)) for t, p in zip(node.inputs, opt.inputs))
+        fwd_keys = tuple(self.in_keys(node, m))
         outs, root, done = [], [], []
-        for t, p in zip(node.inputs, opt.inputs):
+        for t, p, q in zip(node.inputs, opt.inputs, mb_opt.inputs):
             if t not in self.has_grad:
                 outs.append("")
                 continue
-            key = gkey(t, p, self.in_mb(t, m))
+            key = "d" + self.read_key(t, p, q, m)
             outs.append(key)
-            done.append((t, p, self.in_mb(t, m)))
+            done.append((t, p, q, m))
             if p == R and not opt.partial_gradient(p) and self.gplace(t, p) != R:  # a whole
                 #   contribution to a Partial sum: one rank adds it
                 root.append(key)
         ins, out, fwd, nbytes, partial = self.kernel(node)  # the backward reads what the
-        nbytes += sum(self.nbytes(t, p) for t, p in zip(node.inputs, opt.inputs))  # forward
-        self.tasks.append(Compute(  # did and writes its inputs' gradients
+        nbytes += sum(self.nbytes(t, p, q) for t, p, q in  # forward
+                      zip(node.inputs, opt.inputs, mb_opt.inputs))
+        self.add(Compute(  # did and writes its inputs' gradients
             len(self.tasks), node.name, node.op, "bwd", m,
             backward_flops(node.op, fwd, ins, out, node.args),
             nbytes, ins, out, (grad_in,) + fwd_keys, tuple(outs), opt, partial, tuple(root)))
-        for t, p, mm in done:
-            self.contributed(t, p, mm)
+        for t, p, q, mm in done:
+            if self.mb_converted(t, q):
+                self.mb_contributed(t, p, q, mm)
+            else:
+                self.contributed(t, p, self.in_mb(t, mm))
+
+    def mb_contributed(self, t: str, p: Placement, q: Placement, m: int | None) -> None:
+        """One more contribution to the gradient of t read joined or sliced (q); once complete,
+        back to the micro-batches' parts (a join's: sliced, or the same to each where they were
+        summed) or to the whole (the slices' gradients, gathered once all are complete)."""
+        key = "d" + self.read_key(t, p, q, m)
+        self.expected[key] -= 1
+        if self.expected[key]:
+            return
+        h = self.mbs_split.home(t)
+        if q == R:
+            for mm in range(self.k):
+                self.emit_local("mb_slice" if isinstance(h, Shard) else "alias", t, p, q, h, mm,
+                                (key,), gkey(t, p, mm), self.shape(t, p, R))
+                self.contributed(t, p, mm)
+            return
+        pieces = tuple("d" + self.read_key(t, p, q, mm) for mm in range(self.k))
+        if not any(self.expected.get(piece) for piece in pieces):
+            self.emit_local("mb_gather", t, p, q, h, None, pieces, gkey(t, p, None),
+                            self.shape(t, p, q))
+            self.contributed(t, p, None)
+
+    def emit_local(self, kind, t, p, src, dst, m, ins, out, shape) -> None:
+        """A gradient's conversion between the micro-batches' parts and the whole (on the rank)."""
+        self.add(Convert(len(self.tasks), kind, t, src, dst, "bwd", m, shape,
+                         math.prod(shape) * self.g.node(t).out.itemsize * len(ins), (), ins,
+                         (out,), blocks=self.blocks(t, p, src if dst == R else dst)))
 
     def contributed(self, t: str, p: Placement, m: int | None) -> None:
         """One more contribution to the gradient of t held as p; once complete, send it on."""
@@ -353,7 +499,7 @@ class Lowering:
                        sum(self.nbytes(p, h) for p, h in zip(names, homes)), group,
                        tuple(gkey(p, h, None) for p, h in zip(names, homes)),
                        tuple("grad:" + p for p in names), (), groups)
-        self.tasks.append(task)
+        self.add(task)
         for key in task.outputs:
             self.pending.setdefault(key, []).append(task.id)
 
@@ -364,13 +510,13 @@ class Lowering:
             self.wait_for(key)
         numel = sum(math.prod(self.shape(p, self.home(p))) for p in self.final)
         opt = self.optimizer  # one kernel over the local parameter shards, costed per element
-        self.tasks.append(Compute(len(self.tasks), "", opt.op, "update", None,
+        self.add(Compute(len(self.tasks), "", opt.op, "update", None,
                                   float(opt.flops * numel), float(opt.bytes * numel), (), (),
                                   tuple(self.final.values()), ()))
         for task in list(self.tasks):
             if isinstance(task, Convert) and task.collective and task.id not in self.waited:
                 self.waited.add(task.id)
-                self.tasks.append(Wait(len(self.tasks), task.id))
+                self.add(Wait(len(self.tasks), task.id))
 
     def run(self) -> Program:
         loss_keys = self.forward()
@@ -378,8 +524,7 @@ class Lowering:
         self.update()
         return Program(self.model, self.g.fingerprint, self.s.name, self.ranks, self.k,
                        tuple(self.tasks), tuple(loss_keys), final, self.optimizer.name,
-                       self.machines, {buffer: vkey(t, R, self.in_mb(t, 0))
-                                       for buffer, t in self.g.updates})
+                       self.machines, self.updates)
 
 
 def lower(graph: Graph, strategy: Strategy, world: int, k: int = 1, model: str = "",

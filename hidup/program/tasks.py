@@ -11,6 +11,10 @@ from hidup.graph.placement import Placement, Shard, ShardingOption
 from hidup.planning.strategy import Strategy
 
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+# conversions on a rank's compute stream: a slice of its shard, and the micro-batches' parts of a
+# tensor concatenated or summed into the whole batch's (a join) or the whole cut into them
+MB_CONVERSIONS = ("mb_gather", "mb_sum", "mb_slice")
+LOCAL_KERNELS = ("slice", *MB_CONVERSIONS)
 MODES = ("graph", "compile", "cuda-graphs")  # how hidup.runtime.execute runs a rank's step
 HOST_MODES = ("eager", *MODES)  # whose host cost a profile can give: plain PyTorch's, or a mode's
 
@@ -95,7 +99,8 @@ class Convert:
     slice / alias on the compute stream. Its result is usable after the matching Wait."""
 
     id: int
-    kind: str  # all_gather | all_reduce | reduce_scatter | all_to_all | slice | alias
+    kind: str  # all_gather | all_reduce | reduce_scatter | all_to_all | slice | alias, or
+    #            across micro-batches (src, dst: their split): mb_gather | mb_sum | mb_slice
     tensor: str
     src: Placement
     dst: Placement
@@ -111,6 +116,9 @@ class Convert:
     # on a 2-D mesh a machine's ranks (mesh_groups' rows) or the ranks at one position on every
     # machine (its columns); () for a collective over the whole world
     groups: tuple[tuple[int, ...], ...] = ()
+    # micro-batch conversions along a dim the ranks' placement does not split: the rank blocks
+    # (world) each micro-batch's part holds there, one after another (see runtime.step.shard_of)
+    blocks: int = 1
 
     @property
     def collective(self) -> bool:
@@ -192,10 +200,10 @@ def task_label(task: Task) -> str:
 
 
 def kernel_tasks(tasks) -> list[Compute | Convert]:
-    """The compute-stream kernels among `tasks`: Computes and local slices (aliases take no
-    time)."""
+    """The compute-stream kernels among `tasks`: Computes, local slices and micro-batch joins
+    (aliases take no time)."""
     return [t for t in tasks if isinstance(t, Compute)
-            or (isinstance(t, Convert) and t.kind == "slice")]
+            or (isinstance(t, Convert) and t.kind in LOCAL_KERNELS)]
 
 
 def vkey(t: str, p: Placement, mb: int | None) -> str:
@@ -249,17 +257,21 @@ class Shapes:
 
     def __init__(self, graph: Graph, mb_split: Strategy, world: int, k: int):
         self.g, self.mb_split, self.world, self.k = graph, mb_split, world, k
-        self._shapes: dict[tuple[str, Placement], tuple[int, ...]] = {}
-        self._nbytes: dict[tuple[str, Placement], int] = {}
+        self._shapes: dict[tuple, tuple[int, ...]] = {}
+        self._nbytes: dict[tuple, int] = {}
 
-    def shape(self, t: str, p: Placement) -> tuple[int, ...]:
-        key = t, p
+    def shape(self, t: str, p: Placement, q: Placement | None = None) -> tuple[int, ...]:
+        """Local shape of t held as p, split over micro-batches as q (default: as the split
+        holds it)."""
+        key = t, p, q
         if key not in self._shapes:
-            self._shapes[key] = tensor_shape(self.g, self.mb_split, t, p, self.world, self.k)
+            self._shapes[key] = local_shape(
+                self.g.node(t).out.shape, p, self.mb_split.home(t) if q is None else q,
+                self.world, self.k, lambda: f"tensor {t} as {p}")
         return self._shapes[key]
 
-    def nbytes(self, t: str, p: Placement) -> int:
-        key = t, p
+    def nbytes(self, t: str, p: Placement, q: Placement | None = None) -> int:
+        key = t, p, q
         if key not in self._nbytes:
-            self._nbytes[key] = math.prod(self.shape(t, p)) * self.g.node(t).out.itemsize
+            self._nbytes[key] = math.prod(self.shape(t, p, q)) * self.g.node(t).out.itemsize
         return self._nbytes[key]

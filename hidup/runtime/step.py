@@ -21,7 +21,7 @@ from hidup.graph import ops
 from hidup.graph.capture import Graph
 from hidup.graph.placement import Partial, Placement, R, Shard, ShardingOption
 from hidup.planning.strategy import Strategy, microbatch_split
-from hidup.program.tasks import Compute, Convert, Program, Wait, vkey
+from hidup.program.tasks import MB_CONVERSIONS, Compute, Convert, Program, Wait, vkey
 from hidup.runtime.passes import simplify
 
 _C = torch.ops._c10d_functional
@@ -29,14 +29,28 @@ INPUT_TASK = -1  # the graph nodes that cut the global batch into this rank's sh
 
 
 def shard_of(full: torch.Tensor, placement: Placement, mb_placement: Placement, k: int,
-             mb: int | None, rank: int, world: int) -> torch.Tensor:
-    """This rank's piece of micro-batch `mb` of a whole tensor: micro-batch split first, then mesh."""
+             mb: int | None, rank: int, world: int, rank_blocks: bool = False) -> torch.Tensor:
+    """This rank's piece of micro-batch `mb` of a whole tensor: the micro-batch's part first, then
+    the mesh's split of it. The part is the whole's k-th block, or with `rank_blocks` the mb-th
+    piece of each rank's block (so that a rank's micro-batches, joined, are its shard)."""
     x = full
     if isinstance(mb_placement, Shard) and mb is not None and k > 1:
-        x = x.chunk(k, dim=mb_placement.dim)[mb]
+        x = mb_part(x, mb_placement.dim, k, mb, world if rank_blocks else 1)
     if isinstance(placement, Shard) and world > 1:
         x = x.chunk(world, dim=placement.dim)[rank]
     return x.contiguous()
+
+
+def mb_part(whole: torch.Tensor, dim: int, k: int, mb: int, blocks: int) -> torch.Tensor:
+    """Micro-batch mb's part of `whole` along dim: the mb-th of k pieces of each of `blocks`
+    blocks, one after another."""
+    return torch.cat([b.chunk(k, dim=dim)[mb] for b in whole.chunk(blocks, dim=dim)], dim=dim)
+
+
+def mb_join(parts: list[torch.Tensor], dim: int, blocks: int) -> torch.Tensor:
+    """The whole of which `parts` are the micro-batches' (mb_part's inverse)."""
+    pieces = [p.chunk(blocks, dim=dim) for p in parts]
+    return torch.cat([piece[b] for b in range(blocks) for piece in pieces], dim=dim)
 
 
 @dataclass(frozen=True)
@@ -67,6 +81,10 @@ class _TaskRunner:
         self.mbs = microbatch_split(self.g, self.k, machines=self.p.machines)
         self.backward_of = {(t.node, t.mb) for t in self.p.tasks if isinstance(t, Compute)
                             and t.phase == "bwd" and t.op != "hidup.ones"}
+        # where micro-batches are joined, each one's part of the batch is a piece of every
+        # rank's block (shard_of), so that joined they make this rank's shard
+        self.rank_blocks = any(isinstance(t, Convert) and t.kind in MB_CONVERSIONS
+                               for t in self.p.tasks)
 
     def __call__(self, params, buffers, inputs, lr):
         """params, buffers, inputs: lists in the graph's order (this rank's parameter shards, the
@@ -98,12 +116,13 @@ class _TaskRunner:
         for node in self.g.nodes:
             if node.kind not in given:
                 continue
-            full = next(given[node.kind])
+            full, split = next(given[node.kind]), self.mbs.home(node.name)
+            if node.kind == "input" and isinstance(split, Shard) and self.p.machines > 1:
+                full = full.chunk(self.p.machines, dim=split.dim)[self.machine]  # this machine's
             for m in ([None] if node.kind == "buffer" else range(self.k)):
-                part = None if m is None else self.machine * self.k + m  # this machine's m
                 self.env[vkey(node.name, self.s.home(node.name), m)] = shard_of(
-                    full, self.s.home(node.name), self.mbs.home(node.name),
-                    self.k * self.p.machines, part, self.rank, self.world)
+                    full, self.s.home(node.name), split, self.k, m, self.rank, self.world,
+                    self.rank_blocks)
 
     def run_task(self, task, params, lr) -> None:
         if isinstance(task, Wait):
@@ -121,12 +140,14 @@ class _TaskRunner:
 
     def accumulate(self, key: str, value: torch.Tensor, root_only: bool = False) -> None:
         """Add one contribution to a gradient (or set its first). In place, as autograd's
-        AccumulateGrad does, into a buffer no other value shares; else into a new one."""
+        AccumulateGrad does, into a buffer no other value shares (nor two of its own elements,
+        as an expanded one does); else into a new one."""
         if root_only and self.rank != 0:
             value = torch.zeros_like(value)
         if key not in self.env:
             self.env[key] = value
-        elif self.env.alone(key):
+        elif self.env.alone(key) and all(stride or size == 1 for stride, size in
+                                         zip(self.env[key].stride(), self.env[key].shape)):
             self.env[key].add_(value)
         else:
             self.env[key] = self.env[key] + value
@@ -209,6 +230,8 @@ class _TaskRunner:
     # -- conversions ------------------------------------------------------------------------
     def convert(self, task: Convert) -> None:
         root = bool(task.root_only)
+        if task.kind in MB_CONVERSIONS:
+            return self.mb_conversion(task)
         if len(task.inputs) > 1:
             return self.bucket_all_reduce(task)
         x, out_key = self.env[task.inputs[0]], task.outputs[0]
@@ -226,6 +249,20 @@ class _TaskRunner:
                 result = self.collective(task, sent)
             self.pending[task.id] = lambda: self.accumulate(
                 out_key, unpack(self.wait(result), task, n), root)
+
+    def mb_conversion(self, task: Convert) -> None:
+        """The micro-batches' parts of a tensor on this rank, joined (concatenated or summed),
+        or the whole cut into one micro-batch's part."""
+        parts = [self.env[key] for key in task.inputs]
+        if task.kind == "mb_gather":
+            value = mb_join(parts, task.src.dim, task.blocks)
+        elif task.kind == "mb_sum":
+            value = parts[0]
+            for part in parts[1:]:
+                value = value + part
+        else:
+            value = mb_part(parts[0], task.dst.dim, self.k, task.mb, task.blocks).contiguous()
+        self.accumulate(task.outputs[0], value)
 
     def bucket_all_reduce(self, task: Convert) -> None:
         """Several gradients all-reduced as one flat buffer (a DDP bucket)."""
