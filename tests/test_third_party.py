@@ -77,14 +77,11 @@ def check(results, cases):
 
 # Duplex (k = 2) for all six: ResNet's BatchNorm statistics and Mixtral's router (it sorts every
 # token of the batch together) join the micro-batches there (test_microbatch_joins)
-CASES = [(m, how, 1) for m in MODELS for how in ("ddp", "megatron")]
-CASES += [(m, "search", 1) for m in ("mixtral", "resnet")] + [("mixtral", "expert", 1)]
-CASES += [(m, how, 2) for m in MODELS for how in ("ddp", "megatron", "search", "random")]
-CASES += [("mixtral", "expert", 2)]
-CASES_4 = [("gpt2", "megatron", 2), ("llama", "ddp", 2), ("llama", "random", 1),
-           ("bert", "search", 2), ("vit", "megatron", 2), ("mixtral", "megatron", 1),
-           ("mixtral", "ddp", 2), ("mixtral", "expert", 2), ("resnet", "ddp", 1),
-           ("resnet", "search", 2)]
+# every family under ddp, megatron and the searched plan, plain SPMD and Duplex (k = 2; ResNet's
+# BatchNorm statistics and Mixtral's router sort join the micro-batches: test_microbatch_joins)
+PLANS = [(m, how, k) for m in MODELS for how in ("ddp", "megatron", "search") for k in (1, 2)]
+CASES = PLANS + [(m, "random", 2) for m in MODELS] + [("mixtral", "expert", k) for k in (1, 2)]
+CASES_4 = PLANS + [("llama", "random", 1), ("mixtral", "expert", 2)]
 
 
 @pytest.mark.slow
@@ -127,8 +124,9 @@ def test_microbatch_joins(name, op, kind):
     assert kind in joins, joins
     per_mb = sum(split.home(n.name) != R for n in graph.ops)
     assert per_mb > len(graph.ops) / 3, (per_mb, len(graph.ops))
-    plan = hidup.plan(build(name), batch(name), cluster="cpu-gloo-loopback", gpus=2)
-    assert "no Duplex" not in plan.describe(), plan.describe()
+    plan = hidup.plan(build(name), batch(name), cluster="cpu-gloo-loopback", gpus=2,
+                      micro_batches=2)
+    assert "Duplex with 2 micro-batches" in plan.describe(), plan.describe()
 
 
 def test_microbatch_parts_join_into_the_shard():
