@@ -4,7 +4,7 @@ options come from (an overlay rule, DTensor's strategies, or none: replicated), 
 `hidup.plan` takes to search a plan, and whether that plan trained on 2 gloo ranks equals eager
 single-device training (loss and every gradient).
 
-    python -m experiments.model_coverage [--models gpt2,llama] [--gpus 2]
+    python -m experiments.model_coverage [--models gpt2,llama] [--gpus 2] [--micro-batches 2]
     python -m experiments.model_coverage --models Qwen2Config:Qwen2ForCausalLM
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ LR = 1e3  # one SGD step's update is -LR x the gradient: far above the weights, 
 CLUSTER = "cpu-gloo-loopback"
 
 
-def _rank(rank: int, world: int, store: str, name: str, out: str) -> None:
+def _rank(rank: int, world: int, store: str, name: str, out: str, k: int | None) -> None:
     """One rank: plan the model, train one SGD step (lr LR), save the loss and the whole
     parameters."""
     from experiments.third_party import build, model_spec
@@ -40,7 +40,8 @@ def _rank(rank: int, world: int, store: str, name: str, out: str) -> None:
     try:
         model = build(name)
         batch = model_spec(name).batch(BATCH, torch.Generator().manual_seed(1))
-        plan = hidup.plan(model, batch, cluster=CLUSTER, gpus=world, optimizer="sgd")
+        plan = hidup.plan(model, batch, cluster=CLUSTER, gpus=world, optimizer="sgd",
+                          micro_batches=k)
         trainer = hidup.parallelize(model, plan, optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
         loss = float(trainer.step(*batch))
         whole = trainer.full_state_dict()  # every rank: it gathers the shards
@@ -51,8 +52,9 @@ def _rank(rank: int, world: int, store: str, name: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def equals_eager(name: str, world: int) -> tuple[bool, str]:
-    """Train one step of the searched plan on `world` ranks; compare loss and update (minus the
+def equals_eager(name: str, world: int, k: int | None = None) -> tuple[bool, str]:
+    """Train one step of the searched plan (with k micro-batches; None: as HiDup chooses) on
+    `world` ranks; compare loss and update (minus the
     gradient) with eager PyTorch's."""
     from experiments.third_party import build, model_spec
 
@@ -62,7 +64,7 @@ def equals_eager(name: str, world: int) -> tuple[bool, str]:
     ref.backward()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.pt")
-        mp.spawn(_rank, args=(world, os.path.join(tmp, "store"), name, out), nprocs=world)
+        mp.spawn(_rank, args=(world, os.path.join(tmp, "store"), name, out, k), nprocs=world)
         loss, trained = torch.load(out)
     named = [(n, p) for n, p in eager.named_parameters(remove_duplicate=False)
              if p.grad is not None and n in trained]
@@ -77,7 +79,7 @@ def equals_eager(name: str, world: int) -> tuple[bool, str]:
     return ok, f"loss {loss:.6f} vs {ref.item():.6f}, worst gradient error {worst:.1e}"
 
 
-def coverage(name: str, world: int) -> dict:
+def coverage(name: str, world: int, k: int | None = None) -> dict:
     from experiments.third_party import build, model_spec
 
     row = {"model": name}
@@ -88,14 +90,14 @@ def coverage(name: str, world: int) -> dict:
         row.update(Counter(ops.source(graph, n) for n in graph.ops))
         row["replicated ops"] = sorted({n.op for n in ops.replicated_ops(graph)})
         start = time.perf_counter()
-        plan = hidup.plan(model, batch, cluster=CLUSTER, gpus=world)
+        plan = hidup.plan(model, batch, cluster=CLUSTER, gpus=world, micro_batches=k)
         row["plan s"] = time.perf_counter() - start
         row["plan"] = plan.describe()
     except Exception as exc:  # a row that says what failed, and the table goes on
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         return row
     try:
-        row["equal"], row["detail"] = equals_eager(name, world)
+        row["equal"], row["detail"] = equals_eager(name, world, k)
     except Exception as exc:  # training failed on a rank: the row says how
         row["equal"] = False
         row["detail"] = f"training failed: {str(exc).strip().splitlines()[-1][:200]}"
@@ -112,11 +114,14 @@ def main(argv=None) -> int:
                         f"transformers model as ConfigClass:ModelClass (e.g. "
                         f"Qwen2Config:Qwen2ForCausalLM), built at a tiny size")
     p.add_argument("--gpus", type=int, default=2, help="gloo ranks to train on (default 2)")
+    p.add_argument("--micro-batches", type=int, default=None, metavar="K",
+                   help="plan with K micro-batches per rank (1: plain SPMD, 2 or more: Duplex; "
+                        "default: as hidup.plan chooses)")
     args = p.parse_args(argv)
     print(f"{'model':8} {'ops':>4} {'overlay':>7} {'dtensor':>7} {'replic.':>7} {'plan s':>6}  "
           f"equals eager on {args.gpus} ranks")
     for name in args.models.split(","):
-        row = coverage(name, args.gpus)
+        row = coverage(name, args.gpus, args.micro_batches)
         if "error" in row:
             print(f"{name:8} fails: {row['error']}")
             continue

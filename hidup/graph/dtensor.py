@@ -85,12 +85,25 @@ def shape_arg(op) -> int | None:
     return index[0] if isinstance(index, tuple) else index
 
 
+_ASKED: dict[tuple, list[ShardingOption] | None] = {}  # the answers for each call signature
+
+
 def options(node: Node, in_metas: tuple[TensorMeta, ...]) -> list[ShardingOption] | None:
-    """The node's options from DTensor (all-replicated first), or None where DTensor has none."""
-    api = _dtensor()
+    """The node's options from DTensor (all-replicated first), or None where DTensor has none.
+    A model's repeated layers ask the same question many times: each is answered once (the
+    answer depends on the op, its arguments and its tensors' shapes and dtypes only)."""
     op = node.target
     if not isinstance(op, torch._ops.OpOverload) or not covers(op):
         return None
+    key = (op, in_metas, node.out, node.out_index, repr(node.args), repr(node.kwargs))
+    if key not in _ASKED:
+        _ASKED[key] = _options(node, in_metas)
+    return _ASKED[key]
+
+
+def _options(node: Node, in_metas: tuple[TensorMeta, ...]) -> list[ShardingOption] | None:
+    api = _dtensor()
+    op = node.target
     try:
         if op in api.prop.op_single_dim_strategy_funcs:
             found = _single_dim(api, node, in_metas)

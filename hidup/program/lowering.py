@@ -39,7 +39,7 @@ class Lowering:
         self.buckets: dict[str, list[str]] = {"world": [], "column": []}
         self.mbs_split = microbatch_split(graph, k, machines=self.machines)
         self.parts = k * self.machines
-        self.joins = self.parts > 1 and any(  # some op reads the micro-batches joined or sliced
+        self.joins: bool = self.parts > 1 and any(  # an op reads micro-batches joined or sliced
             q != self.mbs_split.home(t) for n in graph.ops
             for t, q in zip(n.inputs, self.mbs_split.options[n.name].inputs))
         if self.joins and self.machines > 1:
@@ -95,11 +95,11 @@ class Lowering:
     # -- micro-batches joined and sliced --------------------------------------------------------
     def joined(self, t: str, q: Placement) -> bool:
         """Is t read whole (q = R) where its micro-batches hold parts or partial sums of it?"""
-        return self.parts > 1 and q == R and self.mbs_split.home(t) != R
+        return self.joins and q == R and self.mbs_split.home(t) != R
 
     def mb_converted(self, t: str, q: Placement) -> bool:
         """Is t read split over micro-batches as q, other than it is held (a join or a slice)?"""
-        return self.parts > 1 and q != self.mbs_split.home(t)
+        return self.joins and q != self.mbs_split.home(t)
 
     def read_key(self, t: str, p: Placement, q: Placement, m: int | None) -> str:
         """The key of tensor t's value at rank placement p, split over micro-batches as q, that
@@ -143,7 +143,10 @@ class Lowering:
         return self.world
 
     def inputs_ready(self, node, m: int | None) -> bool:
-        """Are the values node reads in micro-batch m written, or joins of written ones?"""
+        """Are the values node reads in micro-batch m written, or joins of written ones? (Without
+        joins, always: node order is the graph's.)"""
+        if not self.joins:
+            return True
         opt, mb_opt = self.s.options[node.name], self.mbs_split.options[node.name]
         for t, p, q in zip(node.inputs, opt.inputs, mb_opt.inputs):
             if self.joined(t, q):
@@ -336,16 +339,23 @@ class Lowering:
 
     def kernel(self, node) -> tuple:
         """The node's forward kernel, the same for every micro-batch: (input shapes, output
-        shape, FLOPs, bytes moved, whether its output is a partial sum over micro-batches)."""
+        shape, FLOPs, bytes moved, whether its output is a partial sum over micro-batches).
+        Kept with the graph for each option, world and split: the search lowers dozens of
+        strategies that share most of their options."""
         if node.name not in self._kernels:
-            opt, mb_in = self.s.options[node.name], self.mbs_split.options[node.name].inputs
-            ins = tuple(self.shape(t, p, q) for t, p, q in zip(node.inputs, opt.inputs, mb_in))
-            out = self.shape(node.name, opt.output)
-            nbytes = sum(self.nbytes(t, p, q) for t, p, q in zip(node.inputs, opt.inputs, mb_in))
-            self._kernels[node.name] = (
-                ins, out, forward_flops(node.op, ins, out, node.args),
-                nbytes + self.nbytes(node.name, opt.output),
-                isinstance(self.mbs_split.options[node.name].output, Partial))
+            opt, mb_opt = self.s.options[node.name], self.mbs_split.options[node.name]
+            key = node.name, opt, mb_opt, self.world, self.parts
+            shared = self.g.__dict__.setdefault("_kernels", {})
+            if key not in shared:
+                mb_in = mb_opt.inputs
+                ins = tuple(self.shape(t, p, q) for t, p, q in zip(node.inputs, opt.inputs, mb_in))
+                out = self.shape(node.name, opt.output)
+                nbytes = sum(self.nbytes(t, p, q)
+                             for t, p, q in zip(node.inputs, opt.inputs, mb_in))
+                shared[key] = (ins, out, forward_flops(node.op, ins, out, node.args),
+                               nbytes + self.nbytes(node.name, opt.output),
+                               isinstance(mb_opt.output, Partial))
+            self._kernels[node.name] = shared[key]
         return self._kernels[node.name]
 
     def _report_loss(self, m) -> str:
