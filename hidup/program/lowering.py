@@ -262,7 +262,8 @@ class Lowering:
 
     def in_keys(self, node, m) -> list[str]:
         opt, mb_opt = self.s.options[node.name], self.mbs_split.options[node.name]
-        return [self.read_key(t, p, q, m) for t, p, q in zip(node.inputs, opt.inputs, mb_opt.inputs)]
+        return [self.read_key(t, p, q, m)
+                for t, p, q in zip(node.inputs, opt.inputs, mb_opt.inputs)]
 
     def blocked(self, keys) -> bool:
         """Would reading these values wait for a collective still in flight?"""
@@ -279,7 +280,7 @@ class Lowering:
             ahead[i + 1] = ahead[i] + (node.name in marks)
         cursor, m, done, idle = [0] * self.k, 0, set(), 0
         while any(c < len(nodes) for c in cursor):
-            first = True
+            first, start = True, cursor[m]
             while cursor[m] < len(nodes):
                 node = nodes[cursor[m]]
                 mb = None if node.name in self.once else m
@@ -292,7 +293,7 @@ class Lowering:
                 emit(node, mb)
                 done.add(node.name)
                 cursor[m], first = cursor[m] + 1, False
-            idle = 0 if not first else idle + 1
+            idle = 0 if cursor[m] > start else idle + 1
             if idle > self.k:
                 raise LoweringError(f"the micro-batches cannot go on past node {node.name} "
                                     f"({node.op}): its inputs are never complete")
