@@ -9,6 +9,7 @@ import pytest
 from calibration.trace import TraceError, breakdown, load_trace, main
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+needs_traces = pytest.mark.skipif(not TRACES.is_dir(), reason=f"needs the traces at {TRACES}")
 # trace: (wall ms, computation ms, communication ms, overlap) as the README gives them
 README = {"v100-1x4-nvlink/hidup": (387.3, 370.1, 34.8, 0.68),
           "v100-1x4-nvlink/ddp": (401.0, 390.6, 59.5, 0.87),
@@ -17,6 +18,7 @@ README = {"v100-1x4-nvlink/hidup": (387.3, 370.1, 34.8, 0.68),
           "v100-2x4/hidup": (458.9, 368.7, 141.2, 0.42)}
 
 
+@needs_traces
 @pytest.mark.parametrize("name", sorted(README))
 def test_breakdown_matches_the_readme(name):
     wall, computation, communication, overlap = README[name]
@@ -39,6 +41,7 @@ H100 = {"bert-sgmoe-paper-fp32": ((72.0, 72.8, 74.1, 72.3), (68.6, 68.6)),
         "switch-trace-paper-bf16": ((114.4, 119.9, 141.0, 137.2), (21.0, 21.3))}
 
 
+@needs_traces
 @pytest.mark.parametrize("name", sorted(H100))
 def test_h100_traces_are_read(name):
     """Four steps (not eight: the device's copies of the step marks are not steps), their GPU

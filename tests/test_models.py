@@ -15,6 +15,8 @@ from hidup.runtime.data import build_vocabulary, eval_batches, load_tokens, rand
 from hidup.train import main as train
 
 WIKI = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2"
+needs_wiki = pytest.mark.skipif(not (WIKI / "valid.txt").is_file(),
+                                reason=f"needs WikiText-2 at {WIKI} (../shared/data)")
 
 
 @pytest.mark.parametrize("name", [n for n in names() if n.endswith(":paper")])
@@ -55,6 +57,7 @@ def test_gating_slots_capacity_and_second_choices():
     assert torch.allclose(combine[0, 0, 1, 1], probs[0, 1])
 
 
+@needs_wiki
 def test_vocabulary_and_batches():
     vocab = build_vocabulary(WIKI / "valid.txt")
     assert vocab.words[:3] == ("<mask>", "<unk>", "<eos>") and len(vocab) > 10000
@@ -67,6 +70,7 @@ def test_vocabulary_and_batches():
 
 
 @pytest.mark.slow
+@needs_wiki
 def test_bert_trains_on_wikitext_and_reports_perplexity(capsys):
     assert train(["--model", "bert-switch:tiny", "--data", str(WIKI / "valid.txt"), "--eval",
                   str(WIKI / "test.txt"), "--steps", "12", "--warmup", "2", "--optimizer", "sgd",

@@ -1,18 +1,18 @@
 """Property: a random valid strategy (a random option per node) trains exactly like one device,
-for every model, Duplex on and off, on 2 and 4 gloo ranks."""
+for every model, Duplex on and off, on 2 and 4 gloo ranks. The strategies are drawn anew on each
+run from a seed the test prints (HIDUP_TEST_SEED draws them again)."""
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from conftest import build_model, run_ranks
 from hidup.graph.capture import capture
 from hidup.models import get_model
 from hidup.planning.strategy import random_strategy
-from hidup.program import LoweringError, lower
+from hidup.program import lower
 from hidup.runtime.execute import Executor, full_tensor
 from test_equivalence import batch_of, reference, rel_err
 
@@ -27,10 +27,7 @@ def random_runs(rank, world, name, seeds):
     for seed in seeds:
         k = 1 + seed % 2
         strategy = random_strategy(graph, world, random.Random(seed), divide=world * k)
-        try:
-            program = lower(graph, strategy, world, k, name)
-        except LoweringError:
-            continue  # a random split that does not divide this model's sizes
+        program = lower(graph, strategy, world, k, name)  # every one lowers: a failure else
         model = build_model(spec)
         ex = Executor(graph, strategy, program, dict(model.named_parameters()),
                       buffers=dict(model.named_buffers()))
@@ -42,18 +39,22 @@ def random_runs(rank, world, name, seeds):
     return out
 
 
+# a new draw on every run; HIDUP_TEST_SEED=N draws the same strategies again
+SEED = int(os.environ.get("HIDUP_TEST_SEED") or random.SystemRandom().randrange(2**31))
+STRATEGIES = 12  # per model and world size, half with Duplex (k = 2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", MODELS)
-@settings(max_examples=2, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seeds=st.lists(st.integers(0, 2**31), min_size=6, max_size=6, unique=True))
-def test_random_strategy_matches_single_device(world, name, seeds):
+def test_random_strategy_matches_single_device(world, name):
+    print(f"HIDUP_TEST_SEED={SEED}: set it to draw these strategies again")
+    seeds = random.Random(f"{SEED} {name} {world}").sample(range(2**31), STRATEGIES)
     ref_loss, ref_grads = reference(name, world)
     scale = 1e-3 * max(float(g.norm()) for g in ref_grads.values())
     results = run_ranks(world, random_runs, name, seeds)[0]
-    assert results, "every random strategy failed to lower"
+    assert sorted(results) == sorted(seeds), f"HIDUP_TEST_SEED={SEED}"
     for seed, (text, loss, grads) in results.items():
-        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (seed, text)
+        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (SEED, seed, text)
         for pname, g in grads.items():
-            assert rel_err(g, ref_grads[pname], scale) <= 1e-5, (seed, pname, text)
+            assert rel_err(g, ref_grads[pname], scale) <= 1e-5, (SEED, seed, pname, text)

@@ -78,13 +78,17 @@ def test_the_search_alone_matches_or_beats_the_best_fixed_strategy(model, world,
     assert found.estimate.step_time <= fixed_time * (1 + 1e-9), (found.candidates, fixed_name)
 
 
-def test_paper_size_search_beats_or_matches_every_baseline():
+def test_paper_size_search_alone_matches_or_beats_every_baseline():
+    """At the paper's size on the 8 x 8 cluster, the search with no fixed strategy among its
+    candidates finds a plan at least as fast as each of them (with or without Duplex), and the
+    simulator times the plan it returns as its estimate does."""
     spec = get_model("bert-sgmoe:paper", gpus=8)
     graph = capture_model(spec, spec.batch)
     profile = load_profile(PROFILE)
-    found = search(graph, 8, profile, k=2, baselines=baselines(graph, 8))
-    assert {n.split()[0] for n, _ in found.candidates} >= {"ddp", "megatron", "expert"}
-    assert found.candidates[0][1] == found.estimate.step_time
+    found = search(graph, 8, profile, k=2)  # no baselines
+    assert not {n.split()[0] for n, _ in found.candidates} & set(baselines(graph, 8))
+    best_time, best_name = _best_fixed(graph, 8, profile)
+    assert found.estimate.step_time <= best_time * (1 + 1e-9), (found.candidates, best_name)
     sim = simulate(lower(graph, found.strategy, 8, found.k), profile).step_time
     assert found.estimate.step_time == pytest.approx(sim, rel=1e-9)
 
@@ -169,7 +173,6 @@ def test_the_duplex_search_alone_finds_what_the_plain_search_finds(model, world,
         alone = Search(graph, world, profile, 1, machines=mesh).run()[0].cost
         both = Search(graph, world, profile, 2, machines=mesh).run()
         assert min(label.plain for label in both) <= alone * 1.001
-        assert all(label.best == min(label.cost, label.plain) for label in both)
 
 
 def test_a_tensor_is_converted_once_per_placement_however_many_read_it():
