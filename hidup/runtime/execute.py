@@ -13,7 +13,7 @@ import torch.distributed as dist
 from hidup.graph.capture import Graph
 from hidup.graph.placement import Partial, Placement, Shard
 from hidup.planning.strategy import Strategy
-from hidup.program.tasks import MODES, Program, mesh_groups, task_label
+from hidup.program.tasks import MODES, Program, task_label
 from hidup.runtime.passes import inductor_segments, with_hooks
 from hidup.runtime.step import INPUT_TASK, StepSpec, shard_of, trace_step
 
@@ -58,8 +58,12 @@ class Executor:
         names = {}  # calibration.ops stands collectives in locally, with no group
         if self.world > 1 and not local_collectives:
             names = {tuple(range(self.world)): (group or dist.group.WORLD).group_name}
-            made = {g: mesh_group(g) for g in _row_and_column(program)}  # every rank makes all
-            names.update({g: made[g].group_name for g in made if self.rank in g})
+            if program.machines > 1:  # this rank's row (its machine) and column, from the mesh
+                mesh = device_mesh(self.device, program.mesh)
+                for dim in (0, 1):
+                    ranks = tuple(dist.get_process_group_ranks(mesh.get_group(dim)))
+                    if len(ranks) > 1:
+                        names[ranks] = mesh.get_group(dim).group_name
         self.spec = StepSpec(graph, strategy, program, self.rank, names, autocast,
                              self.device.type, local_collectives)
         self._steps: dict[tuple, object] = {}
@@ -121,8 +125,7 @@ class Executor:
         ranks a parameter's shards are split over."""
         if self.p.machines == 1:
             return None
-        rows, _ = mesh_groups(self.world, self.p.machines)
-        return mesh_group(rows[self.rank // self.per_machine])
+        return device_mesh(self.device, self.p.mesh).get_group(1)
 
     def full(self, node: str, local: torch.Tensor) -> torch.Tensor:
         """Parameter `node`'s whole tensor from this rank's shard `local` (or its gradient's),
@@ -130,25 +133,20 @@ class Executor:
         return full_tensor(local, self.s.home(node), self.per_machine, self.row_group)
 
 
-_GROUPS: dict = {}
+_MESHES: dict = {}
 
 
-def mesh_group(ranks: tuple[int, ...]):
-    """The process group of `ranks` (made once per default group; every rank makes every
-    group, in the same order)."""
-    key = (id(dist.group.WORLD), ranks)
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(ranks))
-    return _GROUPS[key]
+def device_mesh(device: torch.device, mesh: tuple[int, int]):
+    """The DeviceMesh of a plan over the default process group, made once per default group:
+    1-D over the world, or machines x ranks per machine (dim 0: a rank's column, the same
+    position on every machine; dim 1: its row, its machine's ranks, as
+    hidup.program.mesh_groups numbers them)."""
+    key = (id(dist.group.WORLD), device.type, mesh)
+    if key not in _MESHES:
+        from torch.distributed.device_mesh import init_device_mesh
 
-
-def _row_and_column(program: Program) -> list[tuple[int, ...]]:
-    """Every row and column of a 2-D mesh's program (none on a 1-D mesh), in one order on
-    every rank: dist.new_group must be called so."""
-    if program.machines == 1:
-        return []
-    rows, columns = mesh_groups(program.world, program.machines)
-    return [g for g in (*rows, *columns) if len(g) > 1]
+        _MESHES[key] = init_device_mesh(device.type, mesh if mesh[0] > 1 else (mesh[1],))
+    return _MESHES[key]
 
 
 def _check(program: Program, mode: str, device: torch.device) -> None:

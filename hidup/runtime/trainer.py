@@ -28,7 +28,7 @@ from hidup.graph.placement import R, Shard
 from hidup.planning.planfile import PlanError, check
 from hidup.planning.strategy import fixed_strategy
 from hidup.program import lower
-from hidup.runtime.execute import Executor
+from hidup.runtime.execute import Executor, device_mesh
 from hidup.runtime.materialize import is_meta, local_weights
 from hidup.runtime.step import shard_of
 
@@ -302,7 +302,7 @@ class Trainer:
 
         shape = self._full_shape(node, local)
         stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(local, _mesh(self.device, self.program.mesh),
+        return DTensor.from_local(local, device_mesh(self.device, self.program.mesh),
                                   self._placements(node),
                                   run_check=False, shape=torch.Size(shape), stride=stride)
 
@@ -391,19 +391,6 @@ def _default_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
     return torch.device("cpu")
-
-
-_MESHES: dict = {}
-
-
-def _mesh(device: torch.device, mesh: tuple[int, int]):
-    """The DeviceMesh of a plan: 1-D over the world, or machines x ranks per machine."""
-    key = (device.type, mesh)
-    if key not in _MESHES:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        _MESHES[key] = init_device_mesh(device.type, mesh if mesh[0] > 1 else (mesh[1],))
-    return _MESHES[key]
 
 
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam",
