@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from hidup.program import lowering
+from hidup.program import buckets as buckets_module
 from hidup.planning.strategy import data_parallel, megatron
 from hidup.program import Compute, Convert, LoweringError, Wait, lower
 
@@ -60,7 +60,7 @@ def test_gradients_are_bucketed_like_ddp(tiny_graphs):
 def test_the_first_bucket_is_small_as_in_ddp(tiny_graphs, monkeypatch):
     """The first bucket closes at FIRST_BUCKET_BYTES, so its all-reduce runs under the rest of
     the backward; the others at the cap."""
-    monkeypatch.setattr(lowering, "FIRST_BUCKET_BYTES", 20_000)
+    monkeypatch.setattr(buckets_module, "FIRST_BUCKET_BYTES", 20_000)
     _, _, graph = tiny_graphs["gpt:tiny"]
     sizes = {p.name: p.out.nbytes for p in graph.params}
     buckets = [t for t in lower(graph, data_parallel(graph, 2), 2, k=1, bucket_bytes=10**9)
