@@ -10,9 +10,9 @@ from conftest import run_ranks
 from test_equivalence import one_step, rel_err
 
 from hidup.graph.capture import capture
+from hidup.graph.placement import R, Shard
 from hidup.planning.costs import load_profile
 from hidup.planning.search import search
-from hidup.graph.placement import R, Shard
 from hidup.planning.strategy import conversion, fixed_strategy, microbatch_split, random_strategy
 from hidup.runtime.step import mb_join, mb_part, shard_of
 
@@ -75,8 +75,6 @@ def check(results, cases):
                 assert err <= 1e-4, (case, pname, err)
 
 
-# Duplex (k = 2) for all six: ResNet's BatchNorm statistics and Mixtral's router (it sorts every
-# token of the batch together) join the micro-batches there (test_microbatch_joins)
 # every family under ddp, megatron and the searched plan, plain SPMD and Duplex (k = 2; ResNet's
 # BatchNorm statistics and Mixtral's router sort join the micro-batches: test_microbatch_joins)
 PLANS = [(m, how, k) for m in MODELS for how in ("ddp", "megatron", "search") for k in (1, 2)]

@@ -11,8 +11,8 @@ from hidup.program.tasks import FIRST_BUCKET_BYTES, Compute, Convert, Wait, gkey
 
 class GradientBuckets:
     """Lowering's gradient reductions and update. It reads the Lowering's machines, buckets,
-    bucket_bytes, flushed, final, scopes, optimizer and tasks, and calls its home, gplace,
-    shape, nbytes, wait_for and add."""
+    bucket_bytes, flushed, final, scopes, optimizer, tasks, pending and waited, and calls its
+    home, gplace, shape, nbytes, wait_for and add."""
 
     def param_grad(self, t: str, home: Placement) -> None:
         """Parameter t's gradient is complete on this machine: a partial sum over its ranks goes
@@ -60,9 +60,8 @@ class GradientBuckets:
             self.wait_for(key)
         numel = sum(math.prod(self.shape(p, self.home(p))) for p in self.final)
         opt = self.optimizer  # one kernel over the local parameter shards, costed per element
-        self.add(Compute(len(self.tasks), "", opt.op, "update", None,
-                                  float(opt.flops * numel), float(opt.bytes * numel), (), (),
-                                  tuple(self.final.values()), ()))
+        self.add(Compute(len(self.tasks), "", opt.op, "update", None, float(opt.flops * numel),
+                         float(opt.bytes * numel), (), (), tuple(self.final.values()), ()))
         for task in list(self.tasks):
             if isinstance(task, Convert) and task.collective and task.id not in self.waited:
                 self.waited.add(task.id)

@@ -12,7 +12,6 @@ in one all-reduce over the world, one already complete there (a shard, or replic
 its mesh column. The reported loss is summed the same way."""
 from __future__ import annotations
 
-
 from hidup.graph.capture import Graph
 from hidup.graph.flops import backward_flops, forward_flops
 from hidup.graph.placement import Partial, Placement, R, Replicate, Shard
@@ -264,8 +263,8 @@ class Lowering(MicroBatches, GradientBuckets):
         loss = self.g.loss
         for m in self.mbs(loss):
             shape = self.shape(loss, self.home(loss))
-            self.add(Compute(len(self.tasks), loss, "hidup.ones", "bwd", m, 0.0, 0.0, (),
-                                      shape, (), (gkey(loss, self.home(loss), m),)))
+            self.add(Compute(len(self.tasks), loss, "hidup.ones", "bwd", m, 0.0, 0.0, (), shape,
+                             (), (gkey(loss, self.home(loss), m),)))
         nodes = [n for n in reversed(self.g.ops) if n.name in self.has_grad]
         per_mb = [n for n in nodes if n.name not in self.once or n.name in self.after_join]
         reduced = {p.name for p in self.g.params if p.name in self.has_grad

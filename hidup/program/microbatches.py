@@ -39,6 +39,15 @@ class MicroBatches:
             return vkey(t, p, self.in_mb(t, m))
         return f"{vkey(t, p, None if q == R else m)}~{q}"
 
+    def sources(self, t: str, p: Placement, q: Placement, m: int | None) -> tuple[str, ...]:
+        """The keys read_key(t, p, q, m) is made from: every micro-batch's part for a join, the
+        whole for a slice, itself where t is read as held."""
+        if self.joined(t, q):
+            return tuple(vkey(t, p, mm) for mm in range(self.k))
+        if self.mb_converted(t, q):
+            return (vkey(t, p, None),)
+        return (self.read_key(t, p, q, m),)
+
     def emit_mb_conversion(self, t: str, p: Placement, q: Placement, m: int | None) -> None:
         """Make read_key(t, p, q, m) if not made yet: the micro-batches' parts of t concatenated
         (mb_gather) or summed (mb_sum) into the whole value, or the whole value cut into the
@@ -46,19 +55,15 @@ class MicroBatches:
         key, h = self.read_key(t, p, q, m), self.mbs_split.home(t)
         if key in self.written:
             return
-        if q == R:
-            ins = tuple(vkey(t, p, mm) for mm in range(self.k))
-            kind, mb, nbytes = ("mb_gather" if isinstance(h, Shard) else "mb_sum"), None, \
-                self.nbytes(t, p, R)
-        else:
-            if t not in self.once:
-                raise LoweringError(f"tensor {t}: sliced over micro-batches ({q}) from a value "
-                                    f"each micro-batch holds ({h}); not supported")
-            ins, kind, mb, nbytes = (vkey(t, p, None),), "mb_slice", m, self.nbytes(t, p)
+        if q != R and t not in self.once:
+            raise LoweringError(f"tensor {t}: sliced over micro-batches ({q}) from a value "
+                                f"each micro-batch holds ({h}); not supported")
+        ins = self.sources(t, p, q, m)
         for key_in in ins:
             self.wait_for(key_in)
-        self.add(Convert(len(self.tasks), kind, t, h, q, "fwd", mb, self.shape(t, p), nbytes, (),
-                         ins, (key,), blocks=self.blocks(t, p, h if q == R else q)))
+        kind = "mb_slice" if q != R else "mb_gather" if isinstance(h, Shard) else "mb_sum"
+        self.emit_local(kind, t, p, h, q, "fwd", None if q == R else m, ins, key,
+                        self.shape(t, p))
 
     def blocks(self, t: str, p: Placement, split: Placement) -> int:
         """The rank blocks a micro-batch's part of t holds along the dim they split (`split`):
@@ -79,16 +84,8 @@ class MicroBatches:
         if not self.joins:
             return True
         opt, mb_opt = self.s.options[node.name], self.mbs_split.options[node.name]
-        for t, p, q in zip(node.inputs, opt.inputs, mb_opt.inputs):
-            if self.joined(t, q):
-                needed = [vkey(t, p, mm) for mm in range(self.k)]
-            elif self.mb_converted(t, q):
-                needed = [vkey(t, p, None)]
-            else:
-                needed = [vkey(t, p, self.in_mb(t, m))]
-            if not all(key in self.written for key in needed):
-                return False
-        return True
+        return all(key in self.written for t, p, q in zip(node.inputs, opt.inputs, mb_opt.inputs)
+                   for key in self.sources(t, p, q, m))
 
     def blocked(self, keys) -> bool:
         """Would reading these values wait for a collective still in flight?"""
@@ -116,7 +113,8 @@ class MicroBatches:
                         self.blocked(needs(node, mb)) or self.too_far(cursor, m, ahead, lead)):
                     break
                 emit(node, mb)
-                done.add(node.name)
+                if mb is None:
+                    done.add(node.name)
                 cursor[m], first = cursor[m] + 1, False
             idle = 0 if cursor[m] > start else idle + 1
             if idle > self.k:
@@ -140,18 +138,21 @@ class MicroBatches:
         h = self.mbs_split.home(t)
         if q == R:
             for mm in range(self.k):
-                self.emit_local("mb_slice" if isinstance(h, Shard) else "alias", t, p, q, h, mm,
-                                (key,), gkey(t, p, mm), self.shape(t, p, R))
+                self.emit_local("mb_slice" if isinstance(h, Shard) else "alias", t, p, q, h,
+                                "bwd", mm, (key,), gkey(t, p, mm), self.shape(t, p, R))
                 self.contributed(t, p, mm)
             return
         pieces = tuple("d" + self.read_key(t, p, q, mm) for mm in range(self.k))
         if not any(self.expected.get(piece) for piece in pieces):
-            self.emit_local("mb_gather", t, p, q, h, None, pieces, gkey(t, p, None),
+            self.emit_local("mb_gather", t, p, q, h, "bwd", None, pieces, gkey(t, p, None),
                             self.shape(t, p, q))
             self.contributed(t, p, None)
 
-    def emit_local(self, kind, t, p, src, dst, m, ins, out, shape) -> None:
-        """A gradient's conversion between the micro-batches' parts and the whole (on the rank)."""
-        self.add(Convert(len(self.tasks), kind, t, src, dst, "bwd", m, shape,
-                         math.prod(shape) * self.g.node(t).out.itemsize * len(ins), (), ins,
+    def emit_local(self, kind, t, p, src, dst, phase, m, ins, out, shape) -> None:
+        """A conversion of t (held as p over the ranks) between the micro-batches' parts (split
+        src) and the whole (dst), or back, on the rank; `shape`: one input's. Its bytes are the
+        larger of one input and the output (the parts joined: all of them)."""
+        parts = len(ins) if kind == "mb_gather" else 1
+        self.add(Convert(len(self.tasks), kind, t, src, dst, phase, m, shape,
+                         math.prod(shape) * self.g.node(t).out.itemsize * parts, (), ins,
                          (out,), blocks=self.blocks(t, p, src if dst == R else dst)))

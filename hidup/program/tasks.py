@@ -238,10 +238,11 @@ FIRST_BUCKET_BYTES = 2**20  # and its first one (torch.distributed's _DEFAULT_FI
 
 
 def tensor_shape(graph: Graph, mb_split: Strategy, t: str, p: Placement, world: int,
-                 k: int) -> tuple[int, ...]:
-    """Local shape of tensor t held as p, with the micro-batch split `mb_split` gives it."""
-    return local_shape(graph.node(t).out.shape, p, mb_split.home(t), world, k,
-                       lambda: f"tensor {t} as {p}")
+                 k: int, q: Placement | None = None) -> tuple[int, ...]:
+    """Local shape of tensor t held as p, split over micro-batches as q (default: as `mb_split`
+    holds it)."""
+    return local_shape(graph.node(t).out.shape, p, mb_split.home(t) if q is None else q, world,
+                       k, lambda: f"tensor {t} as {p}")
 
 
 def tensor_nbytes(graph: Graph, mb_split: Strategy, t: str, p: Placement, world: int,
@@ -265,9 +266,7 @@ class Shapes:
         holds it)."""
         key = t, p, q
         if key not in self._shapes:
-            self._shapes[key] = local_shape(
-                self.g.node(t).out.shape, p, self.mb_split.home(t) if q is None else q,
-                self.world, self.k, lambda: f"tensor {t} as {p}")
+            self._shapes[key] = tensor_shape(self.g, self.mb_split, t, p, self.world, self.k, q)
         return self._shapes[key]
 
     def nbytes(self, t: str, p: Placement, q: Placement | None = None) -> int:

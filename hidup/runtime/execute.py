@@ -60,10 +60,10 @@ class Executor:
             names = {tuple(range(self.world)): (group or dist.group.WORLD).group_name}
             if program.machines > 1:  # this rank's row (its machine) and column, from the mesh
                 mesh = device_mesh(self.device, program.mesh)
-                for dim in (0, 1):
-                    ranks = tuple(dist.get_process_group_ranks(mesh.get_group(dim)))
+                for made in (mesh.get_group(0), mesh.get_group(1)):
+                    ranks = tuple(dist.get_process_group_ranks(made))
                     if len(ranks) > 1:
-                        names[ranks] = mesh.get_group(dim).group_name
+                        names[ranks] = made.group_name
         self.spec = StepSpec(graph, strategy, program, self.rank, names, autocast,
                              self.device.type, local_collectives)
         self._steps: dict[tuple, object] = {}
