@@ -25,7 +25,7 @@ from calibration.trace import TraceError, step_gpu_events
 from hidup.graph.capture import Graph
 from hidup.graph.placement import Shard
 from hidup.planning.planfile import check
-from hidup.planning.strategy import Strategy, expert_parallel
+from hidup.strategy import Strategy, expert_parallel
 
 
 @dataclass(frozen=True)

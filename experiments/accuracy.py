@@ -48,7 +48,7 @@ from hidup.models import capture_model, get_model
 from hidup.planning.costs import kernel_coverage, load_profile
 from hidup.planning.planfile import resolve_strategy, save_plan
 from hidup.planning.search import search
-from hidup.planning.strategy import ACROSS, fixed_strategy
+from hidup.strategy import ACROSS, fixed_strategy
 from hidup.program import lower
 from simulator.montecarlo import expected_step
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from hidup.cli import Parser
 from hidup.models import capture_model, get_model
 from hidup.planning.costs import load_profile
-from hidup.planning.strategy import fixed_strategy
+from hidup.strategy import fixed_strategy
 from hidup.program import lower
 from simulator.engine import simulate
 

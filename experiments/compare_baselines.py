@@ -13,7 +13,7 @@ from hidup.cli import Parser
 from hidup.models import capture_model, get_model
 from hidup.planning.costs import load_profile
 from hidup.planning.search import search
-from hidup.planning.strategy import fixed_strategies
+from hidup.strategy import fixed_strategies
 from hidup.program import LoweringError, lower
 from simulator import simulate
 

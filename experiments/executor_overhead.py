@@ -26,7 +26,7 @@ import torch.distributed as dist
 from hidup.cli import Parser
 from hidup.graph.capture import capture
 from hidup.models import get_model
-from hidup.planning.strategy import fixed_strategy
+from hidup.strategy import fixed_strategy
 from hidup.program import lower
 from hidup.runtime.execute import Executor
 

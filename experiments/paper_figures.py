@@ -22,7 +22,7 @@ from hidup.models import capture_model, get_model
 from hidup.planning.costs import load_profile
 from hidup.planning.planfile import save_plan
 from hidup.planning.search import search
-from hidup.planning.strategy import fixed_strategies
+from hidup.strategy import fixed_strategies
 from hidup.program import LoweringError, lower
 from hidup.runtime.data import build_vocabulary
 from simulator.engine import simulate

@@ -19,7 +19,7 @@ from hidup.graph import ops
 from hidup.graph.capture import Graph, TensorMeta, capture
 from hidup.planning.costs import load_profile
 from hidup.planning.planfile import PlanError, load_plan, read_plan, save_plan
-from hidup.planning.strategy import Strategy, describe, fixed_strategy
+from hidup.strategy import Strategy, describe, fixed_strategy
 from hidup.runtime.trainer import FIXED, Trainer, parallelize
 
 __all__ = ["Plan", "plan", "parallelize", "Trainer"]

@@ -20,7 +20,7 @@ from hidup.planning.estimate import estimate
 from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import save_plan
 from hidup.planning.search import search
-from hidup.planning.strategy import describe, fixed_strategies, mesh_option
+from hidup.strategy import describe, fixed_strategies, mesh_option
 from hidup.program import OPTIMIZERS, LoweringError, lower
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from hidup.graph import ops
 from hidup.graph.capture import Graph, capture
 from hidup.models import ModelSpec, capture_model, get_model, names
 from hidup.planning.planfile import resolve_strategy
-from hidup.planning.strategy import Strategy
+from hidup.strategy import Strategy
 from hidup.program import Program, lower
 from hidup.runtime import checkpoint
 from hidup.runtime.data import (DataError, Vocabulary, build_vocabulary, eval_batches, load_tokens,

@@ -21,7 +21,7 @@ from hidup.planning.costs import Profile, load_profile
 from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import resolve_strategy, save_plan
 from hidup.planning.search import search
-from hidup.planning.strategy import (NoMicroBatches, Strategy, fixed_strategies,
+from hidup.strategy import (NoMicroBatches, Strategy, fixed_strategies,
                                      microbatch_split)
 from hidup.program import HOST_MODES, OPTIMIZERS, lower
 from simulator.montecarlo import expected_step, step_time_interval

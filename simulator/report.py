@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from hidup.graph.capture import Graph
 from hidup.planning.costs import Profile
 from hidup.planning.memory import MemoryReport
-from hidup.planning.strategy import Strategy, describe, summarize
+from hidup.strategy import Strategy, describe, summarize
 from simulator.engine import Result
 from simulator.montecarlo import Interval
 

@@ -104,7 +104,7 @@ def _plan_named(how: str, model, world: int):
     if how == "dp-megatron":
         from hidup.api import Plan
         from hidup.graph.capture import capture
-        from hidup.planning.strategy import fixed_strategy
+        from hidup.strategy import fixed_strategy
 
         graph = capture(model, batches()[0])
         return Plan.of(graph, fixed_strategy(how, graph, world, machines=2), world, 1)
@@ -207,7 +207,7 @@ def test_frozen_parameters_stay_as_in_eager():
 
 
 def test_what_the_trainer_cannot_do_is_one_line_and_tied_weights_train():
-    from hidup.planning.strategy import fixed_strategy
+    from hidup.strategy import fixed_strategy
     from hidup.runtime import trainer as trainer_module
 
     class Tied(TinyLM):

@@ -13,7 +13,7 @@ from hidup.graph.capture import capture
 from hidup.models import get_model
 from hidup.planning.costs import load_profile
 from hidup.planning.search import Search, replicated_plan, search
-from hidup.planning.strategy import fixed_strategy, random_strategy
+from hidup.strategy import fixed_strategy, random_strategy
 from hidup.program import LoweringError, lower
 from hidup.runtime.execute import Executor, full_tensor
 

@@ -8,7 +8,7 @@ from conftest import build_model, run_ranks
 
 from hidup.graph.capture import capture
 from hidup.models import get_model
-from hidup.planning.strategy import fixed_strategy
+from hidup.strategy import fixed_strategy
 from hidup.program import Convert, Wait, lower
 from hidup.runtime.execute import Executor
 from hidup.runtime.passes import communication_order

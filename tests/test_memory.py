@@ -8,7 +8,7 @@ import pytest
 from hidup.graph.placement import Partial, R, Shard
 from hidup.models import capture_model, get_model
 from hidup.planning.memory import peak_memory
-from hidup.planning.strategy import data_parallel, megatron
+from hidup.strategy import data_parallel, megatron
 from hidup.program import Compute, Convert, Program, Wait, lower
 
 

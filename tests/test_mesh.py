@@ -15,7 +15,7 @@ from hidup.planning.costs import load_profile
 from hidup.planning.estimate import estimate
 from hidup.planning.planfile import PlanError, load_plan, save_plan
 from hidup.planning.search import search
-from hidup.planning.strategy import fixed_strategy, mesh_option
+from hidup.strategy import fixed_strategy, mesh_option
 from hidup.program import Compute, LoweringError, lower
 from simulator import engine
 from simulator.engine import simulate

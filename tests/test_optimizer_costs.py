@@ -13,7 +13,7 @@ from hidup.plan import main as plan_main
 from hidup.planning.costs import load_profile
 from hidup.planning.memory import peak_memory
 from hidup.planning.search import search
-from hidup.planning.strategy import data_parallel, fixed_strategies, megatron
+from hidup.strategy import data_parallel, fixed_strategies, megatron
 from hidup.program import OPTIMIZERS, Compute, LoweringError, Program, lower
 from conftest import one_line
 

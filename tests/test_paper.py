@@ -40,7 +40,7 @@ def test_breakdown_is_what_the_simulated_timeline_shows(quick):
     and the step holds its computation plus the communication left exposed."""
     from experiments.paper_figures import graph_of
     from hidup.planning.costs import load_profile
-    from hidup.planning.strategy import fixed_strategy
+    from hidup.strategy import fixed_strategy
     from hidup.program import lower
     from simulator import simulate
     from simulator.engine import COMPUTE_STREAM

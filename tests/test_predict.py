@@ -6,7 +6,7 @@ import pytest
 
 from hidup import models
 from hidup.planning.planfile import save_plan
-from hidup.planning.strategy import megatron
+from hidup.strategy import megatron
 from hidup.program import COLLECTIVES
 from simulator import LinkCost, Profile, load_profile
 from simulator.predict import capture_model, main

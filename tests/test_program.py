@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from hidup.program import buckets as buckets_module
-from hidup.planning.strategy import data_parallel, megatron
+from hidup.strategy import data_parallel, megatron
 from hidup.program import Compute, Convert, LoweringError, Wait, lower
 
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import build_model, run_ranks
 from hidup.graph.capture import capture
 from hidup.models import get_model
-from hidup.planning.strategy import random_strategy
+from hidup.strategy import random_strategy
 from hidup.program import lower
 from hidup.runtime.execute import Executor, full_tensor
 from test_equivalence import batch_of, reference, rel_err

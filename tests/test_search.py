@@ -15,7 +15,7 @@ from hidup.planning.costs import load_profile
 from hidup.planning.estimate import estimate
 from hidup.planning.planfile import load_plan
 from hidup.planning.search import search
-from hidup.planning.strategy import fixed_strategies
+from hidup.strategy import fixed_strategies
 from hidup.program import lower
 from simulator import simulate
 
@@ -179,7 +179,7 @@ def test_a_tensor_is_converted_once_per_placement_however_many_read_it():
     """As the lowering does: the second consumer that wants a tensor in a placement it was
     already converted to pays nothing for it."""
     from hidup.planning.search import Search
-    from hidup.planning.strategy import fitting_options
+    from hidup.strategy import fitting_options
 
     spec = get_model("gpt:tiny", gpus=2)
     graph = capture_model(spec, spec.batch)
@@ -218,7 +218,7 @@ def test_the_programme_finds_the_integer_programmes_proven_optimum_at_k1(model, 
 
     from hidup.planning.exact import exact_plan
     from hidup.planning.search import Search
-    from hidup.planning.strategy import fitting_options
+    from hidup.strategy import fitting_options
 
     spec = get_model(model, gpus=world)
     graph = capture_model(spec, spec.batch)

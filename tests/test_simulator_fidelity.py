@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from hidup.models import capture_model, get_model
-from hidup.planning.strategy import data_parallel, megatron
+from hidup.strategy import data_parallel, megatron
 from hidup.program import COLLECTIVES, Wait, lower
 from simulator import LinkCost, Profile, load_profile, simulate
 from test_simulator import A, AR, B, C, program

@@ -7,7 +7,7 @@ import pytest
 
 from hidup.graph.placement import R, Shard
 from hidup.planning.planfile import PlanError, load_plan, save_plan
-from hidup.planning.strategy import data_parallel, megatron
+from hidup.strategy import data_parallel, megatron
 
 
 def test_ddp_splits_batch_and_replicates_parameters(tiny_graphs):
@@ -69,7 +69,7 @@ def test_expert_keeps_the_loss_a_partial_sum_and_moves_tokens_by_all_to_all():
     import collections
     from hidup.models import capture_model, get_model
     from hidup.program import lower
-    from hidup.planning.strategy import expert_parallel
+    from hidup.strategy import expert_parallel
     spec = get_model("bert-switch:tiny", gpus=2)
     graph = capture_model(spec, spec.batch)
     kinds = collections.Counter(c.kind for c in lower(graph, expert_parallel(graph, 2), 2).collectives)

@@ -13,7 +13,7 @@ from hidup.graph.capture import capture
 from hidup.graph.placement import R, Shard
 from hidup.planning.costs import load_profile
 from hidup.planning.search import search
-from hidup.planning.strategy import conversion, fixed_strategy, microbatch_split, random_strategy
+from hidup.strategy import conversion, fixed_strategy, microbatch_split, random_strategy
 from hidup.runtime.step import mb_join, mb_part, shard_of
 
 pytest.importorskip("transformers")

@@ -26,7 +26,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
 from hidup.graph.placement import Partial
-from hidup.planning.strategy import Strategy, fitting_options
+from hidup.strategy import Strategy, fitting_options
 from hidup.program.tasks import LoweringError
 
 

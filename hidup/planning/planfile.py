@@ -10,7 +10,7 @@ from pathlib import Path
 from hidup.graph.capture import Graph
 from hidup.graph.ops import node_options
 from hidup.graph.placement import Partial, parse_option, parse_placement
-from hidup.planning.strategy import Strategy, fixed_strategy
+from hidup.strategy import Strategy, fixed_strategy
 
 PLAN_FORMAT, PLAN_VERSION = "hidup-plan", 1
 

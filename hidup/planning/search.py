@@ -30,7 +30,7 @@ micro-batch the model is linear: hidup.planning.exact solves it as an integer pr
 search(exact=...) ranks that proven plan too. The few best plans, with the expert strategies
 beside them, are then lowered and ranked by the fast estimate (hidup.planning.estimate).
 
-On a 2-D mesh of `machines` (hidup.planning.strategy) the programme chooses each op's option over
+On a 2-D mesh of `machines` (hidup.strategy) the programme chooses each op's option over
 one machine's ranks, on its part of the batch: conversions are priced inside a machine, a
 gradient partial there is all-reduced over the world, and a parameter's gradient that is whole
 there over its mesh column, the columns sharing each machine's link. The search on a mesh also
@@ -55,7 +55,7 @@ from hidup.planning.estimate import Estimate, estimate
 from hidup.planning.exact import exact_plan
 from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import check
-from hidup.planning.strategy import Strategy, conversion, fitting_options, microbatch_split
+from hidup.strategy import Strategy, conversion, fitting_options, microbatch_split
 from hidup.program.lowering import lower
 from hidup.program.tasks import LoweringError, Shapes, mesh_groups, optimizer_cost
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from hidup.graph.capture import Graph
 from hidup.graph.flops import backward_flops, forward_flops
 from hidup.graph.placement import Partial, Placement, R, Replicate, Shard
-from hidup.planning.strategy import Strategy, conversion, microbatch_split
+from hidup.strategy import Strategy, conversion, microbatch_split
 from hidup.program.buckets import GradientBuckets
 from hidup.program.microbatches import MicroBatches
 from hidup.program.tasks import (BUCKET_BYTES, COLLECTIVES, Compute, Convert,

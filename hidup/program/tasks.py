@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from hidup.graph.capture import Graph
 from hidup.graph.placement import Placement, Shard, ShardingOption
-from hidup.planning.strategy import Strategy
+from hidup.strategy import Strategy
 
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 # conversions on a rank's compute stream: a slice of its shard, and the micro-batches' parts of a

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from hidup.graph.capture import Graph
 from hidup.graph.placement import Partial, Placement, Shard
-from hidup.planning.strategy import Strategy
+from hidup.strategy import Strategy
 from hidup.program.tasks import MODES, Program, task_label
 from hidup.runtime.passes import inductor_segments, with_hooks
 from hidup.runtime.step import INPUT_TASK, StepSpec, shard_of, trace_step

@@ -20,7 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from hidup.graph import ops
 from hidup.graph.capture import Graph
 from hidup.graph.placement import Partial, Placement, R, Shard, ShardingOption
-from hidup.planning.strategy import Strategy, microbatch_split
+from hidup.strategy import Strategy, microbatch_split
 from hidup.program.tasks import MB_CONVERSIONS, Compute, Convert, Program, Wait, vkey
 from hidup.runtime.passes import simplify
 

@@ -26,7 +26,7 @@ from hidup.graph import ops
 from hidup.graph.capture import TensorMeta, capture
 from hidup.graph.placement import R, Shard
 from hidup.planning.planfile import PlanError, check
-from hidup.planning.strategy import fixed_strategy
+from hidup.strategy import fixed_strategy
 from hidup.program import lower
 from hidup.runtime.execute import Executor, device_mesh
 from hidup.runtime.materialize import is_meta, local_weights

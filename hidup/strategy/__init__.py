@@ -1,0 +1,15 @@
+"""Strategies (plans): one sharding option per op node and a home placement per parameter and
+input (base), how Duplex's micro-batches split each tensor (microbatch), the fixed strategies
+a user would pick instead (fixed), and how a strategy reads in a report (describe). Plan files
+are in hidup.planning.planfile; choosing a plan is hidup.planning.select."""
+from hidup.strategy.base import (NoMicroBatches, Strategy, Unreachable, conversion,
+                                 conversion_cost, fitting_options, propagate, splits_evenly)
+from hidup.strategy.describe import describe, mesh_option, op_style, summarize, uncovered
+from hidup.strategy.fixed import (ACROSS, FIXED, data_parallel, expert_parallel, fixed_strategies,
+                                  fixed_strategy, megatron, random_strategy)
+from hidup.strategy.microbatch import microbatch_split
+
+__all__ = ["ACROSS", "FIXED", "NoMicroBatches", "Strategy", "Unreachable", "conversion",
+           "conversion_cost", "data_parallel", "describe", "expert_parallel", "fitting_options",
+           "fixed_strategies", "fixed_strategy", "megatron", "mesh_option", "microbatch_split",
+           "op_style", "propagate", "random_strategy", "splits_evenly", "summarize", "uncovered"]

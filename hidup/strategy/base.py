@@ -1,0 +1,163 @@
+"""A strategy: one sharding option per op node and a home placement per parameter and input;
+the conversions between placements; greedy propagation of placements from seeds.
+
+A 2-D mesh is machines x ranks per machine. Its dim 0 is data parallel: each machine takes an
+equal part of the batch and the machines' parameter gradients are summed. Its dim 1 is the
+Strategy's placements and options, over one machine's ranks. A strategy with `machines` = 1 is
+the 1-D mesh of every rank."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hidup.graph import ops
+from hidup.graph.capture import Graph, Node
+from hidup.graph.placement import R, Partial, Placement, Replicate, Shard, ShardingOption
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    placements: dict[str, Placement] = field(hash=False)  # parameters, buffers, user inputs
+    options: dict[str, ShardingOption] = field(hash=False)  # op nodes
+    notes: tuple[str, ...] = ()  # where it departs from what its name says, for the reports
+    machines: int = 1  # mesh dim 0 (data parallel across); the placements are over mesh dim 1
+
+    def home(self, name: str) -> Placement:
+        """Where a tensor lives after it is produced (before any conversion for a consumer)."""
+        return self.placements[name] if name in self.placements else self.options[name].output
+
+    def __str__(self) -> str:
+        mesh = f" on {self.machines} machines (data parallel across)" if self.machines > 1 else ""
+        lines = [f"strategy {self.name}{mesh}"]
+        lines += [f"  {n}: {p}" for n, p in self.placements.items()]
+        lines += [f"  {n}: {o}" for n, o in self.options.items()]
+        return "\n".join(lines)
+
+
+def conversion(src: Placement, dst: Placement) -> str | None:
+    """The collective (or local op) that turns `src` into `dst`; None when they are equal."""
+    if src == dst:
+        return None
+    if isinstance(dst, Replicate):
+        return "all_gather" if isinstance(src, Shard) else "all_reduce"
+    if isinstance(dst, Shard):
+        return {Shard: "all_to_all", Partial: "reduce_scatter", Replicate: "slice"}[type(src)]
+    raise ValueError(f"no conversion from {src} to {dst}: nothing becomes Partial")
+
+
+_COST = {"all_gather": 1.0, "all_reduce": 2.0, "reduce_scatter": 1.0, "slice": 0.0}
+
+
+def conversion_cost(src: Placement, dst: Placement, nbytes: int, world: int) -> float:
+    """Relative traffic of a conversion (ring collectives); used to rank options greedily."""
+    kind = conversion(src, dst)
+    if kind is None:
+        return 0.0
+    return nbytes * (1.0 / world if kind == "all_to_all" else _COST[kind])
+
+
+def splits_evenly(graph: Graph, tensor: str, p: Placement, n: int) -> bool:
+    """A Shard placement of the tensor divides its dim into n equal chunks."""
+    return not isinstance(p, Shard) or graph.node(tensor).out.shape[p.dim] % n == 0
+
+
+def fitting_options(graph: Graph, node: Node, n: int) -> tuple[ShardingOption, ...]:
+    """The node's options whose every split divides evenly into n (once per graph and n)."""
+    cache = graph.__dict__.setdefault("_fitting_options", {})
+    key = node.name, n
+    if key not in cache:
+        cache[key] = tuple(
+            o for o in ops.node_options(graph, node)
+            if splits_evenly(graph, node.name, o.output, n)
+            and all(splits_evenly(graph, t, p, n) for t, p in zip(node.inputs, o.inputs)))
+    return cache[key]
+
+
+def propagate(graph: Graph, world: int, name: str, seeds: dict[str, Placement],
+              shard_params: bool, allowed: set[str] | None = None,
+              no_partial: set[str] = frozenset(), keep_whole: set[str] = frozenset()
+              ) -> Strategy:
+    """Greedy in topological order: each op takes the option that needs the least conversion traffic,
+    then the fewest conversions, then the most split parameters (if `shard_params`), then split work.
+    Parameters are placed by their first consumer; `allowed` limits the conversions used; the
+    ops in `no_partial` take no option with a Partial output, those in `keep_whole` no option
+    that splits a tensor made of whole (replicated) ones. Fails with Unreachable."""
+    placements: dict[str, Placement] = {n.name: R for n in graph.nodes if n.kind == "buffer"}
+    placements.update(seeds)
+    choices: dict[str, ShardingOption] = {}
+    for node in graph.ops:
+        cands = [o for o in fitting_options(graph, node, world)
+                 if (node.name not in no_partial or not isinstance(o.output, Partial))
+                 and (node.name not in keep_whole
+                      or not _splits_whole(graph, node, o, placements, choices))]
+        scored = [(_score(graph, node, o, placements, choices, world, shard_params, allowed), i, o)
+                  for i, o in enumerate(cands)]
+        best_score, _, best = min(scored, key=lambda s: (s[0], s[1]))
+        if math.isinf(best_score[0]):
+            raise Unreachable(f"strategy {name}: node {node.name} ({node.op}) has no option "
+                              f"reachable with conversions {sorted(allowed or [])}",
+                              _split_origins(graph, node, placements, choices))
+        choices[node.name] = best
+        for t, p in zip(node.inputs, best.inputs):
+            placements.setdefault(t, p)  # a parameter's home is what its first consumer wants
+    return Strategy(name, {n.name: placements.get(n.name, R) for n in graph.nodes
+                           if n.kind != "op"}, choices)
+
+
+class NoMicroBatches(ValueError):
+    """Some op cannot run on a micro-batch's part of the batch (plain SPMD still can)."""
+
+
+class Unreachable(ValueError):
+    """Greedy propagation found a node with no reachable option. `origins`: the ops upstream of
+    it that split a tensor made of whole ones (keeping them whole may make it reachable)."""
+
+    def __init__(self, message: str, origins: set[str]):
+        super().__init__(message)
+        self.origins = origins
+
+
+def _split_origins(graph, node: Node, placements, choices) -> set[str]:
+    """The ops upstream of node, through split tensors, whose chosen option split whole inputs."""
+    found, todo, seen = set(), list(node.inputs), set()
+    while todo:
+        t = todo.pop()
+        if t in seen or t not in choices or choices[t].output == R:
+            continue
+        seen.add(t)
+        producer = graph.node(t)
+        if _splits_whole(graph, producer, choices[t], placements, choices):
+            found.add(t)
+        todo.extend(producer.inputs)
+    return found
+
+
+def _splits_whole(graph, node: Node, opt: ShardingOption, placements, choices) -> bool:
+    """Does the option split a tensor made only of whole (replicated) ones?"""
+    return opt.output != R and all(
+        placed(t, placements, choices) in (R, None) for t in node.inputs)
+
+
+def placed(t: str, placements, choices) -> Placement | None:
+    """Where tensor t is so far: an input's or parameter's placement, or its producer's output."""
+    if t in placements:
+        return placements[t]
+    return choices[t].output if t in choices else None
+
+
+def _score(graph, node: Node, opt: ShardingOption, placements, choices, world, shard_params, allowed):
+    comm, n_conv, n_split = 0.0, 0, 0
+    for t, want in zip(node.inputs, opt.inputs):
+        src = placed(t, placements, choices)
+        if src is None:  # an unplaced parameter goes where this consumer wants it
+            if not shard_params and want != R or isinstance(want, Partial):
+                return (math.inf,)
+            n_split += want != R
+            continue
+        kind = conversion(src, want) if not isinstance(want, Partial) or src == want else "bad"
+        if kind == "bad" or (kind is not None and allowed is not None and kind not in allowed):
+            return (math.inf,)
+        comm += conversion_cost(src, want, graph.node(t).out.nbytes, world)
+        n_conv += kind is not None
+    return (comm, n_conv, -n_split, opt.output == R)

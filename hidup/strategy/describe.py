@@ -1,0 +1,81 @@
+"""How a strategy reads in a report: each op's style in the fixed strategies' words (describe,
+summarize), an op's placements per mesh dimension, the ops no rule covers."""
+from __future__ import annotations
+
+from collections import Counter
+
+from hidup.graph import ops
+from hidup.graph.capture import Graph, Node
+from hidup.graph.placement import R, Shard, ShardingOption
+from hidup.strategy.base import Strategy
+from hidup.strategy.microbatch import microbatch_split
+
+
+KEY_OPS = ("linear", "einsum", "embedding", "conv", "scaled_dot_product_attention",
+           "grouped_mm")
+STYLES = ("data parallel", "tensor parallel", "expert parallel", "split otherwise", "replicated")
+
+
+def op_style(graph: Graph, node: Node, option: ShardingOption) -> str:
+    """What an op's option does, in the words of the fixed strategies: 'expert parallel' (it reads
+    experts split across the ranks: 3-d weights), 'tensor parallel' (other split weights), 'data
+    parallel' (whole weights, the batch dim split), 'split otherwise', or 'replicated'."""
+    split_weights = [graph.node(t) for t, p in zip(node.inputs, option.inputs)
+                     if graph.node(t).kind == "param" and p != R]
+    if split_weights:
+        return "expert parallel" if any(len(w.out.shape) == 3 for w in split_weights) \
+            else "tensor parallel"
+    placements = (*option.inputs, option.output)
+    if all(p == R for p in placements):
+        return "replicated"
+    if any(isinstance(p, Shard) and p.dim == 0 for p in placements):
+        return "data parallel"
+    return "split otherwise"
+
+
+def summarize(graph: Graph, strategy: Strategy) -> dict[str, int]:
+    """How many of the key ops (linear, einsum, embedding, convolution, attention) each style
+    (op_style) runs, in STYLES order, the styles used only."""
+    counts = {style: 0 for style in STYLES}
+    for node in graph.ops:
+        if any(key in node.op for key in KEY_OPS):
+            counts[op_style(graph, node, strategy.options[node.name])] += 1
+    return {style: n for style, n in counts.items() if n}
+
+
+def describe(graph: Graph, strategy: Strategy) -> str:
+    """One line a user can read: e.g. '16 key ops expert parallel, 41 data parallel' (on a 2-D
+    mesh: 'data parallel across 8 machines; inside each: ...')."""
+    counts = sorted(summarize(graph, strategy).items(), key=lambda kv: -kv[1])
+    across = f"data parallel across {strategy.machines} machines; inside each: " \
+        if strategy.machines > 1 else ""
+    if not counts:
+        return f"{across}no key ops" + uncovered(graph)
+    (style, n), rest = counts[0], counts[1:]
+    what = f"all {n} key ops {style}" if not rest else \
+        ", ".join([f"{n} key ops {style}"] + [f"{m} {s}" for s, m in rest])
+    return across + what + uncovered(graph)
+
+
+def uncovered(graph: Graph) -> str:
+    """'; 2 ops covered by no rule run replicated (my.op x2, 3.1% of the forward FLOPs)', or ''."""
+    nodes = ops.replicated_ops(graph)
+    if not nodes:
+        return ""
+    names = ", ".join(f"{op} x{n}" for op, n in Counter(n.op for n in nodes).most_common())
+    total = sum(n.flops for n in graph.ops) or 1.0
+    share = 100 * sum(n.flops for n in nodes) / total
+    return f"; {len(nodes)} ops covered by no rule run replicated ({names}, {share:.1f}% of " \
+           f"the forward FLOPs)"
+
+
+def mesh_option(graph: Graph, strategy: Strategy, node: str) -> str:
+    """An op's option with each tensor's placement per mesh dimension, as DTensor writes them:
+    '([S(0), R], [R, S(1)]) -> [S(0), S(1)]' (dim 0: across machines; dim 1: inside one). On a
+    1-D mesh, the option as it is."""
+    inner = strategy.options[node]
+    if strategy.machines == 1:
+        return str(inner)
+    outer = microbatch_split(graph, 1, machines=strategy.machines).options[node]
+    ins = ", ".join(f"[{a}, {b}]" for a, b in zip(outer.inputs, inner.inputs))
+    return f"({ins}) -> [{outer.output}, {inner.output}]"

@@ -1,0 +1,174 @@
+"""The fixed strategies a user would pick instead of a search (data parallel, Megatron tensor
+parallel, expert parallel, and on a 2-D mesh the last two inside a machine with data parallel
+across), and random valid strategies for tests."""
+from __future__ import annotations
+
+import math
+
+from hidup.graph.capture import Graph, Node
+from hidup.graph.flops import GROUPED_MM
+from hidup.graph.placement import R, Partial, Placement, Shard, ShardingOption
+from hidup.strategy.base import Strategy, fitting_options, placed, propagate, splits_evenly
+
+
+def data_parallel(graph: Graph, world: int, batch_dim: int = 0) -> Strategy:
+    """DDP: user inputs split along the batch, parameters replicated."""
+    seeds = {n.name: Shard(batch_dim) for n in graph.user_inputs}
+    return propagate(graph, world, "ddp", seeds, shard_params=False)
+
+
+def megatron(graph: Graph, world: int) -> Strategy:
+    """Megatron-LM tensor parallel: inputs replicated; a linear on a replicated input is split by
+    columns, one on a column-split input by rows (Partial output, all-reduced where needed)."""
+    seeds = {n.name: R for n in graph.user_inputs}
+    return propagate(graph, world, "megatron", seeds, shard_params=True,
+                     allowed={"all_gather", "all_reduce", "slice"})
+
+
+
+
+def random_strategy(graph: Graph, world: int, rng, divide: int | None = None) -> Strategy:
+    """A random valid strategy (for tests): each op takes a random option whose Partial inputs come
+    from Partial producers and whose splits divide by `divide` (default: world); each input is
+    placed at random; a parameter goes where its first consumer wants it. rng: a random.Random."""
+    divide = divide or world
+    placements: dict[str, Placement] = {n.name: R for n in graph.nodes if n.kind == "buffer"}
+    for n in graph.user_inputs:
+        dims = [Shard(d) for d, size in enumerate(n.out.shape) if size > 1]
+        placements[n.name] = rng.choice([R] + [p for p in dims
+                                               if splits_evenly(graph, n.name, p, divide)])
+    choices: dict[str, ShardingOption] = {}
+    for node in graph.ops:
+        cands = [o for o in fitting_options(graph, node, divide)  # Partial only from Partial
+                 if all(not isinstance(want, Partial) or placed(t, placements, choices) == want
+                        for t, want in zip(node.inputs, o.inputs))]
+        choices[node.name] = rng.choice(cands)
+        for t, p in zip(node.inputs, choices[node.name].inputs):
+            placements.setdefault(t, p)
+    return Strategy("random", {n.name: placements.get(n.name, R) for n in graph.nodes
+                               if n.kind != "op"}, choices)
+
+
+def expert_parallel(graph: Graph, world: int, batch_dim: int = 0) -> Strategy:
+    """DeepSpeed-MoE / FastMoE: data parallel, except the experts, split across ranks (each holds
+    experts / world of them), reached with all-to-all and left the same way (no partial sums).
+    Expert weights are the 3-d parameters that einsums or grouped matmuls read (experts first),
+    themselves or through views; a grouped matmul's experts give a Partial sum (each rank its
+    experts' rows), all-reduced where it is read. The loss's sum
+    over the batch stays a partial sum, as in data parallel."""
+    seeds: dict[str, Placement] = {n.name: Shard(batch_dim) for n in graph.user_inputs}
+    einsums = {n.name for n in graph.ops if n.op == "aten.einsum.default"}
+    for node in graph.ops:
+        if node.name in einsums or node.op in GROUPED_MM:
+            for t in node.inputs:
+                weight = _through_views(graph, t)
+                if weight.kind == "param" and len(weight.out.shape) == 3:
+                    seeds[weight.name] = Shard(0)
+    experts = [n for n, p in seeds.items()
+               if isinstance(p, Shard) and graph.node(n).kind == "param"]
+    if not experts:
+        raise ValueError("strategy expert: the model has no expert weights (3-d parameters read "
+                         "by einsums or grouped matmuls); use ddp")
+    count = graph.node(experts[0]).out.shape[0]
+    if any(graph.node(n).out.shape[0] % world for n in experts):
+        raise ValueError(f"strategy expert on {world} GPUs: the {count} experts do not split "
+                         f"over {world} ranks; choose a GPU count that divides {count}")
+    return propagate(graph, world, "expert", seeds, shard_params=False, no_partial=einsums)
+
+
+def _through_views(graph: Graph, t: str) -> Node:
+    """The tensor that t views (through transposes and views of one input), or t's node."""
+    node = graph.node(t)
+    while node.kind == "op" and len(node.inputs) == 1 and node.op.split(".")[1] in _VIEWS:
+        node = graph.node(node.inputs[0])
+    return node
+
+
+_VIEWS = ("transpose", "permute", "view", "reshape", "t", "contiguous", "_unsafe_view")
+FIXED = {"ddp": data_parallel, "megatron": megatron, "expert": expert_parallel}
+# on a 2-D mesh: the strategy inside each machine, data parallel across the machines
+ACROSS = {"dp-megatron": "megatron", "dp-expert": "expert"}
+
+
+def fixed_strategies(graph: Graph, world: int, machines: int = 1) -> dict[str, Strategy]:
+    """Every fixed strategy that applies to the model and world size (expert needs expert
+    weights; none may end up as a replicated run under its own name); on a mesh of `machines`
+    > 1 also those of ACROSS."""
+    out = {}
+    for name in [*FIXED, *(ACROSS if machines > 1 else ())]:
+        try:
+            out[name] = fixed_strategy(name, graph, world, machines)
+        except ValueError:
+            continue
+    return out
+
+
+def fixed_strategy(name: str, graph: Graph, world: int, machines: int = 1) -> Strategy:
+    """The fixed strategy `name` on `world` ranks; an error where it would not be what its name
+    says (a batch that does not split, nothing split at all), with notes where it departs in part
+    (tensor-parallel weights left whole because their dims do not divide). The names of FIXED
+    span every rank (a 1-D mesh); those of ACROSS need a 2-D mesh of `machines` > 1."""
+    if name not in FIXED and name not in ACROSS:
+        raise ValueError(f"unknown strategy {name!r}; choose one of "
+                         f"{sorted(FIXED) + sorted(ACROSS)} or a plan file")
+    if name in FIXED:
+        strategy = FIXED[name](graph, world)
+        return strategy if world == 1 else _as_named(name, graph, strategy, world)
+    if machines < 2 or world % machines:
+        raise ValueError(f"strategy {name} runs {ACROSS[name]} inside each machine and data "
+                         f"parallel across machines: it needs a 2-D mesh of 2 or more machines "
+                         f"that divides the {world} GPUs (--mesh MACHINESxGPUS), not "
+                         f"{machines} machine(s)")
+    inner = world // machines
+    strategy = FIXED[ACROSS[name]](graph, inner)
+    strategy = _as_named(name, graph, strategy, inner, machines)
+    return Strategy(name, strategy.placements, strategy.options, strategy.notes, machines)
+
+
+def _as_named(name: str, graph: Graph, strategy: Strategy, world: int,
+              machines: int = 1) -> Strategy:
+    """`strategy` if it splits what `name` promises on `world` ranks (of each of `machines`
+    machines, data parallel across), else a ValueError that says which dims do not divide and
+    what would."""
+    base = ACROSS.get(name, name)
+    split = world * machines if base in ("ddp", "expert") else machines
+    for node in graph.user_inputs if split > 1 else ():
+        size = node.out.shape[0] if node.out.shape else 1
+        if size % split:
+            raise ValueError(
+                f"strategy {name} on {world * machines} GPUs: the batch of {size} (input "
+                f"{node.name}) does not split into {split} equal parts; give a --batch that is "
+                f"a multiple of {split}, or a GPU count that divides {size} "
+                f"({_divisors(size)})")
+    weights = _tensor_parallel_weights(graph) if base == "megatron" else []
+    whole = [w for w in weights if strategy.placements.get(w) == R]
+    if weights and len(whole) == len(weights) or not _splits_anything(strategy):
+        dims = sorted({d for w in weights for d in graph.node(w).out.shape}) or \
+            sorted({n.out.shape[0] for n in graph.user_inputs if n.out.shape})
+        raise ValueError(
+            f"strategy {name} on {world} GPUs splits nothing: no dimension it would split "
+            f"({', '.join(map(str, dims))}) divides by {world}, so every op would run "
+            f"replicated; choose a GPU count among {_divisors(math.gcd(*dims))} or another "
+            f"strategy")
+    if whole:
+        shapes = ", ".join(f"{w} {list(graph.node(w).out.shape)}" for w in whole[:3])
+        more = f" and {len(whole) - 3} more" if len(whole) > 3 else ""
+        note = (f"{len(whole)} of {len(weights)} linear weights replicated (no dim divides by "
+                f"{world}): {shapes}{more}")
+        strategy = Strategy(strategy.name, strategy.placements, strategy.options, (note,))
+    return strategy
+
+
+def _tensor_parallel_weights(graph: Graph) -> list[str]:
+    """The 2-d parameters that linear layers read: what Megatron splits."""
+    return [t for node in graph.ops if node.op.startswith("aten.linear") for t in node.inputs
+            if graph.node(t).kind == "param" and len(graph.node(t).out.shape) == 2]
+
+
+def _splits_anything(strategy: Strategy) -> bool:
+    return any(p != R for o in strategy.options.values() for p in (*o.inputs, o.output))
+
+
+def _divisors(n: int) -> str:
+    found = [d for d in range(2, min(n, 64) + 1) if n % d == 0]
+    return ", ".join(map(str, found[:8])) if found else "none above 1"
