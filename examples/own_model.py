@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hidup
+from simulator.predict import predict_plan
 
 
 class MyModel(nn.Module):  # any module whose forward returns the loss
@@ -36,7 +37,7 @@ torch.manual_seed(0)
 model = MyModel()
 plan = hidup.plan(model, batch(0), cluster="cpu-gloo-loopback", gpus=dist.get_world_size())
 if dist.get_rank() == 0:
-    print(plan.describe(), plan.predict(), sep="\n")
+    print(plan.describe(), predict_plan(plan), sep="\n")
 trainer = hidup.parallelize(
     model, plan, optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3),
     lr_scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=20))

@@ -47,7 +47,7 @@ from hidup.emulation.netns import Cluster, ClusterError, emulated
 from hidup.models import capture_model, get_model
 from hidup.planning.costs import kernel_coverage, load_profile
 from hidup.planning.planfile import resolve_strategy, save_plan
-from hidup.planning.search import search
+from hidup.planning.search import SearchOptions, search
 from hidup.strategy import ACROSS, fixed_strategy
 from hidup.program import lower
 from simulator.montecarlo import expected_step
@@ -284,7 +284,7 @@ def plan_for(model: str, profile_path: Path, world: int, folder: Path) -> Path:
     file."""
     graph = captured(model, world)[1]
     profile = load_profile(profile_path)
-    result = search(graph, world, profile, k=2, optimizer=OPTIMIZER)
+    result = search(graph, world, profile, SearchOptions(k=2, optimizer=OPTIMIZER))
     path = plan_path(folder, model, profile_path)
     save_plan(path, graph, result.strategy, world, model, profile.name, optimizer=OPTIMIZER)
     return path

@@ -12,7 +12,7 @@ from pathlib import Path
 from hidup.cli import Parser
 from hidup.models import capture_model, get_model
 from hidup.planning.costs import load_profile
-from hidup.planning.search import search
+from hidup.planning.search import SearchOptions, search
 from hidup.strategy import fixed_strategies
 from hidup.program import LoweringError, lower
 from simulator import simulate
@@ -49,8 +49,8 @@ def compare(model: str, gpus: int, profile, memory: float) -> dict:
     graph = capture_model(spec, spec.batch)
     machines = profile.mesh(gpus)[0]  # a 2-D mesh where the GPUs fill whole machines
     baselines = fixed_strategies(graph, gpus, machines)
-    baselines["min-comm"] = search(graph, gpus, profile, 1, memory, objective="comm").strategy
-    found = search(graph, gpus, profile, 2, memory, baselines=baselines, machines=machines)
+    baselines["min-comm"] = search(graph, gpus, profile, SearchOptions(k=1, memory=memory, objective="comm")).strategy
+    found = search(graph, gpus, profile, SearchOptions(k=2, memory=memory, machines=machines), baselines=baselines)
     row = {"model": model, "gpus": gpus, "chosen": found.candidates[0][0],
            "hidup_ms": simulated_ms(graph, found.strategy, gpus, found.k, profile),
            "search_s": found.seconds, "dp_estimate_ms": found.dp_cost * 1e3}

@@ -21,7 +21,7 @@ from calibration.derive import parse_rate, with_inter_link
 from hidup.models import capture_model, get_model
 from hidup.planning.costs import load_profile
 from hidup.planning.planfile import save_plan
-from hidup.planning.search import search
+from hidup.planning.search import SearchOptions, search
 from hidup.strategy import fixed_strategies
 from hidup.program import LoweringError, lower
 from hidup.runtime.data import build_vocabulary
@@ -75,9 +75,7 @@ def hidup(graph, gpus: int, profile, k: int = 2, machines: int = 1, exact: float
     SPMD, and the expert strategies, ranked with Duplex and without; on a 2-D mesh of `machines`
     also the plans searched on it and its baselines; with `exact` seconds also the integer
     programme's proven k = 1 plan), Duplex where it pays; (simulated Result, search result)."""
-    found = search(graph, gpus, profile, k=k, memory=MEMORY,
-                   baselines=fixed_strategies(graph, gpus, machines), machines=machines,
-                   exact=exact)
+    found = search(graph, gpus, profile, SearchOptions(k=k, memory=MEMORY, machines=machines, exact=exact), baselines=fixed_strategies(graph, gpus, machines))
     return run(graph, found.strategy, gpus, found.k, profile), found
 
 
@@ -245,7 +243,7 @@ def search_time(args) -> Figure:
             seconds = []
             for _ in range(repeats):  # this VM's speed drifts: one search is a noisy figure
                 graph = graph_of(model, gpus, layers=layers)
-                seconds.append(search(graph, gpus, profile, k=2, machines=machines).seconds)
+                seconds.append(search(graph, gpus, profile, SearchOptions(k=2, machines=machines)).seconds)
             fig.add(model=model, layers=layers, gpus=gpus, mesh=f"{machines}x{per}",
                     ops=len(graph.ops), seconds=statistics.median(seconds))
     for layers, gpus, limit in ((8, 64, 1.0), (48, None, 10.0)):  # the planner's own targets
@@ -271,7 +269,7 @@ def convergence(args) -> Figure:
     with tempfile.TemporaryDirectory() as tmp:
         spec = get_model(model, gpus=ranks, vocab=len(build_vocabulary(args.data)))
         graph = capture_model(spec, CONVERGENCE_BATCH)  # as hidup.train builds it for this data
-        found = search(graph, ranks, load_profile("cpu-gloo-loopback"), k=2)
+        found = search(graph, ranks, load_profile("cpu-gloo-loopback"), SearchOptions(k=2))
         plan = Path(tmp) / "plan.json"
         save_plan(plan, graph, found.strategy, ranks, model, "cpu-gloo-loopback")
         losses = {name: _train(model, strategy, k, ranks, steps, args)

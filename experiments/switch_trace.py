@@ -18,7 +18,7 @@ from calibration.traced_plan import derive_plan
 from hidup.cli import Parser
 from hidup.models import capture_model, get_model
 from hidup.planning.planfile import PlanError, save_plan
-from simulator.predict import predict
+from simulator.predict import SimOptions, predict
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces" / "v100-1x4-nvlink"
 MODEL, GPUS = "switch-trace:paper", 4
@@ -84,8 +84,8 @@ def _run(args) -> int:
     for system, trace, strategy, k, bucket, which in runs:
         real = breakdown(traces[trace])
         result = getattr(predict(MODEL, args.cluster, GPUS, strategy, None, k,
-                                 bucket_mb=bucket), which)
-        cmd = (f"--strategy {'PLAN' if strategy.endswith('.json') else strategy}"
+                                 SimOptions(optimizer="sgd", bucket_mb=bucket)), which)
+        cmd = (f"--strategy {'PLAN' if strategy.endswith('.json') else strategy} --optimizer sgd"
                + (f" --micro-batches {k} --bucket-mb 0" if k > 1 else ""))
         rows.append({"system": system, "trace": f"{trace}.json.gz", "predict": cmd,
                      "traced_step_ms": real.wall * 1e3, "predicted_step_ms": result.step_time * 1e3,

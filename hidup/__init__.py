@@ -8,10 +8,6 @@ __all__ = ["Plan", "Trainer", "parallelize", "plan"]
 
 
 def __getattr__(name: str):
-    if name == "plan":  # the command's module, which calls hidup.api.plan when called
-        import importlib
-
-        return importlib.import_module("hidup.plan")
     if name in __all__:
         from hidup import api
 

@@ -148,3 +148,15 @@ def parse_seconds(text: str) -> float:
     if not m:
         raise ValueError(f"latency {text!r}: give a time like 0, 200us, 1ms or 0.01s")
     return float(m.group(1)) * {"s": 1, "ms": 1e-3, "us": 1e-6, None: 1}[m.group(2)]
+
+
+def parse_mesh(text: str, gpus: int, error) -> tuple[int, int]:
+    """'8x8' -> (8, 8), checked against the world size; `error(message)` otherwise."""
+    try:
+        machines, per = (int(n) for n in text.lower().split("x"))
+    except ValueError:
+        error(f"--mesh {text}: give MACHINESxGPUS, e.g. 8x8")
+    if machines < 1 or per < 1 or machines * per != gpus:
+        error(f"--mesh {text}: {machines} x {per} is not the {gpus} GPUs of --gpus; give a "
+              f"mesh whose product is {gpus} (e.g. {max(1, gpus // 8)}x{min(gpus, 8)})")
+    return machines, per

@@ -63,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          f"module(*batch) returns the loss and inputs(batch_size, "
                          f"torch.Generator) returns the global batch, a tuple of tensors")
     ap.add_argument("--strategy", default="ddp",
-                    help="'ddp', 'megatron', or the path of a plan file (python -m hidup.plan)")
+                    help="'ddp', 'megatron', or the path of a plan file (python -m hidup.planner)")
     ap.add_argument("--duplex", action="store_true", help="Duplex: two micro-batches per rank")
     ap.add_argument("--micro-batches", type=int, default=None,
                     help="micro-batches per rank (overrides --duplex; 1 = plain SPMD)")

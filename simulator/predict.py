@@ -10,19 +10,18 @@ import logging
 import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hidup import models
-from hidup.cli import Parser
+from hidup.cli import Parser, parse_mesh
 from hidup.graph.capture import Graph
 from hidup.models import capture_model
 from hidup.planning.costs import Profile, load_profile
 from hidup.planning.memory import peak_memory
-from hidup.planning.planfile import resolve_strategy, save_plan
-from hidup.planning.search import search
-from hidup.strategy import (NoMicroBatches, Strategy, fixed_strategies,
-                                     microbatch_split)
+from hidup.planning.planfile import Plan, resolve_strategy, save_plan
+from hidup.planning.select import DUPLEX_K, SEARCH, Goal, select_plan
+from hidup.strategy import Strategy
 from hidup.program import HOST_MODES, OPTIMIZERS, lower
 from simulator.montecarlo import expected_step, step_time_interval
 from simulator.report import Comparison, Prediction
@@ -30,13 +29,22 @@ from simulator.trace import write_trace
 
 log = logging.getLogger(__name__)
 PROG = "python -m simulator.predict"
-SEARCH = "search"  # --strategy: HiDup's search beside the fixed strategies
+@dataclass(frozen=True)
+class SimOptions:
+    """How a plan is simulated, beside the plan, the profile, the world size and k."""
+
+    optimizer: str = "adamw"  # whose update and state count (hidup.program.OPTIMIZERS)
+    mode: str = "graph"  # the executor mode whose host cost is simulated (GPU profiles)
+    bucket_mb: float = 25.0  # gradient buckets of the replicated parameters' all-reduces
+    samples: int = 0  # Monte-Carlo runs with perturbed profile figures (0: none)
+    noise: float = 0.1  # their log-normal spread
+    show_plan: bool = False  # the report lists every op's placements
+
+
 def _setup(model: str, cluster: str, gpus: int, batch: int | None):
-    """The model spec, the profile (refusing a world size it cannot describe), the batch and
-    the captured graph."""
+    """The model spec, the profile, the batch and the captured graph."""
     spec = models.get_model(model, gpus=gpus)
     profile = load_profile(cluster)
-    profile.check_world(gpus)
     batch = batch or spec.batch
     started = time.perf_counter()
     graph = capture_model(spec, batch)
@@ -45,84 +53,75 @@ def _setup(model: str, cluster: str, gpus: int, batch: int | None):
     return spec, profile, batch, graph
 
 
-def simulate(name: str, profile: Profile, batch: int, graph: Graph, plan: Strategy, gpus: int,
-             k: int, samples: int = 0, noise: float = 0.1, bucket_mb: float = 25.0,
-             mode: str = "graph", show_plan: bool = False, optimizer: str = "sgd") -> Prediction:
+def simulate(graph: Graph, plan: Strategy, profile: Profile, gpus: int, k: int,
+             options: SimOptions = SimOptions(), name: str = "model") -> Prediction:
     """Lower `plan` for k=1 and for k micro-batches and simulate both (`name`: the model's, as
-    reported), with `optimizer`'s update and state (hidup.program.OPTIMIZERS)."""
+    reported)."""
     results, intervals, memory = [], [], []
-    bucket = int(bucket_mb * 2 ** 20)
+    bucket = int(options.bucket_mb * 2 ** 20)
     for program in [lower(graph, plan, gpus, n, name, bucket_bytes=bucket,
-                                   optimizer=optimizer) for n in (1, k)]:
+                          optimizer=options.optimizer) for n in (1, k)]:
         started = time.perf_counter()
-        results.append(expected_step(program, profile, mode=mode))  # simulate unless kernels vary
+        results.append(expected_step(program, profile, mode=options.mode))  # simulated unless
+        # the profile's kernels vary
         log.info("%s k=%d: %d tasks simulated in %.3f s: %s", plan.name, program.k,
                  len(program.tasks), time.perf_counter() - started, results[-1])
         memory.append(peak_memory(program))
-        if samples:
-            intervals.append(step_time_interval(program, profile, samples, noise, mode=mode))
+        if options.samples:
+            intervals.append(step_time_interval(program, profile, options.samples, options.noise,
+                                                mode=options.mode))
+    batch = graph.user_inputs[0].out.shape[0] if graph.user_inputs[0].out.shape else 1
     return Prediction(name, batch, profile, gpus, plan, k, *results, graph, tuple(memory),
-                      tuple(intervals) if samples else None, mode, show_plan, optimizer)
+                      tuple(intervals) if options.samples else None, options.mode,
+                      options.show_plan, options.optimizer)
 
 
-def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | None,
-            k: int, samples: int = 0, noise: float = 0.1,
-            bucket_mb: float = 25.0, mode: str = "graph", show_plan: bool = False,
-            optimizer: str = "sgd") -> Prediction:
-    """Capture, plan, lower for k=1 and for k micro-batches, and simulate both (the executor in
-    `mode`: what the host costs where the profile has host figures)."""
+def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | None = None,
+            k: int = DUPLEX_K, options: SimOptions = SimOptions()) -> Prediction:
+    """A zoo model captured, one strategy (a fixed one's name or a plan file) lowered for k=1
+    and for k micro-batches, and both simulated."""
     spec, profile, batch, graph = _setup(model, cluster, gpus, batch)
+    profile.check_world(gpus)
     plan = resolve_strategy(strategy, graph, gpus, profile.name)
-    return simulate(spec.name, profile, batch, graph, plan, gpus, k, samples, noise, bucket_mb,
-                    mode, show_plan, optimizer)
+    return simulate(graph, plan, profile, gpus, k, options, spec.name)
 
 
-def compare(model: str, cluster: str, gpus: int, batch: int | None, k: int, samples: int = 0,
-            noise: float = 0.1, bucket_mb: float = 25.0, mode: str = "graph",
-            show_plan: bool = False, optimizer: str = "sgd") -> Comparison:
-    """HiDup's Duplex-aware search (within a device's memory) and every fixed strategy that
-    applies, each simulated with and without Duplex; the fastest that fits is chosen."""
-    spec, profile, batch, graph = _setup(model, cluster, gpus, batch)
-    return choose(spec.name, profile, batch, graph, gpus, k, samples, noise, bucket_mb, mode,
-                  show_plan, optimizer)
+def predict_plan(plan: Plan, cluster: str | None = None,
+                 options: SimOptions | None = None) -> Prediction:
+    """A hidup.Plan (from hidup.plan or hidup.Plan.load(path, model)) simulated on `cluster`
+    (default: the one it was made for) as plain SPMD (k=1) and with Duplex (its micro-batches,
+    at least 2), within the memory it was planned for; str() is this command's report."""
+    if plan.graph is None:
+        raise ValueError("this plan was loaded without its model: load it with "
+                         "hidup.Plan.load(path, model) to simulate it")
+    cluster = cluster or plan.cluster
+    if cluster is None:
+        raise ValueError("this plan names no cluster: give predict_plan(plan, cluster=NAME)")
+    profile = load_profile(cluster)
+    profile.check_world(plan.gpus)
+    if plan.memory is not None:
+        profile = replace(profile, device_memory=plan.memory)
+    options = options or SimOptions(optimizer=plan.optimizer)
+    return simulate(plan.graph, plan.strategy, profile, plan.gpus, max(2, plan.micro_batches),
+                    options, plan.model)
 
 
-def choose(name: str, profile: Profile, batch: int, graph: Graph, gpus: int, k: int,
-           samples: int = 0, noise: float = 0.1, bucket_mb: float = 25.0, mode: str = "graph",
-           show_plan: bool = False, optimizer: str = "sgd") -> Comparison:
-    """`compare` on a captured graph (of any module: hidup.plan's too). Where the batch cannot
-    be split into k micro-batches, plain SPMD only (k = 1), and the note says why."""
-    plans, note, seconds = [], "", 0.0
-    if k > 1:
-        try:
-            microbatch_split(graph, k)
-        except NoMicroBatches as exc:
-            note, k = f"no Duplex: {exc}", 1
-    try:
-        found = search(graph, gpus, profile, k, profile.device_memory, optimizer=optimizer)
-        seconds = found.seconds
-        plans.append(replace(found.strategy, name="hidup"))
-        log.info("searched in %.2f s (%d labels)", found.seconds, found.states)
-    except ValueError as exc:
-        note = "; ".join(filter(None, [note, f"no searched plan: {exc}"]))
-    plans += fixed_strategies(graph, gpus).values()
-    if not plans:
-        raise ValueError(f"no strategy applies to {name} on {gpus} GPUs ({note}); try "
-                         f"another GPU count")
-    predictions = [simulate(name, profile, batch, graph, p, gpus, k, 0, noise, bucket_mb, mode,
-                            show_plan, optimizer) for p in plans]
-    bests = [(p.best(), i) for i, p in enumerate(predictions)]
-    fitting = [(best[1].step_time, i, best[0]) for best, i in bests if best is not None]
-    if not fitting:
-        peak = min(max(m.peak for _, _, m in p.runs()) for p in predictions)
-        raise ValueError(f"no plan fits a device's {profile.device_memory / 2**30:.3g} GiB: the "
-                         f"smallest needs {peak / 2**30:.3g} GiB per rank; use more GPUs or a "
-                         f"smaller batch")
-    _, chosen, chosen_k = min(fitting)
-    if samples:  # the interval of the chosen plan only: every plan's would take long
-        predictions[chosen] = simulate(name, profile, batch, graph, plans[chosen], gpus, k,
-                                       samples, noise, bucket_mb, mode, show_plan, optimizer)
-    return Comparison(tuple(predictions), chosen, chosen_k, seconds, note)
+def compare(model: str, cluster: str, goal: Goal, batch: int | None = None,
+            options: SimOptions = SimOptions()) -> Comparison:
+    """A zoo model's plan chosen for `goal` (hidup.planning.select, as hidup.plan() and
+    hidup.planner choose it), simulated beside every plan it was chosen from (the searched plan
+    and the fixed strategies), each with and without Duplex."""
+    spec, profile, batch, graph = _setup(model, cluster, goal.gpus, batch)
+    chosen = select_plan(graph, profile, goal)
+    options = replace(options, optimizer=goal.optimizer)
+    quiet = replace(options, samples=0)  # the interval of the chosen plan only
+    names = list(chosen.candidates)
+    predictions = [simulate(graph, s, chosen.profile, goal.gpus, chosen.duplex_k,
+                            options if name == chosen.strategy.name else quiet, spec.name)
+                   for name, s in chosen.candidates.items()]
+    found = chosen.search
+    return Comparison(tuple(predictions), names.index(chosen.strategy.name), chosen.k,
+                      found.seconds if found else 0.0, "; ".join(chosen.notes))
 
 
 def _positive(text: str) -> int:
@@ -151,8 +150,15 @@ def _parser() -> argparse.ArgumentParser:
                         f"plan file (default: %(default)s)")
     p.add_argument("--batch", metavar="B", type=_positive, default=None,
                    help="global batch size (default: the model's own)")
-    p.add_argument("--micro-batches", metavar="K", type=_positive, default=2,
-                   help="Duplex micro-batches per rank, k (default: %(default)s)")
+    p.add_argument("--micro-batches", metavar="K", type=_positive, default=None,
+                   help=f"micro-batches per rank: 1 (plain SPMD), 2 or more (Duplex); the "
+                        f"Duplex column's k (default: the faster of 1 and {DUPLEX_K})")
+    p.add_argument("--memory", metavar="GIB", type=float, default=None,
+                   help="device memory limit in GiB (default: the cluster profile's)")
+    p.add_argument("--mesh", metavar="MACHINESxGPUS", default=None,
+                   help="the device mesh the search runs on beside the 1-D one, e.g. 2x4 "
+                        "(default: the cluster's machines x GPUs per machine when --gpus fills "
+                        "whole machines)")
     p.add_argument("--mode", choices=HOST_MODES, default="graph",
                    help="executor mode to predict ('eager': plain PyTorch): its host time per "
                         "task, where the profile has host figures (GPU profiles; on a CPU cluster "
@@ -196,14 +202,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--monte-carlo must be 0 or more samples and --noise 0 or more")
     level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    options = (args.batch, args.micro_batches, args.monte_carlo, args.noise, args.bucket_mb,
-               args.mode, args.show_plan, args.optimizer)
+    if args.memory is not None and not 0 < args.memory < float("inf"):
+        parser.error(f"--memory {args.memory}: must be a positive number of GiB")
+    mesh = None if args.mesh is None else parse_mesh(args.mesh, args.gpus, parser.error)
+    options = SimOptions(args.optimizer, args.mode, args.bucket_mb, args.monte_carlo, args.noise,
+                         args.show_plan)
     try:
         if args.strategy == SEARCH:
-            report = compare(args.model, args.cluster, args.gpus, *options)
+            goal = Goal(args.gpus, args.micro_batches,
+                        None if args.memory is None else args.memory * 2**30, args.optimizer,
+                        mesh)
+            report = compare(args.model, args.cluster, goal, args.batch, options)
             shown = report.predictions[report.chosen]
         else:
-            report = shown = predict(args.model, args.cluster, args.gpus, args.strategy, *options)
+            report = shown = predict(args.model, args.cluster, args.gpus, args.strategy,
+                                     args.batch, args.micro_batches or DUPLEX_K, options)
     except ValueError as exc:
         parser.exit(2, f"{PROG}: error: {' '.join(str(exc).split())}\n")
     if args.trace is not None:

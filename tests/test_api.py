@@ -1,5 +1,5 @@
-"""The public API on a model defined only here (not in the zoo): hidup.plan, Plan.predict /
-save / load, hidup.parallelize with AdamW and a cosine schedule on 2 and 4 gloo ranks, Duplex on
+"""The public API on a model defined only here (not in the zoo): hidup.plan, predict_plan, Plan.save
+/ load, hidup.parallelize with AdamW and a cosine schedule on 2 and 4 gloo ranks, Duplex on
 and off, fixed and searched plans, each against an independent single-device eager PyTorch run;
 checkpoints through torch.distributed.checkpoint resharded across plans and world sizes; and the
 one-line error for an op with no sharding rule."""
@@ -143,18 +143,20 @@ def test_checkpoint_resumes_under_another_plan_and_world_size(tmp_path, saved, w
 
 
 def test_plan_predicts_saves_and_loads(tmp_path):
+    from simulator.predict import predict_plan
+
     model = TinyLM()
     plan = hidup.plan(model, batches()[0], cluster=CLUSTER, gpus=4, micro_batches=2)
-    prediction = plan.predict()
+    prediction = predict_plan(plan)
     assert prediction.spmd.step_time > 0 and prediction.duplex.step_time > 0
     assert "SPMD (k=1)" in str(prediction)
     plan.save(tmp_path / "plan.json")
     again = hidup.Plan.load(tmp_path / "plan.json", TinyLM())
     assert again.strategy.options == plan.strategy.options
     assert again.micro_batches == plan.micro_batches and again.gpus == 4
-    assert again.predict().duplex.step_time == pytest.approx(prediction.duplex.step_time)
+    assert predict_plan(again).duplex.step_time == pytest.approx(prediction.duplex.step_time)
     with pytest.raises(ValueError, match="loaded without its model"):
-        hidup.Plan.load(tmp_path / "plan.json").predict()
+        predict_plan(hidup.Plan.load(tmp_path / "plan.json"))
     with pytest.raises(ValueError, match="for 4 ranks, this run has 1"):
         hidup.parallelize(TinyLM(), again, optimizer=adamw)
 
@@ -232,7 +234,7 @@ def test_what_the_trainer_cannot_do_is_one_line_and_tied_weights_train():
 
 
 def test_a_plan_file_from_the_command_keeps_its_micro_batches(tmp_path, capsys):
-    from hidup import plan as plan_command
+    from hidup import planner as plan_command
 
     out = tmp_path / "plan.json"
     assert plan_command.main(["--model", "bert-sgmoe:paper", "--cluster", "v100-2x4", "--gpus",

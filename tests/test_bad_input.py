@@ -11,7 +11,7 @@ import pytest
 from calibration import derive, ops, trace
 from conftest import one_line
 from experiments import whatif
-from hidup import plan, train
+from hidup import planner, train
 from simulator import predict
 
 
@@ -20,7 +20,7 @@ def files(tmp_path_factory):
     """A real plan for gpt:tiny on 2 GPUs, and truncated copies of a plan, a profile, a trace."""
     folder = tmp_path_factory.mktemp("bad")
     good = folder / "plan.json"
-    assert plan.main(["--model", "gpt:tiny", "--gpus", "2", "--cluster", "v100-1x4-nvlink",
+    assert planner.main(["--model", "gpt:tiny", "--gpus", "2", "--cluster", "v100-1x4-nvlink",
                       "--out", str(good)]) == 0
     (folder / "plan-cut.json").write_text(good.read_text()[:120])
     from hidup.planning.costs import load_profile
@@ -67,7 +67,7 @@ def test_plans_and_profiles_for_something_else_or_damaged(files, capsys):
     for argv, said in cases:
         line = one_line(predict.main, argv, capsys)
         assert said in line, line
-    assert "make it again with python -m hidup.plan" in one_line(predict.main, cases[2][0], capsys)
+    assert "make it again with python -m hidup.planner" in one_line(predict.main, cases[2][0], capsys)
     assert "fix or re-create it" in one_line(predict.main, cases[3][0], capsys)
 
 

@@ -12,7 +12,7 @@ from conftest import build_model, run_ranks
 from hidup.graph.capture import capture
 from hidup.models import get_model
 from hidup.planning.costs import load_profile
-from hidup.planning.search import Search, replicated_plan, search
+from hidup.planning.search import Search, SearchOptions, replicated_plan, search
 from hidup.strategy import fixed_strategy, random_strategy
 from hidup.program import LoweringError, lower
 from hidup.runtime.execute import Executor, full_tensor
@@ -40,8 +40,8 @@ def one_d_strategy(graph, name: str, world: int, k: int):
     """A strategy over every rank: searched, every op replicated (as the search ranks it), or
     fixed by name."""
     if name == "replicated":
-        return replicated_plan(Search(graph, world, load_profile("v100-8x8-10gbps"), k))
-    return (search(graph, world, load_profile("v100-8x8-10gbps"), k).strategy
+        return replicated_plan(Search(graph, world, load_profile("v100-8x8-10gbps"), SearchOptions(k=k)))
+    return (search(graph, world, load_profile("v100-8x8-10gbps"), SearchOptions(k=k)).strategy
             if name == "search" else fixed_strategy(name, graph, world))
 
 
@@ -148,7 +148,7 @@ def mesh_strategy(graph, name: str, world: int, k: int):
     """A 2-D strategy on 2 machines: fixed, searched on the mesh, or random inside (None where
     a random split does not divide the model's sizes)."""
     if name == "search-2d":
-        dp = Search(graph, world, load_profile("v100-8x8-10gbps"), k, machines=2)
+        dp = Search(graph, world, load_profile("v100-8x8-10gbps"), SearchOptions(k=k, machines=2))
         return dp.strategy(dp.run()[0], "hidup")
     if name.startswith("random-"):
         inner = random_strategy(graph, world // 2, random.Random(int(name[7:])),

@@ -47,7 +47,7 @@ def two_op_program() -> Program:
                 in_shapes=(), out_shape=(), inputs=("grad:p_w",), outputs=()),
     )
     return Program(model="two-op", fingerprint="", strategy="hand", world=2, k=1, tasks=tasks,
-                   loss_keys=("loss@R/0",), param_grads={"p_w": "grad:p_w"})
+                   loss_keys=("loss@R/0",), param_grads={"p_w": "grad:p_w"}, optimizer="sgd")
 
 
 def test_two_op_program_peak_is_pinned():

@@ -1,6 +1,6 @@
 """The 2-D mesh (machines x ranks per machine; data parallel across, the strategy inside): the
 Program's groups, its pricing by the estimate and the simulator, the search, plan files and
-hidup.plan --mesh. Its equivalence to single-device training is in test_equivalence.py."""
+hidup.planner --mesh. Its equivalence to single-device training is in test_equivalence.py."""
 from __future__ import annotations
 
 import json
@@ -9,12 +9,12 @@ from dataclasses import replace
 import pytest
 
 from hidup.models import capture_model, get_model
-from hidup.plan import main as plan_main
+from hidup.planner import main as plan_main
 from hidup.graph.placement import R
 from hidup.planning.costs import load_profile
 from hidup.planning.estimate import estimate
 from hidup.planning.planfile import PlanError, load_plan, save_plan
-from hidup.planning.search import search
+from hidup.planning.search import SearchOptions, search
 from hidup.strategy import fixed_strategy, mesh_option
 from hidup.program import Compute, LoweringError, lower
 from simulator import engine
@@ -85,7 +85,7 @@ def test_columns_crossing_one_link_share_it_in_estimate_and_simulator(tiny_graph
 
 def test_search_on_a_mesh_ranks_2d_and_1d_plans(tiny_graphs):
     _, _, graph = tiny_graphs["gpt:tiny"]
-    found = search(graph, 4, two_by_two(), 2, machines=2)
+    found = search(graph, 4, two_by_two(), SearchOptions(k=2, machines=2))
     names = [name for name, _ in found.candidates]
     assert any("-2d#" in n for n in names) and any(n.startswith("search#") for n in names)
     times = [t for _, t in found.candidates]
@@ -138,11 +138,11 @@ def test_a_mesh_priced_far_over_the_other_has_only_its_best_plan_lowered(monkeyp
     spec = get_model("bert-sgmoe:paper", gpus=16, layers=2)
     graph = capture_model(spec, spec.batch)
     profile = load_profile("v100-8x8-10gbps")
-    found = search(graph, 16, profile, k=2, machines=2)
+    found = search(graph, 16, profile, SearchOptions(k=2, machines=2))
     on_mesh = [name for name, _ in found.candidates if "-2d#" in name]
     assert sorted(on_mesh) == ["search-2d#0 k=1", "search-2d#0 k=2"]
     monkeypatch.setattr(searching, "_HOPELESS", float("inf"))
-    every = search(graph, 16, profile, k=2, machines=2)
+    every = search(graph, 16, profile, SearchOptions(k=2, machines=2))
     assert len([name for name, _ in every.candidates if "-2d#" in name]) > 2
     assert every.candidates[0] == found.candidates[0]
     best_2d = min(t for name, t in every.candidates if "-2d#" in name)

@@ -1,5 +1,5 @@
 """The optimizer that runs is in the Program: its update task is costed from hidup.program's
-OPTIMIZERS table, its state counts in the peak memory, and the search and hidup.plan see both."""
+OPTIMIZERS table, its state counts in the peak memory, and the search and python -m hidup.planner see both."""
 from __future__ import annotations
 
 import json
@@ -9,10 +9,10 @@ import pytest
 
 from hidup.graph.placement import Shard
 from hidup.models import capture_model, get_model
-from hidup.plan import main as plan_main
+from hidup.planner import main as plan_main
 from hidup.planning.costs import load_profile
 from hidup.planning.memory import peak_memory
-from hidup.planning.search import search
+from hidup.planning.search import SearchOptions, search
 from hidup.strategy import data_parallel, fixed_strategies, megatron
 from hidup.program import OPTIMIZERS, Compute, LoweringError, Program, lower
 from conftest import one_line
@@ -61,13 +61,19 @@ def test_update_task_follows_the_table(gpt, make, name):
     assert (task.flops, task.bytes) == (cost.flops * numel, cost.bytes * numel)
 
 
-def test_sgd_is_the_default_and_keeps_its_op_name(gpt):
-    program = lower(gpt, data_parallel(gpt, 2), 2, k=1)
+def test_adamw_is_the_default_and_sgd_keeps_its_op_name(gpt):
+    """AdamW, what hidup.train runs, is every door's default (the lowering, a Program, the
+    search, the selection); sgd's update keeps the op name calibrated profiles know it by."""
+    from hidup.planning.search import SearchOptions
+    from hidup.planning.select import Goal
+
+    assert lower(gpt, data_parallel(gpt, 2), 2, k=1).optimizer == "adamw"
+    assert Program("none", "", "hand", 1, 1, (), (), {}).optimizer == "adamw"
+    assert SearchOptions().optimizer == Goal(2).optimizer == "adamw"
+    program = lower(gpt, data_parallel(gpt, 2), 2, k=1, optimizer="sgd")
     numel = local_elements(gpt, data_parallel(gpt, 2), 2)
-    assert program.optimizer == "sgd"
     task = update_task(program)
     assert (task.op, task.flops, task.bytes) == ("optimizer.step", 2.0 * numel, 12.0 * numel)
-    assert Program("none", "", "hand", 1, 1, (), (), {}).optimizer == "sgd"  # positional: as before
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -94,7 +100,7 @@ def test_unknown_optimizer_is_a_one_line_error(gpt, capsys):
     assert "\n" not in message and "'lion'" in message
     assert all(name in message for name in OPTIMIZERS)
     with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
-        search(gpt, 2, load_profile(PROFILE), k=2, optimizer="lion")
+        search(gpt, 2, load_profile(PROFILE), SearchOptions(k=2, optimizer="lion"))
     line = one_line(plan_main, ["--model", "gpt:tiny", "--gpus", "2", "--optimizer", "lion"],
                     capsys, code=2)
     assert "--optimizer" in line and "'lion'" in line and "adamw" in line
@@ -119,9 +125,9 @@ def test_search_memory_limit_sees_the_optimizer_state():
     ddp = _ddp_peaks(graph, base)
     limit = ddp["adamw"] - 1
     assert ddp["sgd"] <= limit
-    with_sgd = search(graph, 2, profile, k=2, memory=limit, baselines=base, optimizer="sgd")
+    with_sgd = search(graph, 2, profile, SearchOptions(k=2, memory=limit, optimizer="sgd"), baselines=base)
     assert _ddp_ranked(with_sgd)
-    with_adamw = search(graph, 2, profile, k=2, memory=limit, baselines=base, optimizer="adamw")
+    with_adamw = search(graph, 2, profile, SearchOptions(k=2, memory=limit, optimizer="adamw"), baselines=base)
     assert not _ddp_ranked(with_adamw)
     assert with_adamw.strategy.options != base["ddp"].options
     chosen = lower(graph, with_adamw.strategy, 2, with_adamw.k, optimizer="adamw")
@@ -132,16 +138,15 @@ def test_search_refuses_where_only_sgd_fits(gpt):
     """gpt:tiny has no plan leaner than ddp: under ddp's AdamW peak, only SGD fits."""
     profile, base = load_profile(PROFILE), fixed_strategies(gpt, 2)
     limit = _ddp_peaks(gpt, base)["adamw"] - 1
-    assert search(gpt, 2, profile, k=2, memory=limit, baselines=base,
-                  optimizer="sgd").strategy.options == base["ddp"].options
+    assert search(gpt, 2, profile, SearchOptions(k=2, memory=limit, optimizer="sgd"), baselines=base).strategy.options == base["ddp"].options
     with pytest.raises(ValueError, match=r"search: no (plan|option of node \w+ .*) fits in"):
-        search(gpt, 2, profile, k=2, memory=limit, baselines=base, optimizer="adamw")
+        search(gpt, 2, profile, SearchOptions(k=2, memory=limit, optimizer="adamw"), baselines=base)
 
 
 def test_search_estimate_includes_the_update(gpt):
     """With no limit both searches may choose ddp; AdamW's update is slower than SGD's."""
     profile, base = load_profile(PROFILE), {"ddp": data_parallel(gpt, 2)}
-    times = {name: dict(search(gpt, 2, profile, k=2, baselines=base, optimizer=name).candidates)
+    times = {name: dict(search(gpt, 2, profile, SearchOptions(k=2, optimizer=name), baselines=base).candidates)
              for name in ("sgd", "adamw")}
     for plan in ("ddp k=1", "ddp k=2"):
         assert times["adamw"][plan] > times["sgd"][plan]

@@ -139,7 +139,7 @@ def test_default_run_compares_the_searched_plan_with_the_baselines(capsys):
     out = json.loads(capsys.readouterr().out)
     assert (out["model"], out["cluster"], out["gpus"]) == ("bert-sgmoe:paper", "v100-2x4", 8)
     names = [p["strategy"] for p in out["plans"]]
-    assert names == ["hidup", "ddp", "megatron", "expert"]
+    assert names == ["hidup", "ddp", "megatron", "expert", "dp-megatron", "dp-expert"]  # 2 x 4
     best = {p["strategy"]: min(p[run]["step_time_ms"] for run in ("spmd", "duplex")
                                if p[run]["fits"]) for p in out["plans"]}
     assert out["chosen"]["strategy"] == min(best, key=best.get)
@@ -149,8 +149,8 @@ def test_default_run_compares_the_searched_plan_with_the_baselines(capsys):
 
 
 def test_bucket_mb_zero_reduces_each_parameter_on_its_own():
-    from simulator.predict import predict
+    from simulator.predict import SimOptions, predict
     def reductions(mb):
-        p = predict("mlp:tiny", "v100-1x4-nvlink", 2, "ddp", None, 1, bucket_mb=mb)
+        p = predict("mlp:tiny", "v100-1x4-nvlink", 2, "ddp", None, 1, SimOptions(bucket_mb=mb))
         return sum(r.task.kind == "all_reduce" for r in p.spmd.records[0] if hasattr(r.task, "kind"))
     assert reductions(0) > reductions(25) >= 1

@@ -12,7 +12,7 @@ from test_equivalence import one_step, rel_err
 from hidup.graph.capture import capture
 from hidup.graph.placement import R, Shard
 from hidup.planning.costs import load_profile
-from hidup.planning.search import search
+from hidup.planning.search import SearchOptions, search
 from hidup.strategy import conversion, fixed_strategy, microbatch_split, random_strategy
 from hidup.runtime.step import mb_join, mb_part, shard_of
 
@@ -38,7 +38,7 @@ def reference(name: str):
 
 def strategy_of(graph, how: str, world: int, k: int):
     if how == "search":
-        return search(graph, world, load_profile("v100-8x8-10gbps"), k).strategy
+        return search(graph, world, load_profile("v100-8x8-10gbps"), SearchOptions(k=k)).strategy
     if how == "random":  # any option of any op, DTensor's included
         return random_strategy(graph, world, random.Random(f"{graph.fingerprint}{world}"))
     return fixed_strategy(how, graph, world)

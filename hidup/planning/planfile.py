@@ -1,22 +1,93 @@
-"""Plan files: a strategy saved as versioned JSON with the model's fingerprint, world size, mesh
-and cluster, refused with a clear message for another model, size or format version; and
-`resolve_strategy`, which reads a command's --strategy (a fixed strategy's name or a plan file)."""
+"""Plans and their files: a Plan (what hidup.plan returns and hidup.parallelize runs), a strategy
+saved as versioned JSON with the model's fingerprint, world size, mesh and cluster, refused with a
+clear message for another model, size or format version; and `resolve_strategy`, which reads a
+command's --strategy (a fixed strategy's name or a plan file)."""
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from hidup.graph.capture import Graph
+import torch
+
+from hidup.graph.capture import Graph, TensorMeta, capture
 from hidup.graph.ops import node_options
 from hidup.graph.placement import Partial, parse_option, parse_placement
-from hidup.strategy import Strategy, fixed_strategy
+from hidup.strategy import Strategy, describe, fixed_strategy
 
 PLAN_FORMAT, PLAN_VERSION = "hidup-plan", 1
 
 
 class PlanError(ValueError):
     """A plan file cannot be used for this model or world size."""
+
+
+@dataclass
+class Plan:
+    """A strategy for one model on `gpus` ranks of a cluster, run with `micro_batches`
+    micro-batches per rank (2 or more: Duplex)."""
+
+    strategy: Strategy
+    gpus: int
+    micro_batches: int
+    cluster: str | None
+    inputs: tuple[TensorMeta, ...]  # the global batch's shapes and dtypes the plan is for
+    fingerprint: str
+    model: str = "model"  # a name for reports
+    optimizer: str = "adamw"
+    graph: Graph | None = field(default=None, repr=False)  # None when loaded from a file
+    memory: float | None = None  # the device memory limit it was planned within (bytes), if given
+
+    def describe(self) -> str:
+        """The plan in one line: what its ops do, and Duplex or not."""
+        duplex = f"Duplex with {self.micro_batches} micro-batches" if self.micro_batches > 1 \
+            else "no Duplex"
+        what = describe(self.graph, self.strategy) if self.graph is not None else \
+            f"strategy {self.strategy.name}"
+        return f"{what}; {duplex}"
+
+    @property
+    def batch(self) -> int:
+        """The global batch size: the first input's first dimension."""
+        return self.inputs[0].shape[0] if self.inputs and self.inputs[0].shape else 1
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan file (as `python -m hidup.planner --out` does: hidup.train reads it)."""
+        save_plan(Path(path), self.graph, self.strategy, self.gpus, self.model, self.cluster,
+                  micro_batches=self.micro_batches, inputs=self.inputs,
+                  fingerprint=self.fingerprint, optimizer=self.optimizer, memory=self.memory)
+
+    @classmethod
+    def load(cls, path: str | Path, model: torch.nn.Module | None = None) -> Plan:
+        """Read a plan file. With `model`, it is captured at the plan's input shapes and checked
+        against the plan (so that simulator.predict.predict_plan can simulate it); without, the
+        check waits for `parallelize`."""
+        path = Path(path)
+        doc = read_plan(path)
+        if not doc.get("inputs") or not doc.get("fingerprint") or not doc.get("world"):
+            raise PlanError(f"plan file {path} does not record the inputs it was made for; "
+                            f"make it again with hidup.plan(...).save() or python -m "
+                            f"hidup.planner --out")
+        inputs = tuple(TensorMeta(tuple(i["shape"]), i["dtype"]) for i in doc["inputs"])
+        graph = None if model is None else capture(model, example_inputs(inputs))
+        strategy = load_plan(path, graph, doc["world"], doc=doc)
+        return cls(strategy, doc["world"], int(doc.get("micro_batches") or 1),
+                   doc.get("cluster"), inputs, doc["fingerprint"], doc.get("model") or "model",
+                   doc.get("optimizer") or "adamw", graph, doc.get("memory"))
+
+    @classmethod
+    def of(cls, graph: Graph, strategy: Strategy, gpus: int, micro_batches: int,
+           cluster: str | None = None, model: str = "model", optimizer: str = "adamw",
+           memory: float | None = None) -> Plan:
+        """The plan that runs `strategy` for a captured graph (its inputs and fingerprint)."""
+        return cls(strategy, gpus, micro_batches, cluster, tuple(n.out for n in graph.user_inputs),
+                   graph.fingerprint, model, optimizer, graph, memory)
+
+
+def example_inputs(metas: tuple[TensorMeta, ...]) -> tuple[torch.Tensor, ...]:
+    """Zeros of the recorded shapes and dtypes: a capture depends on shapes only."""
+    return tuple(torch.zeros(m.shape, dtype=getattr(torch, m.dtype)) for m in metas)
 
 
 def resolve_strategy(arg: str, graph: Graph, world: int, cluster: str | None = None
@@ -72,10 +143,10 @@ def read_plan(path: Path) -> dict:
         doc = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise PlanError(f"plan file {path}: cannot read it ({exc}); make it again with "
-                        f"python -m hidup.plan --out") from exc
+                        f"python -m hidup.planner --out") from exc
     if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
         raise PlanError(f"plan file {path}: not a HiDup plan (no \"format\": \"{PLAN_FORMAT}\"); "
-                        f"give a file written by python -m hidup.plan --out")
+                        f"give a file written by python -m hidup.planner --out")
     if doc.get("version") != PLAN_VERSION:
         raise PlanError(f"plan file {path}: version {doc.get('version')}, this HiDup reads version "
                         f"{PLAN_VERSION}; re-create the plan")
@@ -92,7 +163,7 @@ def load_plan(path: Path, graph: Graph | None, world: int, cluster: str | None =
     if doc.get("world") != world:
         raise PlanError(f"plan file {path} was made for {doc.get('world')} GPUs, this run has "
                         f"{world}; give --gpus {doc.get('world')} or make a plan for {world} "
-                        f"GPUs with python -m hidup.plan --gpus {world} --out PLAN.json")
+                        f"GPUs with python -m hidup.planner --gpus {world} --out PLAN.json")
     if graph is not None and doc.get("fingerprint") != graph.fingerprint:
         raise PlanError(f"plan file {path} was made for model {doc.get('model')!r} with fingerprint "
                         f"{doc.get('fingerprint')}, but this model's fingerprint is "
@@ -103,7 +174,7 @@ def load_plan(path: Path, graph: Graph | None, world: int, cluster: str | None =
     if cluster is not None and made_for != cluster:
         notes = (f"plan {Path(path).name} was searched for cluster "
                  f"{made_for or '(not recorded)'}, not {cluster}: re-plan for {cluster} with "
-                 f"python -m hidup.plan --cluster {cluster} to get its best plan",)
+                 f"python -m hidup.planner --cluster {cluster} to get its best plan",)
     strategy = Strategy(doc.get("strategy", Path(path).stem),
                         {n: parse_placement(p) for n, p in doc["placements"].items()},
                         {n: parse_option(o) for n, o in doc["options"].items()}, notes, machines)
@@ -120,5 +191,5 @@ def _machines(path, doc: dict, world: int) -> int:
             and math.prod(mesh) == world):
         raise PlanError(f"plan file {path}: mesh {mesh!r} is not [{world}] or [MACHINES, "
                         f"GPUS_PER_MACHINE] of {world} GPUs; make the plan again with "
-                        f"python -m hidup.plan --out")
+                        f"python -m hidup.planner --out")
     return mesh[0] if len(mesh) == 2 else 1

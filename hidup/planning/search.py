@@ -42,7 +42,7 @@ import logging
 import math
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from operator import attrgetter
 from typing import NamedTuple
 
@@ -140,34 +140,66 @@ class _NodeCost(NamedTuple):
 
 
 @dataclass(frozen=True)
+class SearchOptions:
+    """What a search is asked for, beside the graph, the world size and the profile."""
+
+    k: int = 2  # micro-batches (Duplex); the plans are also priced with one
+    memory: float | None = None  # bytes a device holds (None: no limit)
+    optimizer: str = "adamw"  # whose update time and state memory count (hidup.program.OPTIMIZERS)
+    machines: int = 1  # a 2-D mesh of `machines` x world / machines (1: the 1-D mesh)
+    beam: int = 16  # states kept per cut
+    labels: int = 4  # labels kept per state
+    keep: int = 3  # plans of the programme lowered and estimated per order
+    exact: float = 0.0  # seconds for the integer programme's proof of the k = 1 plan (0: none)
+    objective: str = "time"  # 'time', or 'comm': the fewest bytes communicated
+
+
+class Ranked(NamedTuple):
+    """A plan the search lowered with `k` micro-batches and estimated, and that fits."""
+
+    step_time: float  # the fast estimate's (s)
+    name: str  # search#j, search-k1#j, search-2d#j, exact#0, search-replicated#0, or a baseline's
+    strategy: Strategy
+    dp_cost: float  # the programme's own price of it (nan for a baseline)
+    estimate: Estimate
+    k: int
+
+
+@dataclass(frozen=True)
 class SearchResult:
     strategy: Strategy
     k: int  # micro-batches of the chosen plan: k, or 1 where Duplex does not pay
     dp_cost: float  # the dynamic programme's own estimate of the chosen plan (s, with the
     #   micro-batch count it was chosen with; a k = 1 price for exact#0), if it chose one
     estimate: Estimate  # the fast estimate of the chosen plan, as lowered
-    candidates: tuple[tuple[str, float], ...]  # (name, estimated step time) of every plan ranked
+    ranked: tuple[Ranked, ...]  # every plan lowered, estimated and fitting, fastest first
     seconds: float  # wall time of the search
     states: int  # labels created
     # per mesh searched, the k = 1 cost model's integer programme (search(exact=...)):
     # (machines, cost of its plan, proven lower bound, proven optimal, beam's cost), seconds
     exact: tuple[tuple[int, float, float, bool, float], ...] = ()
 
+    @property
+    def candidates(self) -> tuple[tuple[str, float], ...]:
+        """(name with its micro-batch count, estimated step time) of every plan ranked."""
+        return tuple((f"{r.name} k={r.k}", r.step_time) for r in self.ranked)
+
 
 class Search:
     """One search: a graph, a world size, a profile, k micro-batches, an objective, the
     optimizer that will run (its update time and its state's memory)."""
 
-    def __init__(self, graph: Graph, world: int, profile: Profile, k: int = 2,
-                 memory: float | None = None, objective: str = "time", beam: int = 16,
-                 labels: int = 4, optimizer: str = "sgd", machines: int = 1):
-        if objective not in ("time", "comm"):
-            raise ValueError(f"objective {objective!r}: choose 'time' or 'comm'")
-        self.optimizer = optimizer_cost(optimizer)
+    def __init__(self, graph: Graph, world: int, profile: Profile,
+                 options: SearchOptions = SearchOptions()):
+        if options.objective not in ("time", "comm"):
+            raise ValueError(f"objective {options.objective!r}: choose 'time' or 'comm'")
+        k, machines, self.options = options.k, options.machines, options
+        memory, objective, beam = options.memory, options.objective, options.beam
+        self.optimizer = optimizer_cost(options.optimizer)
         self.g, self.profile, self.k = graph, profile, k
         self.machines, self.world = machines, world // machines  # placements: a machine's ranks
         self.memory, self.objective, self.beam = memory or math.inf, objective, beam
-        self.per_state = labels
+        self.per_state = options.labels
         self.mbs = microbatch_split(graph, k, machines=machines)
         rows, columns = mesh_groups(world, machines)
         self.group, self.everyone = rows[0], tuple(range(world))
@@ -205,8 +237,7 @@ class Search:
         # graph with one micro-batch) at k > 1; none for objective 'comm' at k > 1
         self.plain: Search | None = self if k == 1 else None
         if k > 1 and objective == "time":
-            self.plain = Search(graph, world, profile, 1, memory, objective, beam, labels,
-                                optimizer, machines)
+            self.plain = Search(graph, world, profile, replace(options, k=1))
 
     # -- costs --------------------------------------------------------------------------------
     def per_mb(self, t: str) -> float:
@@ -596,10 +627,8 @@ class Search:
         return Strategy(name, placements, options, machines=self.machines)
 
 
-def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float | None = None,
-           objective: str = "time", beam: int = 16, keep: int = 3,
-           baselines: dict[str, Strategy] | None = None, optimizer: str = "sgd",
-           machines: int = 1, exact: float = 0.0) -> SearchResult:
+def search(graph: Graph, world: int, profile: Profile, options: SearchOptions = SearchOptions(),
+           baselines: dict[str, Strategy] | None = None) -> SearchResult:
     """The best plan: the dynamic programme's `keep` cheapest plans with k micro-batches, its
     `keep` cheapest with one (its `keep` best either way are among them), the plan with no
     communication (every op replicated: search-replicated#0; replicated_plan) and the `baselines`,
@@ -614,8 +643,7 @@ def search(graph: Graph, world: int, profile: Profile, k: int = 2, memory: float
     out, and ranked as exact#0 (exact-2d#0); the beam can miss it (experiments.search_exactness)."""
     with _no_gc():  # it makes a million small objects, none in a cycle: the collector's
         # passes over them (and over the labels alive while plans are lowered) cost a tenth
-        return _search(graph, world, profile, k, memory, objective, beam, keep, baselines,
-                       optimizer, machines, exact)
+        return _search(graph, world, profile, options, baselines or {})
 
 
 @contextmanager
@@ -629,15 +657,14 @@ def _no_gc():
             gc.enable()
 
 
-def _search(graph, world, profile, k, memory, objective, beam, keep, baselines, optimizer,
-            machines, exact) -> SearchResult:
+def _search(graph: Graph, world: int, profile: Profile, options: SearchOptions,
+            baselines: dict[str, Strategy]) -> SearchResult:
     started = time.perf_counter()
-    ranked: list[tuple[float, str, Strategy, float, Estimate, int]] = []
-    seen: dict[tuple, dict[int, bool]] = {}  # plans ranked so far: count tried -> it fits
+    ranking = Ranking(graph, world, profile, options)
     labels, proofs, runs = 0, [], []
-    for mesh in ([machines, 1] if machines > 1 else [1]):
+    for mesh in ([options.machines, 1] if options.machines > 1 else [1]):
         try:
-            dp = programme(graph, world, profile, k, memory, objective, beam, optimizer, mesh)
+            dp = programme(graph, world, profile, replace(options, machines=mesh))
             runs.append((mesh, dp, dp.run()))
         except ValueError as exc:
             if mesh == 1:
@@ -646,63 +673,55 @@ def _search(graph, world, profile, k, memory, objective, beam, keep, baselines, 
             continue
         labels += dp.labels
     least = min(finals[0].best for _, _, finals in runs)
+    timed = options.objective == "time"
     for mesh, dp, finals in runs:
         mesh_tag = "-2d" if mesh > 1 else ""
-        if objective == "time" and _far_behind(finals[0].best, least):  # its plan best
-            # either way only (finals are in that order)
-            _rank_finals(ranked, seen, dp, finals, _BEST, 1, "search" + mesh_tag, graph,
-                         world, profile, optimizer, sorted({1, dp.k}))
+        if timed and _far_behind(finals[0].best, least):  # its plan best either way only
+            # (finals are in that order)
+            ranking.finals(dp, finals, _BEST, 1, "search" + mesh_tag, sorted({1, dp.k}))
         else:  # the `keep` cheapest plans with k micro-batches and the `keep` cheapest with
             # one: the `keep` best either way are among them
-            for by, tag, at in _orders(dp.k, objective):
-                _rank_finals(ranked, seen, dp, sorted(finals, key=by), by, keep,
-                             tag + mesh_tag, graph, world, profile, optimizer, at)
-        if exact > 0 and objective == "time":
-            proof = exact_plan(dp.plain, "hidup", exact)
+            for by, tag, at in _orders(dp.k, options.objective):
+                ranking.finals(dp, sorted(finals, key=by), by, options.keep, tag + mesh_tag, at)
+        if options.exact > 0 and timed:
+            proof = exact_plan(dp.plain, "hidup", options.exact)
             beam_cost = min(label.plain for label in finals)
             proofs.append((mesh, proof.cost, proof.bound, proof.optimal, beam_cost))
             log.info("exact k=1 plan on %d machines: %.4g s (bound %.4g, %s) in %.1f s; "
                      "the beam's %.4g s", mesh, proof.cost, proof.bound,
                      "optimal" if proof.optimal else "time ran out", proof.seconds, beam_cost)
-            _rank(ranked, seen.setdefault(_plan_key(proof.strategy), {}), graph,
-                  proof.strategy, world, sorted({1, k}), profile,
-                  "exact-2d#0" if mesh > 1 else "exact#0", proof.cost, dp.memory, optimizer)
+            ranking.add(proof.strategy, "exact-2d#0" if mesh > 1 else "exact#0", proof.cost)
     one_d = next(dp for mesh, dp, _ in runs if mesh == 1)
-    whole = replicated_plan(one_d) if objective == "time" else None
+    whole = replicated_plan(one_d) if timed else None
     price = one_d.plain.price(whole) if whole is not None else math.inf
     if not _far_behind(price, least):
-        _rank(ranked, seen.setdefault(_plan_key(whole), {}), graph, whole, world, sorted({1, k}),
-              profile, "search-replicated#0", price, dp.memory, optimizer)
-    for name, strategy in (baselines or {}).items():
-        _rank(ranked, {}, graph, strategy, world, sorted({1, k}), profile, name, math.nan,
-              dp.memory, optimizer)
-    if not ranked:
-        raise ValueError(f"search: no plan fits in {dp.memory / 2**30:.3g} GiB per device and "
-                         f"lowers for this model and world size")
-    ranked.sort(key=lambda r: r[0] if objective == "time" else r[3])
-    _, _, best, dp_cost, est, best_k = ranked[0]
+        ranking.add(whole, "search-replicated#0", price)
+    for name, strategy in baselines.items():
+        ranking.add(strategy, name, math.nan, seen=False)
+    if not ranking.ranked:
+        limit = math.inf if options.memory is None else options.memory / 2**30
+        raise ValueError(f"search: no plan fits in {limit:.3g} GiB per device and lowers for "
+                         f"this model and world size")
+    ranked = sorted(ranking.ranked, key=attrgetter("step_time" if timed else "dp_cost"))
+    best = ranked[0]
     log.info("search: %d labels, %d plans ranked in %.2f s", labels, len(ranked),
              time.perf_counter() - started)
-    return SearchResult(best, best_k, dp_cost, est, tuple((r[1], r[0]) for r in ranked),
+    return SearchResult(best.strategy, best.k, best.dp_cost, best.estimate, tuple(ranked),
                         time.perf_counter() - started, labels, tuple(proofs))
 
 
-def programme(graph: Graph, world: int, profile: Profile, k: int, memory: float | None = None,
-              objective: str = "time", beam: int = 16, optimizer: str = "sgd",
-              machines: int = 1) -> Search:
-    """The search's programme on a mesh of `machines`; on a 2-D mesh whose machines' parts of
-    the batch do not split into k micro-batches, the programme with one (its plans run
+def programme(graph: Graph, world: int, profile: Profile, options: SearchOptions) -> Search:
+    """The search's programme on a mesh of `options.machines`; on a 2-D mesh whose machines'
+    parts of the batch do not split into k micro-batches, the programme with one (its plans run
     without Duplex there)."""
     try:
-        return Search(graph, world, profile, k, memory, objective, beam, optimizer=optimizer,
-                      machines=machines)
+        return Search(graph, world, profile, options)
     except ValueError as exc:
-        if machines == 1 or k == 1:
+        if options.machines == 1 or options.k == 1:
             raise
-        log.info("search on %d machines x %d without Duplex: %s", machines, world // machines,
-                 exc)
-        return Search(graph, world, profile, 1, memory, objective, beam, optimizer=optimizer,
-                      machines=machines)
+        log.info("search on %d machines x %d without Duplex: %s", options.machines,
+                 world // options.machines, exc)
+        return Search(graph, world, profile, replace(options, k=1))
 
 
 def _far_behind(price: float, least: float) -> bool:
@@ -739,47 +758,67 @@ def _orders(k: int, objective: str) -> list[tuple]:
     return [(_COST, "search", [k]), (_PLAIN, "search-k1", [1])]
 
 
-def _rank_finals(ranked, seen, dp: Search, finals, cost, keep: int, tag: str, graph, world,
-                 profile, optimizer, at: list[int]) -> None:
-    """Rank the first `keep` distinct plans of `finals` that fit with a micro-batch count of
-    `at` (named TAG#j, the programme's `cost` of its label beside it), each lowered with k and
-    with one but where tried already (`seen`: plan -> {count: it fits})."""
-    mine: list[tuple] = []
-    for j, label in enumerate(finals[:10 * keep]):
-        strategy = dp.strategy(label, "hidup" if dp.objective == "time" else "min-comm")
-        plan = _plan_key(strategy)
-        if plan in mine:
-            continue  # the same plan reached through another state
-        mine.append(plan)
-        if plan not in seen:
-            check(graph, strategy)
-        tried = seen.setdefault(plan, {})
-        _rank(ranked, tried, graph, strategy, world, sorted({1, dp.k}), profile, f"{tag}#{j}",
-              cost(label), dp.memory, optimizer)
-        keep -= any(tried[kk] for kk in at)  # it fits: the DP's memory model is an estimate
-        if keep == 0:
-            break
+class Ranking:
+    """The plans lowered and estimated so far: each with one micro-batch and with k, each
+    variant that lowers and fits in memory kept (Duplex pays only where it hides more than it
+    costs)."""
+
+    def __init__(self, graph: Graph, world: int, profile: Profile, options: SearchOptions):
+        self.graph, self.world, self.profile, self.options = graph, world, profile, options
+        self.memory = math.inf if options.memory is None else options.memory
+        self.ranked: list[Ranked] = []
+        self.seen: dict[tuple, dict[int, bool]] = {}  # plans ranked so far: count -> it fits
+
+    def finals(self, dp: Search, finals, cost, keep: int, tag: str, at: list[int]) -> None:
+        """Rank the first `keep` distinct plans of `finals` that fit with a micro-batch count of
+        `at` (named TAG#j, the programme's `cost` of its label beside it), each lowered with k
+        and with one but where tried already."""
+        mine: list[tuple] = []
+        for j, label in enumerate(finals[:10 * keep]):
+            strategy = dp.strategy(label, "hidup" if dp.objective == "time" else "min-comm")
+            plan = _plan_key(strategy)
+            if plan in mine:
+                continue  # the same plan reached through another state
+            mine.append(plan)
+            if plan not in self.seen:
+                check(self.graph, strategy)
+            tried = self.add(strategy, f"{tag}#{j}", cost(label), sorted({1, dp.k}))
+            keep -= any(tried[kk] for kk in at)  # it fits: the DP's memory model is an estimate
+            if keep == 0:
+                break
+
+    def add(self, strategy: Strategy, name: str, dp_cost: float, counts: list[int] | None = None,
+            seen: bool = True) -> dict[int, bool]:
+        """Estimate the plan with each micro-batch count of `counts` (default: 1 and k) not
+        tried yet (`seen`: remember it, so that a plan reached twice is lowered once); return
+        whether it fits, per count."""
+        tried = self.seen.setdefault(_plan_key(strategy), {}) if seen else {}
+        for kk in counts or sorted({1, self.options.k}):
+            if kk in tried:
+                continue
+            tried[kk] = False
+            try:
+                program = lower(self.graph, strategy, self.world, kk,
+                                optimizer=self.options.optimizer)
+            except (LoweringError, ValueError) as exc:
+                log.info("plan %s with k=%d cannot be lowered: %s", name, kk, exc)
+                continue
+            peak = peak_memory(program).peak
+            if peak > self.memory:
+                log.info("plan %s with k=%d needs %.3g GiB per device: over the limit", name, kk,
+                         peak / 2**30)
+                continue
+            est = estimate(program, self.profile)
+            self.ranked.append(Ranked(est.step_time, name, strategy, dp_cost, est, kk))
+            tried[kk] = True
+        return tried
 
 
-def _rank(ranked, tried: dict[int, bool], graph, strategy, world, counts, profile, name,
-          dp_cost, memory, optimizer: str = "sgd") -> None:
-    """Estimate the plan with each micro-batch count of `counts` not `tried` yet (Duplex pays
-    only where it hides more than it costs), `optimizer` updating it; add each variant that
-    lowers and fits in `memory` bytes per device; record in `tried` whether each fits."""
-    for kk in counts:
-        if kk in tried:
-            continue
-        tried[kk] = False
-        try:
-            program = lower(graph, strategy, world, kk, optimizer=optimizer)
-        except (LoweringError, ValueError) as exc:
-            log.info("plan %s with k=%d cannot be lowered: %s", name, kk, exc)
-            continue
-        peak = peak_memory(program).peak
-        if peak > memory:
-            log.info("plan %s with k=%d needs %.3g GiB per device: over the limit", name, kk,
-                     peak / 2**30)
-            continue
-        est = estimate(program, profile)
-        ranked.append((est.step_time, f"{name} k={kk}", strategy, dp_cost, est, kk))
-        tried[kk] = True
+def rank_plans(graph: Graph, world: int, profile: Profile, plans: dict[str, Strategy],
+               options: SearchOptions = SearchOptions()) -> list[Ranked]:
+    """The given plans, each lowered with one micro-batch and with k, estimated and held to the
+    memory limit; fastest first."""
+    ranking = Ranking(graph, world, profile, options)
+    for name, strategy in plans.items():
+        ranking.add(strategy, name, math.nan, seen=False)
+    return sorted(ranking.ranked, key=attrgetter("step_time"))

@@ -30,7 +30,7 @@ class Lowering(MicroBatches, GradientBuckets):
     soon as its gradient is complete. Parameter gradients are reduced once per step."""
 
     def __init__(self, graph: Graph, strategy: Strategy, world: int, k: int, model: str,
-                 bucket_bytes: int = BUCKET_BYTES, optimizer: str = "sgd"):
+                 bucket_bytes: int = BUCKET_BYTES, optimizer: str = "adamw"):
         self.g, self.s, self.k, self.model = graph, strategy, k, model
         self.machines, self.ranks = strategy.machines, world
         self.world = world // self.machines  # what the placements split over: a machine's ranks
@@ -344,7 +344,7 @@ class Lowering(MicroBatches, GradientBuckets):
 
 
 def lower(graph: Graph, strategy: Strategy, world: int, k: int = 1, model: str = "",
-          bucket_bytes: int = BUCKET_BYTES, optimizer: str = "sgd") -> Program:
+          bucket_bytes: int = BUCKET_BYTES, optimizer: str = "adamw") -> Program:
     """Strategy + world size + k micro-batches -> the Program of one training step of any rank.
     Replicated parameters' gradients are all-reduced in buckets of about `bucket_bytes`, as DDP
     does (0: one all-reduce per parameter). The update task is costed as `optimizer` (a key of

@@ -159,7 +159,7 @@ class Program:
     tasks: tuple[Task, ...]
     loss_keys: tuple[str, ...]  # replicated per-micro-batch losses (summed = the step's loss)
     param_grads: dict[str, str] = field(hash=False)  # parameter node -> final gradient key
-    optimizer: str = "sgd"  # the update's optimizer, a key of OPTIMIZERS
+    optimizer: str = "adamw"  # the update's optimizer, a key of OPTIMIZERS
     machines: int = 1  # a 2-D mesh's dim 0 (data parallel); 1: a 1-D mesh of the world
     # buffer node -> the replicated value forward writes into it (BatchNorm's running statistics)
     buffer_updates: dict[str, str] = field(default_factory=dict, hash=False)

@@ -25,7 +25,8 @@ import torch.distributed as dist
 from hidup.graph import ops
 from hidup.graph.capture import TensorMeta, capture
 from hidup.graph.placement import R, Shard
-from hidup.planning.planfile import PlanError, check
+from hidup.planning.planfile import Plan, PlanError, check
+from hidup.planning.planfile import example_inputs as zeros_like_inputs
 from hidup.strategy import fixed_strategy
 from hidup.program import lower
 from hidup.runtime.execute import Executor, device_mesh
@@ -44,9 +45,6 @@ class Trainer:
                  micro_batches: int | None = None, autocast: torch.dtype | None = None,
                  cuda_graphs: bool = False, example_inputs: tuple | None = None,
                  state_dict: dict | None = None):
-        from hidup.api import Plan
-        from hidup.api import example_inputs as zeros_like_inputs
-
         if compile and cuda_graphs:
             raise ValueError("compile and cuda_graphs: choose one of them")
         self.world = dist.get_world_size() if dist.is_initialized() else 1

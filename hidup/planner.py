@@ -1,30 +1,29 @@
-"""Plan a model for a cluster: `python -m hidup.plan --model M --cluster C --gpus N [--out PLAN]`.
-Searches the Duplex-aware strategy (hidup.planning.search), prints its placements, its predicted
-step time with and without Duplex beside the expert strategies (ddp, megatron, expert, min-comm),
-and the search time; --out writes the plan file that hidup.train and simulator.predict accept."""
+"""Plan a model of the zoo for a cluster: `python -m hidup.planner --model M --cluster C --gpus N
+[--out PLAN]`. Chooses the plan as hidup.plan() and simulator.predict do (hidup.planning.select:
+the Duplex-aware search on the cluster's mesh, the fixed strategies as baselines), prints its
+placements, the planner's estimated step time with and without Duplex beside the fixed
+strategies, and the search time; --out writes the plan file that hidup.train and
+simulator.predict accept."""
 from __future__ import annotations
 
 import json
 import logging
 import math
 import sys
-import time
-import types
-from dataclasses import replace
 from pathlib import Path
 
-from hidup.cli import Parser
+from hidup.cli import Parser, parse_mesh
 from hidup.models import capture_model, get_model, names
 from hidup.planning.costs import load_profile
 from hidup.planning.estimate import estimate
 from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import save_plan
-from hidup.planning.search import search
-from hidup.strategy import describe, fixed_strategies, mesh_option
+from hidup.planning.select import DUPLEX_K, Goal, select_plan
+from hidup.strategy import describe, mesh_option
 from hidup.program import OPTIMIZERS, LoweringError, lower
 
 log = logging.getLogger(__name__)
-PROG = "python -m hidup.plan"
+PROG = "python -m hidup.planner"
 KEY_OPS = ("linear", "einsum", "embedding", "conv2d", "scaled_dot_product_attention", "loss")
 
 
@@ -39,7 +38,9 @@ def parse_args(argv=None):
                          "every GPU; 1xN: those only (default: the cluster's machines x GPUs per "
                          "machine when --gpus fills whole machines, else 1x--gpus)")
     ap.add_argument("--batch", type=int, default=None, help="global batch (default: the model's)")
-    ap.add_argument("--micro-batches", type=int, default=2, help="Duplex micro-batches k")
+    ap.add_argument("--micro-batches", type=int, default=None, metavar="K",
+                    help="micro-batches per rank: 1 (plain SPMD), 2 or more (Duplex) (default: "
+                         f"the faster of 1 and {DUPLEX_K})")
     ap.add_argument("--memory", type=float, default=None,
                     help="device memory limit, GiB (default: the cluster profile's, none if it "
                          "does not say)")
@@ -47,15 +48,16 @@ def parse_args(argv=None):
                     help="the optimizer whose update time and state memory the plan is priced "
                          "with: the one hidup.train runs by default (default: adamw)")
     ap.add_argument("--beam", type=int, default=16, help="states kept per cut of the search")
-    ap.add_argument("--exact", type=float, default=60.0, metavar="SECONDS",
+    ap.add_argument("--exact", type=float, default=0.0, metavar="SECONDS",
                     help="time for the integer programme that proves the k=1 cost model's best "
-                         "plan on each mesh (the beam can miss it); 0 skips it")
+                         "plan on each mesh (the beam can miss it; hidup.plan() and "
+                         "simulator.predict do not run it); 0 skips it (default: 0)")
     ap.add_argument("--out", type=Path, default=None, help="write the chosen plan to this file")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("-v", "--verbose", action="store_true", help="log the search's progress")
     args = ap.parse_args(argv)
     for flag in ("gpus", "micro_batches", "beam"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be at least 1")
     if not 0 <= args.exact < math.inf:
         ap.error(f"--exact {args.exact}: give seconds, 0 or more (0 skips the proof)")
@@ -66,56 +68,36 @@ def parse_args(argv=None):
     return args
 
 
-def parse_mesh(text: str, gpus: int, error) -> tuple[int, int]:
-    """'8x8' -> (8, 8), checked against the world size; `error(message)` otherwise."""
-    try:
-        machines, per = (int(n) for n in text.lower().split("x"))
-    except ValueError:
-        error(f"--mesh {text}: give MACHINESxGPUS, e.g. 8x8")
-    if machines < 1 or per < 1 or machines * per != gpus:
-        error(f"--mesh {text}: {machines} x {per} is not the {gpus} GPUs of --gpus; give a "
-              f"mesh whose product is {gpus} (e.g. {max(1, gpus // 8)}x{min(gpus, 8)})")
-    return machines, per
-
-
 def plan(args) -> dict:
     profile = load_profile(args.cluster)
-    profile.check_world(args.gpus)
     spec = get_model(args.model, gpus=args.gpus)
     batch = args.batch or spec.batch
     graph = capture_model(spec, batch)
-    machines, per = args.mesh or profile.mesh(args.gpus)
-    baselines = fixed_strategies(graph, args.gpus, machines)
-    memory = args.memory * 2**30 if args.memory is not None else profile.device_memory
-    started = time.perf_counter()
-    mincomm = search(graph, args.gpus, profile, 1, memory, objective="comm", beam=args.beam,
-                     optimizer=args.optimizer)
-    baselines["min-comm"] = mincomm.strategy
-    log.info("min-comm search: %.2f s", time.perf_counter() - started)
-    found = search(graph, args.gpus, profile, args.micro_batches, memory, beam=args.beam,
-                   baselines=baselines, optimizer=args.optimizer, machines=machines,
-                   exact=args.exact)
-    origin = found.candidates[0][0].split()[0]  # 'search#0', or a baseline the search kept
-    searched = origin.startswith(("search", "exact"))
-    chosen = replace(found.strategy, name="hidup" if searched else origin)
-    rows = {"hidup": _times(graph, chosen, args.gpus, args.micro_batches, profile,
-                            args.optimizer)}
-    rows["hidup"]["chosen_k"] = found.k
-    rows.update({n: _times(graph, s, args.gpus, args.micro_batches, profile, args.optimizer)
-                 for n, s in baselines.items()})
+    memory = args.memory * 2**30 if args.memory is not None else None
+    goal = Goal(args.gpus, args.micro_batches, memory, args.optimizer, args.mesh,
+                beam=args.beam, exact=args.exact)
+    chosen = select_plan(graph, profile, goal)
+    found, k = chosen.search, chosen.duplex_k
+    rows = {name: _times(graph, s, args.gpus, k, chosen.profile, args.optimizer)
+            for name, s in chosen.candidates.items()}
+    rows[chosen.strategy.name]["chosen_k"] = chosen.k
+    limit = chosen.profile.device_memory
+    machines, per = chosen.goal.mesh
     return {"model": spec.name, "batch": batch, "cluster": profile.name, "gpus": args.gpus,
-            "mesh": [machines, per], "chosen_mesh": [chosen.machines,
-                                                     args.gpus // chosen.machines],
-            "micro_batches": args.micro_batches, "optimizer": args.optimizer,
-            "chosen": chosen.name,
-            "searched": searched, "description": describe(graph, chosen),
-            "memory_limit_gib": None if memory is None else memory / 2**30,
-            "duplex": found.k > 1,
-            "search_seconds": found.seconds, "labels": found.states,
+            "mesh": [machines, per], "chosen_mesh": [chosen.strategy.machines,
+                                                     args.gpus // chosen.strategy.machines],
+            "micro_batches": k, "optimizer": args.optimizer, "chosen": chosen.strategy.name,
+            "chosen_k": chosen.k, "searched": chosen.searched,
+            "description": describe(graph, chosen.strategy),
+            "memory_limit_gib": None if limit is None else limit / 2**30,
+            "duplex": chosen.k > 1, "notes": list(chosen.notes),
+            "search_seconds": found.seconds if found else 0.0,
+            "labels": found.states if found else 0,
             "exact": [{"machines": m, "exact_ms": c * 1e3, "bound_ms": b * 1e3, "optimal": o,
-                       "beam_ms": beam * 1e3} for m, c, b, o, beam in found.exact],
-            "dp_estimate_ms": found.dp_cost * 1e3, "plans": rows,
-            "strategy": chosen, "graph": graph}
+                       "beam_ms": beam * 1e3} for m, c, b, o, beam in
+                      (found.exact if found else ())],
+            "dp_estimate_ms": found.dp_cost * 1e3 if found else None, "plans": rows,
+            "strategy": chosen.strategy, "graph": graph}
 
 
 def _times(graph, strategy, world, k, profile, optimizer: str) -> dict:
@@ -133,9 +115,8 @@ def _times(graph, strategy, world, k, profile, optimizer: str) -> dict:
 
 
 def report(res: dict) -> list[str]:
-    k, rows = res["micro_batches"], res["plans"]
-    chosen_k = rows["hidup"]["chosen_k"]
-    best = rows["hidup"][f"k{chosen_k}_ms"]
+    k, rows, chosen_k = res["micro_batches"], res["plans"], res["chosen_k"]
+    best = rows[res["chosen"]][f"k{chosen_k}_ms"]
     duplex = f"with Duplex (k={chosen_k})" if res["duplex"] else "without Duplex"
     what = f"the searched plan ({res['description']})" if res["searched"] else \
         f"the fixed strategy {res['chosen']}, which no searched plan beat ({res['description']})"
@@ -144,7 +125,7 @@ def report(res: dict) -> list[str]:
              f"{'' if limit is None else f', {limit:.3g} GiB each'}, optimizer "
              f"{res['optimizer']}: searched in "
              f"{res['search_seconds']:.2f} s ({res['labels']} labels)",
-             f"chose {what}, {duplex}"]
+             f"chose {what}, {duplex}", *res["notes"]]
     for proof in res["exact"]:
         where = f"on {proof['machines']} machines" if proof["machines"] > 1 else "over all GPUs"
         status = "proven optimal" if proof["optimal"] else \
@@ -192,7 +173,7 @@ def main(argv=None) -> int:
         res = plan(args)
         if args.out:
             save_plan(args.out, res["graph"], res["strategy"], args.gpus, res["model"],
-                      res["cluster"], micro_batches=res["plans"]["hidup"]["chosen_k"],
+                      res["cluster"], micro_batches=res["chosen_k"],
                       optimizer=args.optimizer)
     except (ValueError, OSError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
@@ -207,19 +188,6 @@ def main(argv=None) -> int:
             print(f"wrote {args.out}")
     return 0
 
-
-class _CallableModule(types.ModuleType):
-    """`hidup.plan` names both this command's module and the API's function: calling the module
-    calls hidup.api.plan, so `hidup.plan(model, inputs, ...)` works whether or not this module
-    was imported (`from hidup import plan` imports it)."""
-
-    def __call__(self, *args, **kwargs):
-        from hidup.api import plan as plan_model
-
-        return plan_model(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())

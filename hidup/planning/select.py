@@ -1,0 +1,139 @@
+"""Choosing the plan to run: the one function that `hidup.plan()`, `python -m hidup.planner` and
+`python -m simulator.predict` call, so that the same model, cluster and goal give the same plan
+through every door.
+
+HiDup's Duplex-aware search runs on the cluster's device mesh (machines x GPUs per machine where
+the GPUs fill whole machines) and over every GPU, with the fixed strategies that apply (ddp,
+megatron, expert; dp-megatron and dp-expert on a 2-D mesh) as its baselines; every plan is
+lowered with one micro-batch and with k, held to a device's memory and ranked by the planner's
+estimate of the step (hidup.planning.estimate: the simulator's rules, in one pass). The fastest
+that fits is chosen: a searched plan (named 'hidup') or a fixed strategy that no searched plan
+beat."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from hidup.graph.capture import Graph
+from hidup.planning.costs import Profile
+from hidup.planning.search import Ranked, SearchOptions, SearchResult, rank_plans, search
+from hidup.strategy import (ACROSS, FIXED, Strategy, fixed_strategies, fixed_strategy,
+                            microbatch_split)
+
+DUPLEX_K = 2  # the micro-batches Duplex is tried with when the goal leaves k to the planner
+SEARCH = "search"
+
+
+@dataclass(frozen=True)
+class Goal:
+    """What a plan is for, beside the model's graph and the cluster's profile. The defaults are
+    those of every door (the API, both commands)."""
+
+    gpus: int
+    micro_batches: int | None = None  # None: plain SPMD or Duplex with DUPLEX_K, whichever is
+    #   faster; a number: that many
+    memory: float | None = None  # bytes a device holds (None: the profile's)
+    optimizer: str = "adamw"  # the one training runs: its update's time and its state's memory
+    mesh: tuple[int, int] | None = None  # machines x GPUs per machine (None: the cluster's)
+    strategy: str = SEARCH  # or a fixed strategy's name (hidup.strategy.FIXED, ACROSS)
+    beam: int = 16  # states the search keeps per cut
+    exact: float = 0.0  # seconds for the integer programme's proof of the k = 1 plan (0: none)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The plan chosen for a goal, and what it was chosen from."""
+
+    strategy: Strategy  # named 'hidup' where searched, else the fixed strategy's name
+    k: int  # its micro-batches (1: plain SPMD)
+    profile: Profile  # the cluster's, with the goal's memory limit
+    goal: Goal  # as asked, with the mesh used
+    duplex_k: int  # the micro-batch count Duplex was priced with (1: the batch does not split)
+    candidates: dict[str, Strategy]  # the best searched plan ('hidup') and each fixed strategy
+    ranked: tuple[Ranked, ...]  # every plan estimated that fits, fastest first
+    search: SearchResult | None = None  # None for a fixed strategy
+    notes: tuple[str, ...] = field(default=())  # why there is no Duplex or no searched plan
+
+    @property
+    def searched(self) -> bool:
+        return self.strategy.name == "hidup"
+
+    @property
+    def step_time(self) -> float:
+        """The planner's estimate of the chosen plan's step (s)."""
+        return next(r.step_time for r in self.ranked
+                    if r.strategy.options == self.strategy.options and r.k == self.k
+                    and r.strategy.machines == self.strategy.machines)
+
+
+def select_plan(graph: Graph, profile: Profile, goal: Goal) -> Selection:
+    """The plan to run for `goal` on `profile` (a ValueError says why there is none)."""
+    goal, profile, k, notes = _settle(graph, profile, goal)
+    options = SearchOptions(k=k, memory=profile.device_memory, optimizer=goal.optimizer,
+                            machines=goal.mesh[0], beam=goal.beam, exact=goal.exact)
+    fixed = fixed_strategies(graph, goal.gpus, goal.mesh[0])
+    found = None
+    if goal.strategy == SEARCH:
+        try:
+            found = search(graph, goal.gpus, profile, options, baselines=fixed)
+            ranked = found.ranked
+        except ValueError as exc:  # no searched plan fits or lowers: the fixed ones may
+            notes += (f"no searched plan: {exc}",)
+            ranked = tuple(rank_plans(graph, goal.gpus, profile, fixed, options))
+    else:
+        chosen = fixed_strategy(goal.strategy, graph, goal.gpus, goal.mesh[0])
+        ranked = tuple(rank_plans(graph, goal.gpus, profile, {goal.strategy: chosen}, options))
+    allowed = {goal.micro_batches} if goal.micro_batches else {1, k}
+    fitting = [r for r in ranked if r.k in allowed]
+    if not fitting:
+        limit = "no limit" if profile.device_memory is None else \
+            f"a device's {profile.device_memory / 2**30:.3g} GiB"
+        raise ValueError(f"no plan{'' if goal.strategy == SEARCH else ' of ' + goal.strategy} "
+                         f"with {' or '.join(map(str, sorted(allowed)))} micro-batches lowers "
+                         f"and fits {limit} on {goal.gpus} GPUs; give more GPUs or memory, a "
+                         f"smaller batch{', or leave micro_batches to the planner' if goal.micro_batches else ''}")
+    best = fitting[0]
+    strategy = replace(best.strategy, name="hidup" if _searched(best) else best.name)
+    candidates = dict(fixed) if goal.strategy == SEARCH else {goal.strategy: strategy}
+    hidup = strategy if _searched(best) else \
+        next((replace(r.strategy, name="hidup") for r in ranked if _searched(r)), None)
+    if hidup is not None:  # the searched plan first, where the search found one
+        candidates = {"hidup": hidup, **candidates}
+    return Selection(strategy, best.k, profile, goal, k, candidates, tuple(ranked), found, notes)
+
+
+def _searched(plan: Ranked) -> bool:
+    return plan.name.startswith(("search", "exact"))
+
+
+def _settle(graph: Graph, profile: Profile, goal: Goal
+            ) -> tuple[Goal, Profile, int, tuple[str, ...]]:
+    """The goal checked, with its mesh; the profile with its memory limit; the micro-batch count
+    Duplex is priced with; notes."""
+    if not isinstance(goal.gpus, int) or goal.gpus < 1:
+        raise ValueError(f"gpus={goal.gpus!r}: give the number of ranks, 1 or more")
+    if goal.micro_batches is not None and (not isinstance(goal.micro_batches, int)
+                                           or goal.micro_batches < 1):
+        raise ValueError(f"micro_batches={goal.micro_batches!r}: give 1 (plain SPMD), 2 or more "
+                         f"(Duplex), or None to let HiDup choose")
+    if goal.strategy != SEARCH and goal.strategy not in FIXED and goal.strategy not in ACROSS:
+        raise ValueError(f"strategy={goal.strategy!r}: give '{SEARCH}' or one of "
+                         f"{[*FIXED, *ACROSS]}")
+    profile.check_world(goal.gpus)
+    if goal.memory is not None:
+        if not goal.memory > 0:
+            raise ValueError(f"memory={goal.memory!r}: give a device's memory in bytes, e.g. "
+                             f"16 * 2**30")
+        profile = replace(profile, device_memory=float(goal.memory))
+    mesh = tuple(goal.mesh or profile.mesh(goal.gpus))
+    if len(mesh) != 2 or mesh[0] < 1 or mesh[1] < 1 or mesh[0] * mesh[1] != goal.gpus:
+        raise ValueError(f"mesh {'x'.join(map(str, mesh))} is not the {goal.gpus} GPUs; give "
+                         f"MACHINESxGPUS whose product is {goal.gpus}")
+    k, notes = goal.micro_batches or DUPLEX_K, ()
+    if k > 1:
+        try:
+            microbatch_split(graph, k)
+        except ValueError as exc:  # the batch does not split, or an op needs it whole
+            if goal.micro_batches:
+                raise ValueError(f"micro_batches={goal.micro_batches}: {exc}") from exc
+            notes, k = (f"no Duplex: {exc}",), 1
+    return replace(goal, mesh=mesh), profile, k, notes
