@@ -19,7 +19,7 @@ def test_own_model_example_plans_predicts_and_learns():
                           str(ROOT / "examples" / "own_model.py")], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "SPMD (k=1)" in run.stdout and "Duplex (k=2)" in run.stdout  # plan.predict()
+    assert "SPMD (k=1)" in run.stdout and "Duplex (k=2)" in run.stdout  # predict_plan(plan)
     losses = [float(x) for x in re.findall(r"step \d+: loss ([0-9.]+)", run.stdout)]
     assert len(losses) == 4 and losses[-1] < losses[0] / 10, run.stdout  # it learns
 
