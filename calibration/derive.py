@@ -14,7 +14,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from hidup.cli import Parser, parse_rate
-from hidup.planning.costs import LinkCost, Profile, ProfileError, load_profile
+from hidup.planning.costs import LinkCost, Profile, ProfileError
+from hidup.planning.profile_file import load_profile
 
 
 def _si(value: float, unit: str) -> str:

@@ -48,8 +48,9 @@ from calibration.trace import TraceError
 from calibration.traced_run import TracedRun, issued_tasks, read_run
 from hidup.cli import Parser
 from hidup.models import capture_model, get_model
-from hidup.planning.costs import LinkCost, Profile, ProfileError, load_profile
+from hidup.planning.costs import LinkCost, Profile, ProfileError
 from hidup.planning.planfile import PlanError
+from hidup.planning.profile_file import load_profile
 from hidup.program import COLLECTIVES, HOST_MODES, Program, kernel_tasks
 
 
@@ -157,7 +158,7 @@ def main(argv=None) -> int:
                          "traces of plain PyTorch steps (default: no host figures)")
     ap.add_argument("--profiler-overhead-us", type=float, default=0.0, metavar="US",
                     help="microseconds the profiler added per recorded host event, taken off the "
-                         "host busy time (default: 0; the H100 traces: 2.94, see the README)")
+                         "host busy time (default: 0; the H100 traces: 2.94, see docs/simulator_accuracy.md)")
     ap.add_argument("--name", default=None, help="the profile's name (default: --out's stem)")
     ap.add_argument("--out", type=Path, required=True, help="where to write the profile JSON")
     args = ap.parse_args(argv)

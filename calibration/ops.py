@@ -46,8 +46,9 @@ import torch.distributed as dist
 from hidup.cli import Parser
 from hidup.graph.capture import capture
 from hidup.models import get_model, names
-from hidup.planning.costs import ProfileError, kernel_key, load_profile, timing_key
+from hidup.planning.costs import ProfileError, kernel_key, timing_key
 from hidup.planning.planfile import resolve_strategy
+from hidup.planning.profile_file import load_profile
 from hidup.program.tasks import Compute, Convert
 from hidup.runtime.launch import default_threads
 from hidup.runtime.passes import TaskClock

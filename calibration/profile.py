@@ -35,10 +35,12 @@ import torch
 import torch.distributed as dist
 
 from calibration.fit import FitError, fit_links, fit_roofline
-from calibration.measure import Clock, Ranks, measure
 from calibration.measure import lanes as measure_lanes
+from calibration.measure import measure
+from calibration.timing import Clock, Ranks
 from hidup.cli import Parser
-from hidup.planning.costs import Profile, ProfileError, load_profile
+from hidup.planning.costs import Profile, ProfileError
+from hidup.planning.profile_file import load_profile
 from hidup.runtime.launch import default_threads
 
 log = logging.getLogger(__name__)

@@ -123,7 +123,9 @@ def read_run(path: Path, strategy_arg: str, graph: Graph, model: str, world: int
         strategy, bucket = resolve_strategy(strategy_arg, graph, world), 25 * 2 ** 20
     traced = _compute_streams(events)  # the paper prototype's Duplex ran one per micro-batch
     k = 2 if traced > 1 else 1
-    program = lower(graph, strategy, world, k, model, bucket_bytes=bucket)
+    # the shipped profiles were fitted with the step's update priced as SGD's (one pass over the
+    # parameters); the traced runs used Adam, whose update the kernels' fit then partly absorbs
+    program = lower(graph, strategy, world, k, model, bucket_bytes=bucket, optimizer="sgd")
     notes.append(f"{strategy.name}, k={k} ({traced} CUDA compute stream(s) in the trace)")
 
     times = forward_op_times(events)
@@ -174,7 +176,7 @@ def host_seconds(events: list[dict], overhead: float = 0.0) -> float:
     (forward, autograd's backward, optimizer) in the step, less the parts of it spent in CUDA
     calls that wait for the GPU (synchronizations inside an op), less `overhead` seconds per
     host event recorded in the step (ops and CUDA calls: the profiler's own cost of recording
-    each; for the H100 traces 2.94 us, see the README)."""
+    each; for the H100 traces 2.94 us, see docs/simulator_accuracy.md)."""
     ops = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "cpu_op"]
     waits = union([(e["ts"], e["ts"] + e["dur"]) for e in events
                    if e.get("cat") == "cuda_runtime" and "Synchronize" in e.get("name", "")])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from hidup.cli import Parser
 from hidup.models import capture_model, get_model
-from hidup.planning.costs import load_profile
+from hidup.planning.profile_file import load_profile
 from hidup.strategy import fixed_strategy
 from hidup.program import lower
 from simulator.engine import simulate
@@ -44,7 +44,7 @@ def bench(args) -> list[dict]:
         strategy = fixed_strategy(args.strategy, graph, gpus)
         for k in (1, 2):
             started = time.perf_counter()
-            program = lower(graph, strategy, gpus, k, spec.name)
+            program = lower(graph, strategy, gpus, k, spec.name, optimizer="sgd")
             lowered = time.perf_counter() - started
             times, result = [], None
             for _ in range(args.repeats):

@@ -11,11 +11,14 @@ from pathlib import Path
 
 from hidup.cli import Parser
 from hidup.models import capture_model, get_model
-from hidup.planning.costs import load_profile
-from hidup.planning.search import SearchOptions, search
+from hidup.planning.profile_file import load_profile
+from hidup.planning.programme import SearchOptions
+from hidup.planning.search import search
 from hidup.strategy import fixed_strategies
 from hidup.program import LoweringError, lower
 from simulator import simulate
+
+OPTIMIZER = "sgd"  # the update these figures price: SGD's, one pass over the parameters
 
 log = logging.getLogger(__name__)
 MODELS = ("bert-sgmoe:paper", "bert-switch:paper", "vit-sgmoe:paper", "vit-switch:paper")
@@ -38,7 +41,8 @@ def parse_args(argv=None):
 
 def simulated_ms(graph, strategy, gpus, k, profile) -> float | None:
     try:
-        return simulate(lower(graph, strategy, gpus, k), profile).step_time * 1e3
+        return simulate(lower(graph, strategy, gpus, k, optimizer=OPTIMIZER),
+                        profile).step_time * 1e3
     except (LoweringError, ValueError) as exc:
         log.info("%s k=%d: %s", strategy.name, k, exc)
         return None
@@ -49,8 +53,8 @@ def compare(model: str, gpus: int, profile, memory: float) -> dict:
     graph = capture_model(spec, spec.batch)
     machines = profile.mesh(gpus)[0]  # a 2-D mesh where the GPUs fill whole machines
     baselines = fixed_strategies(graph, gpus, machines)
-    baselines["min-comm"] = search(graph, gpus, profile, SearchOptions(k=1, memory=memory, objective="comm")).strategy
-    found = search(graph, gpus, profile, SearchOptions(k=2, memory=memory, machines=machines), baselines=baselines)
+    baselines["min-comm"] = search(graph, gpus, profile, SearchOptions(k=1, memory=memory, objective="comm", optimizer=OPTIMIZER)).strategy
+    found = search(graph, gpus, profile, SearchOptions(k=2, memory=memory, machines=machines, optimizer=OPTIMIZER), baselines=baselines)
     row = {"model": model, "gpus": gpus, "chosen": found.candidates[0][0],
            "hidup_ms": simulated_ms(graph, found.strategy, gpus, found.k, profile),
            "search_s": found.seconds, "dp_estimate_ms": found.dp_cost * 1e3}

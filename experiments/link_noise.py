@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from calibration.measure import Ranks
+from calibration.timing import Ranks
 from hidup.cli import Parser
 
 PROG = "python -m experiments.link_noise"

@@ -1,12 +1,12 @@
 """Where the experiments write. By default into a scratch folder, out/EXPERIMENT (git-ignored),
-never into experiments/results/: that folder holds the committed full-size results the README
+never into experiments/results/: that folder holds the committed full-size results the docs
 shows. Refreshing them takes an explicit `--out experiments/results/...`, and never a --quick run
 (tiny models, fewer points)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"  # committed: the README's figures
+RESULTS = Path(__file__).resolve().parent / "results"  # committed: the figures in docs/
 
 
 def default_out(experiment: str) -> Path:
@@ -31,5 +31,5 @@ def note(out: Path, experiment: str) -> str:
     """One line after a run: where the files went and how the committed ones are refreshed."""
     if committed(out):
         return f"refreshed committed results in {out}/ (check `git diff --stat` before committing)"
-    return (f"{out}/ is scratch (not the README's figures); the committed results are refreshed "
+    return (f"{out}/ is scratch (not the figures in docs/); the committed results are refreshed "
             f"with a full run and --out experiments/results/{experiment}")

@@ -1,6 +1,6 @@
 """The paper's evaluation (SoCC'22, Sec. VI) on the simulator, one command per figure or table;
 each prints its table and writes FIGURE.csv and FIGURE.png to --out (default out/paper/, a
-git-ignored scratch folder; the README's figures are refreshed with a full run and
+git-ignored scratch folder; the figures in docs/ are refreshed with a full run and
 `--out experiments/results/paper`, which a --quick run may not use):
 
     python -m experiments.paper scaling        # Fig. 7: HiDup vs expert parallelism, 8-64 GPUs
@@ -72,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "command says otherwise)")
     ap.add_argument("--out", type=Path, default=outputs.default_out("paper"),
                     help="folder for FIGURE.csv and FIGURE.png (default out/paper, git-ignored; "
-                         "experiments/results/paper holds the README's figures: refresh them "
+                         "experiments/results/paper holds the figures in docs/: refresh them "
                          "with a full run, never --quick)")
     args = ap.parse_args(argv)
     if not 0 <= args.exact < float("inf"):

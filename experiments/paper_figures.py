@@ -19,14 +19,17 @@ from typing import Callable
 
 from calibration.derive import parse_rate, with_inter_link
 from hidup.models import capture_model, get_model
-from hidup.planning.costs import load_profile
 from hidup.planning.planfile import save_plan
-from hidup.planning.search import SearchOptions, search
+from hidup.planning.profile_file import load_profile
+from hidup.planning.programme import SearchOptions
+from hidup.planning.search import search
 from hidup.strategy import fixed_strategies
 from hidup.program import LoweringError, lower
 from hidup.runtime.data import build_vocabulary
 from simulator.engine import simulate
 from simulator.montecarlo import scale_times
+
+OPTIMIZER = "sgd"  # the update these figures price: SGD's, one pass over the parameters
 
 log = logging.getLogger(__name__)
 MEMORY = 32 * 2 ** 30  # a V100's memory: the search keeps plans that fit
@@ -64,7 +67,7 @@ def graph_of(model: str, gpus: int, **overrides):
 def run(graph, strategy, gpus: int, k: int, profile):
     """The simulated step of a strategy with k micro-batches; None if it cannot be lowered."""
     try:
-        return simulate(lower(graph, strategy, gpus, k), profile)
+        return simulate(lower(graph, strategy, gpus, k, optimizer=OPTIMIZER), profile)
     except (LoweringError, ValueError) as exc:
         log.info("%s k=%d on %d GPUs: %s", strategy.name, k, gpus, exc)
         return None
@@ -75,7 +78,8 @@ def hidup(graph, gpus: int, profile, k: int = 2, machines: int = 1, exact: float
     SPMD, and the expert strategies, ranked with Duplex and without; on a 2-D mesh of `machines`
     also the plans searched on it and its baselines; with `exact` seconds also the integer
     programme's proven k = 1 plan), Duplex where it pays; (simulated Result, search result)."""
-    found = search(graph, gpus, profile, SearchOptions(k=k, memory=MEMORY, machines=machines, exact=exact), baselines=fixed_strategies(graph, gpus, machines))
+    found = search(graph, gpus, profile, SearchOptions(k=k, memory=MEMORY, machines=machines, exact=exact,
+                                                       optimizer=OPTIMIZER), baselines=fixed_strategies(graph, gpus, machines))
     return run(graph, found.strategy, gpus, found.k, profile), found
 
 
@@ -243,7 +247,7 @@ def search_time(args) -> Figure:
             seconds = []
             for _ in range(repeats):  # this VM's speed drifts: one search is a noisy figure
                 graph = graph_of(model, gpus, layers=layers)
-                seconds.append(search(graph, gpus, profile, SearchOptions(k=2, machines=machines)).seconds)
+                seconds.append(search(graph, gpus, profile, SearchOptions(k=2, machines=machines, optimizer=OPTIMIZER)).seconds)
             fig.add(model=model, layers=layers, gpus=gpus, mesh=f"{machines}x{per}",
                     ops=len(graph.ops), seconds=statistics.median(seconds))
     for layers, gpus, limit in ((8, 64, 1.0), (48, None, 10.0)):  # the planner's own targets
@@ -269,7 +273,8 @@ def convergence(args) -> Figure:
     with tempfile.TemporaryDirectory() as tmp:
         spec = get_model(model, gpus=ranks, vocab=len(build_vocabulary(args.data)))
         graph = capture_model(spec, CONVERGENCE_BATCH)  # as hidup.train builds it for this data
-        found = search(graph, ranks, load_profile("cpu-gloo-loopback"), SearchOptions(k=2))
+        found = search(graph, ranks, load_profile("cpu-gloo-loopback"),
+                       SearchOptions(k=2, optimizer=OPTIMIZER))
         plan = Path(tmp) / "plan.json"
         save_plan(plan, graph, found.strategy, ranks, model, "cpu-gloo-loopback")
         losses = {name: _train(model, strategy, k, ranks, steps, args)

@@ -15,10 +15,12 @@ from pathlib import Path
 
 from hidup.cli import Parser
 from hidup.models import capture_model, get_model
-from hidup.planning.costs import load_profile
 from hidup.planning.exact import exact_plan
-from hidup.planning.search import Search, SearchOptions, programme
+from hidup.planning.profile_file import load_profile
+from hidup.planning.programme import Search, SearchOptions, programme
 from experiments.outputs import default_out, note
+
+OPTIMIZER = "sgd"  # the update these figures price: SGD's, one pass over the parameters
 
 log = logging.getLogger(__name__)
 MODELS = ("bert-sgmoe:paper", "bert-switch:paper", "gpt:paper")
@@ -47,12 +49,14 @@ def parse_args(argv=None):
 
 def compare(graph, gpus: int, machines: int, profile, memory: float, beam: int,
             time_limit: float) -> dict:
-    dp = Search(graph, gpus, profile, SearchOptions(k=1, memory=memory, beam=beam, machines=machines))
+    dp = Search(graph, gpus, profile, SearchOptions(k=1, memory=memory, beam=beam, machines=machines,
+                                               optimizer=OPTIMIZER))
     started = time.perf_counter()
     beam_cost = dp.run()[0].cost
     beam_s = time.perf_counter() - started
     exact = exact_plan(dp, time_limit=time_limit)
-    duplex = programme(graph, gpus, profile, SearchOptions(k=2, memory=memory, beam=beam, machines=machines))
+    duplex = programme(graph, gpus, profile, SearchOptions(k=2, memory=memory, beam=beam, machines=machines,
+                                                      optimizer=OPTIMIZER))
     duplex_cost = min(label.plain for label in duplex.run())
     return {"beam_ms": beam_cost * 1e3, "beam_s": beam_s, "exact_ms": exact.cost * 1e3,
             "bound_ms": exact.bound * 1e3, "optimal": exact.optimal, "exact_s": exact.seconds,

@@ -7,7 +7,7 @@ predict both step times (simulator); mark where Duplex pays off and where it sto
 The cluster is --base (a measured profile; default v100-2x4, two machines of 4 V100) with its
 machines regrouped to N/H GPUs each and its inter-machine bus bandwidths scaled to each rate
 (calibration.derive); the GPUs inside a machine keep the base's figures. Prints the table and
-writes whatif.csv and whatif.png to --out (default out/whatif/, git-ignored; the README's figure
+writes whatif.csv and whatif.png to --out (default out/whatif/, git-ignored; the figure in docs/
 is refreshed with `--out experiments/results/whatif`)."""
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ from experiments.paper_figures import hidup, ms
 from experiments.paper_plots import log_ticks, save_png
 from hidup.cli import Parser
 from hidup.models import capture_model, get_model
-from hidup.planning.costs import ProfileError, load_profile
+from hidup.planning.costs import ProfileError
+from hidup.planning.profile_file import load_profile
 
 log = logging.getLogger(__name__)
 PROG = "python -m experiments.whatif"
@@ -133,7 +134,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "(default 1.05)")
     ap.add_argument("--out", type=Path, default=outputs.default_out("whatif"),
                     help="folder for whatif.csv and whatif.png (default out/whatif, git-ignored; "
-                         "experiments/results/whatif holds the README's figure)")
+                         "experiments/results/whatif holds the figure in docs/)")
     args = ap.parse_args(argv)
     if args.gpus < 2:
         ap.error(f"--gpus {args.gpus}: needs 2 or more (a link between machines)")

@@ -18,8 +18,8 @@ import torch
 
 from hidup.graph import ops  # noqa: F401  (registers the project's own op rules)
 from hidup.graph.capture import capture
-from hidup.planning.costs import load_profile
 from hidup.planning.planfile import Plan
+from hidup.planning.profile_file import load_profile
 from hidup.planning.select import SEARCH, Goal, select_plan
 from hidup.runtime.trainer import Trainer, parallelize
 

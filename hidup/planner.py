@@ -14,10 +14,10 @@ from pathlib import Path
 
 from hidup.cli import Parser, parse_mesh
 from hidup.models import capture_model, get_model, names
-from hidup.planning.costs import load_profile
 from hidup.planning.estimate import estimate
 from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import save_plan
+from hidup.planning.profile_file import load_profile
 from hidup.planning.select import DUPLEX_K, Goal, select_plan
 from hidup.strategy import describe, mesh_option
 from hidup.program import OPTIMIZERS, LoweringError, lower

@@ -1,12 +1,9 @@
-"""Real training with a strategy: `python -m hidup.train --nproc-per-node N --model M --strategy S
-[--duplex]` (or the same under torchrun, without --nproc-per-node). A zoo model (NAME:SIZE) or
-your own (package.module:factory) trains through hidup.parallelize's Trainer with a torch.optim
-optimizer and schedule; reports the loss, throughput, learning rate and memory per step and the
-median step time after --warmup."""
+"""The training command, `python -m hidup.train` (its options: hidup.train_options; the model it
+names: hidup.train_model): data, model, graph and strategy made alike on every rank (`prepare`),
+then the run (`run`): hidup.parallelize's Trainer with a torch.optim optimizer and schedule,
+checkpoints (hidup.runtime.checkpoint), a line per step and the result."""
 from __future__ import annotations
 
-import argparse
-import importlib
 import json
 import logging
 import math
@@ -19,7 +16,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from hidup.cli import Parser, end_on_interrupt, exit_main, interrupt_held, say
+from hidup.cli import end_on_interrupt, exit_main, interrupt_held, say
 
 if __name__ == "__main__":  # Ctrl-C in the seconds the imports take is one line too
     end_on_interrupt("python -m hidup.train", importing=True)
@@ -27,9 +24,8 @@ if __name__ == "__main__":  # Ctrl-C in the seconds the imports take is one line
 import torch
 import torch.distributed as dist
 
-from hidup.graph import ops
 from hidup.graph.capture import Graph, capture
-from hidup.models import ModelSpec, capture_model, get_model, names
+from hidup.models import ModelSpec, capture_model
 from hidup.planning.planfile import resolve_strategy
 from hidup.strategy import Strategy
 from hidup.program import Program, lower
@@ -37,143 +33,15 @@ from hidup.runtime import checkpoint
 from hidup.runtime.data import (DataError, Vocabulary, build_vocabulary, eval_batches, load_tokens,
                                 perplexity, random_batch)
 from hidup.runtime.launch import default_threads, launch
-from hidup.runtime.trainer import Trainer
+from hidup.runtime.trainer import RunOptions, Trainer
+from hidup.train_model import model_spec
+from hidup.train_options import TrainOptions, parse_args
 
 log = logging.getLogger(__name__)
-PROG = "python -m hidup.train"
-EXIT_CODES = ("exit codes: 0 done; 2 bad input (one line names it); 3 a collective failed (a peer "
-              "lost or stuck past --timeout); 4 the loss became NaN or infinite; 130 interrupted "
-              "(Ctrl-C)")
-DEFAULT_LR = {"adamw": 3e-4, "sgd": 0.01}
-USER_BATCH = 8  # global batch of a user's model without --batch
 
 
 class Diverged(Exception):
     """The loss became NaN or infinite: the run stops (exit code 4)."""
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = Parser(prog=PROG, description=__doc__, epilog=EXIT_CODES)
-    ap.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
-                    help="start N ranks on this machine (gloo on the CPU), after checking every "
-                         "flag; leave it out under torchrun")
-    ap.add_argument("--model", default="gpt:tiny",
-                    help=f"model NAME:SIZE, one of {names()}; or your own, package.module:factory "
-                         f"(importable from here): factory() returns (module, inputs), "
-                         f"module(*batch) returns the loss and inputs(batch_size, "
-                         f"torch.Generator) returns the global batch, a tuple of tensors")
-    ap.add_argument("--strategy", default="ddp",
-                    help="'ddp', 'megatron', or the path of a plan file (python -m hidup.planner)")
-    ap.add_argument("--duplex", action="store_true", help="Duplex: two micro-batches per rank")
-    ap.add_argument("--micro-batches", type=int, default=None,
-                    help="micro-batches per rank (overrides --duplex; 1 = plain SPMD)")
-    mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--compile", action="store_true",
-                      help="run the traced step through torch.compile (Inductor), collectives "
-                           "kept in the plan's order (default: the traced step as generated "
-                           "Python, one call per ATen op)")
-    mode.add_argument("--cuda-graphs", action="store_true",
-                      help="CUDA: capture the traced step (forward, backward, NCCL collectives; "
-                           "not the optimizer's update) once and replay it every step")
-    ap.add_argument("--batch", type=int, default=None,
-                    help=f"global batch size (default: the zoo model's; {USER_BATCH} for your own)")
-    ap.add_argument("--steps", type=int, default=10,
-                    help="training steps in all (a resumed run counts the steps done before; "
-                         "--schedule cosine decays over them)")
-    ap.add_argument("--warmup", type=int, default=3,
-                    help="timing only: first steps left out of the step-time median (0 or more, "
-                         "below --steps); for the learning rate's warm-up see --warmup-steps")
-    ap.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
-                    help="torch.optim.AdamW (its default betas, eps and weight decay) or plain "
-                         "torch.optim.SGD (no momentum: the update the simulator's profiles "
-                         "measure); default adamw")
-    ap.add_argument("--lr", type=float, default=None,
-                    help="peak learning rate (default: 3e-4 with adamw, 0.01 with sgd; a run "
-                         "whose loss becomes NaN or infinite stops, exit code 4)")
-    ap.add_argument("--warmup-steps", type=int, default=0, metavar="N",
-                    help="learning-rate warm-up: the rate rises linearly over the first N steps "
-                         "to --lr (step s of them at --lr * (s+1)/(N+1)); default 0")
-    ap.add_argument("--schedule", choices=["constant", "cosine"], default="constant",
-                    help="learning rate after the warm-up: constant --lr, or cosine from --lr "
-                         "down to 0 at --steps; default constant")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data")
-    ap.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
-                    help="process-group backend (auto: nccl with CUDA, else gloo)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="intra-op CPU threads per rank (default: cores / ranks on this machine, "
-                         "all of an emulated cluster's)")
-    ap.add_argument("--trace", type=Path, default=None,
-                    help="write a torch.profiler Chrome trace of the last step (rank r > 0 adds "
-                         ".rankR); its folder must exist")
-    ap.add_argument("--data", type=Path, default=None,
-                    help="train a text model on this WikiText-format file (vocabulary built "
-                         "from it)")
-    ap.add_argument("--eval", type=Path, default=None,
-                    help="held-out WikiText-format file: print its perplexity after training")
-    ap.add_argument("--eval-batches", type=int, default=20, help="batches of --eval to score")
-    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                    help="bf16: mixed precision, each op under torch.autocast in bfloat16 "
-                         "(weights, gradients, communication and the optimizer stay float32)")
-    ap.add_argument("--timeout", type=float, default=300.0,
-                    help="seconds a collective may wait for a lost or stuck peer before the run "
-                         "stops with an error (default 300)")
-    ap.add_argument("--checkpoint", type=Path, default=None,
-                    help="folder for checkpoints (torch.distributed.checkpoint, one step{S} "
-                         "folder; latest.json names the last complete one)")
-    ap.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
-                    help="write a checkpoint every N steps (needs --checkpoint)")
-    ap.add_argument("--resume", action="store_true",
-                    help="go on from the last checkpoint in --checkpoint: the same --model, "
-                         "--batch, --seed and --optimizer as the run that wrote it; --strategy, "
-                         "--micro-batches and the number of ranks may change. The losses are "
-                         "those of an uninterrupted run")
-    ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    args = ap.parse_args(argv)
-    if (args.checkpoint_every is not None or args.resume) and args.checkpoint is None:
-        ap.error("--checkpoint-every and --resume need --checkpoint FOLDER")
-    if args.eval is not None and args.data is None:
-        ap.error("--eval needs --data (the vocabulary comes from the training file)")
-    for flag in ("steps", "batch", "micro_batches", "threads", "eval_batches", "checkpoint_every",
-                 "nproc_per_node"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
-    if not (args.timeout > 0 and math.isfinite(args.timeout)):
-        ap.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    if args.lr is None:
-        args.lr = DEFAULT_LR[args.optimizer]
-    if not (args.lr >= 0 and math.isfinite(args.lr)):
-        ap.error(f"--lr must be a finite number, 0 or more, got {args.lr}; e.g. --lr 0.01")
-    if args.warmup_steps < 0:
-        ap.error(f"--warmup-steps must be 0 or more, got {args.warmup_steps} (steps of "
-                 f"learning-rate warm-up)")
-    if args.warmup < 0:
-        ap.error(f"--warmup must be 0 or more, got {args.warmup} (steps left out of the median)")
-    if args.warmup >= args.steps:
-        ap.error(f"--warmup ({args.warmup}) must be below --steps ({args.steps}) to time any step")
-    if args.trace is not None:
-        folder = args.trace.parent
-        if args.trace.is_dir():
-            ap.error(f"--trace {args.trace} is a folder; give a file name such as "
-                     f"{args.trace / 'trace.json'}")
-        if not folder.is_dir() or not os.access(folder, os.W_OK):
-            ap.error(f"--trace {args.trace}: folder {folder} does not exist or is not writable; "
-                     f"create it or choose another path")
-    if args.checkpoint_every is not None:  # the folder checkpoints will be written in
-        try:
-            args.checkpoint.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            ap.error(f"--checkpoint {args.checkpoint}: cannot make the folder ({exc.strerror}); "
-                     f"choose another path")
-        if not os.access(args.checkpoint, os.W_OK):
-            ap.error(f"--checkpoint {args.checkpoint}: the folder is not writable; choose "
-                     f"another path")
-    world = os.environ.get("WORLD_SIZE")
-    if args.nproc_per_node is not None and world is not None and \
-            args.nproc_per_node != int(world):
-        ap.error(f"--nproc-per-node {args.nproc_per_node} under torchrun's {world} ranks; leave "
-                 f"--nproc-per-node out under torchrun")
-    return args
 
 
 @dataclass(frozen=True)
@@ -192,93 +60,7 @@ class Prepared:
     model: torch.nn.Module | None  # None when only checking a zoo model
 
 
-def user_model(arg: str) -> ModelSpec | None:
-    """`--model package.module:factory`: the user's model as a ModelSpec (None where `arg` names
-    a zoo model); raises ValueError, in one line with the fix, where it cannot be had."""
-    module_name, colon, attr = arg.partition(":")
-    zoo = {n.partition(":")[0] for n in names()}
-    if module_name in zoo:
-        return None
-    if not colon or not attr or not module_name:
-        if "." not in module_name:
-            return None  # get_model says which zoo names there are
-        raise ValueError(f"--model {arg}: give package.module:factory (a function returning "
-                         f"(module, inputs)) or a zoo model NAME:SIZE")
-    fix = (f"give a zoo model NAME:SIZE (e.g. {names()[0]}) or package.module:factory "
-           f"importable from here (run from its folder or set PYTHONPATH)")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if "." not in module_name and exc.name == module_name:
-            return None  # a misspelt zoo name: get_model names the zoo
-        raise ValueError(f"--model {arg}: cannot import {module_name} ({exc}); {fix}") from None
-    except Exception as exc:  # the user's module failed while importing
-        raise ValueError(f"--model {arg}: importing {module_name} failed ({type(exc).__name__}: "
-                         f"{exc}); fix that module or {fix}") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        what = "has no attribute" if factory is None else "has a non-callable"
-        raise ValueError(f"--model {arg}: module {module_name} {what} {attr!r}; give a function "
-                         f"of no arguments that returns (module, inputs), e.g. "
-                         f"{module_name}:make_model")
-    shape = ("it must return (module, inputs): an nn.Module whose module(*batch) returns the "
-             "loss, and inputs(batch_size, generator) returning the global batch as a tuple of "
-             "tensors")
-
-    def build() -> tuple[torch.nn.Module, object]:
-        try:
-            made = factory()
-        except Exception as exc:
-            raise ValueError(f"--model {arg}: {attr}() raised {type(exc).__name__}: {exc}; "
-                             f"{shape}") from None
-        if not (isinstance(made, (tuple, list)) and len(made) == 2 and
-                isinstance(made[0], torch.nn.Module) and callable(made[1])):
-            got = type(made).__name__ if not isinstance(made, (tuple, list)) else \
-                f"({', '.join(type(m).__name__ for m in made)})"
-            raise ValueError(f"--model {arg}: {attr}() returned {got}; {shape}")
-        return made[0], made[1]
-
-    made: dict = {}
-
-    def inputs(batch: int, gen: torch.Generator) -> tuple:
-        if "inputs" not in made:
-            made["inputs"] = build()[1]
-        try:
-            out = made["inputs"](batch, gen)
-        except Exception as exc:
-            raise ValueError(f"--model {arg}: inputs({batch}, generator) raised "
-                             f"{type(exc).__name__}: {exc}; {shape}") from None
-        if isinstance(out, torch.Tensor):
-            out = (out,)
-        if not (isinstance(out, (tuple, list)) and out and
-                all(isinstance(t, torch.Tensor) for t in out)):
-            raise ValueError(f"--model {arg}: inputs({batch}, generator) returned "
-                             f"{type(out).__name__}; {shape}")
-        return tuple(out)
-
-    def module() -> torch.nn.Module:
-        model, made["inputs"] = build()
-        return model
-
-    return ModelSpec(arg, module, inputs, USER_BATCH, "user")
-
-
-def model_spec(args, world: int, vocab: Vocabulary | None) -> ModelSpec:
-    spec = user_model(args.model)
-    if spec is None:
-        try:
-            return get_model(args.model, gpus=world, vocab=len(vocab) if vocab else None)
-        except ValueError as exc:
-            if not str(exc).startswith("unknown model"):
-                raise
-            raise ValueError(f"{exc}; or give your own model as package.module:factory") from None
-    if vocab is not None:
-        raise DataError(f"--data is text for the zoo's text models; {args.model} makes its own "
-                        f"batches (its inputs function)")
-    return spec
-
-
-def prepare(args, world: int, check_only: bool = False) -> Prepared:
+def prepare(args: TrainOptions, world: int, check_only: bool = False) -> Prepared:
     """Data, model, graph and strategy for `world` ranks (raises ValueError naming what is
     wrong); check_only: a zoo model's graph from the meta-device capture, no weights built, and
     the Program lowered (the Trainer lowers its own when running)."""
@@ -290,7 +72,7 @@ def prepare(args, world: int, check_only: bool = False) -> Prepared:
     if args.eval is not None:
         load_tokens(args.eval, vocab)  # readable, before any step is run
     batch = args.batch or spec.batch
-    k = args.micro_batches or (2 if args.duplex else 1)
+    k = args.k
     model = None
     if check_only and spec.task != "user":
         graph = capture_model(spec, batch)
@@ -309,7 +91,7 @@ def prepare(args, world: int, check_only: bool = False) -> Prepared:
     return Prepared(spec, vocab, tokens, batch, k, graph, strategy, program, model)
 
 
-def setup(args, world: int) -> tuple[int, torch.device]:
+def setup(args: TrainOptions, world: int) -> tuple[int, torch.device]:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     backend = args.backend
     if backend == "auto":
@@ -343,14 +125,14 @@ def lr_factor(step: int, warmup: int, steps: int, schedule: str) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def schedule_factory(args):
+def schedule_factory(args: TrainOptions):
     """A function of the optimizer returning its torch.optim.lr_scheduler (LambdaLR)."""
     warmup, steps, schedule = args.warmup_steps, args.steps, args.schedule
     return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, warmup, steps, schedule))
 
 
-def run(args) -> dict:
+def run(args: TrainOptions) -> dict:
     from hidup.api import Plan
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -359,11 +141,11 @@ def run(args) -> dict:
     rank, device = setup(args, world)
     spec, vocab, batch, k, graph, strategy = p.spec, p.vocab, p.batch, p.k, p.graph, p.strategy
     plan = Plan.of(graph, strategy, world, k, model=args.model, optimizer=args.optimizer)
+    options = RunOptions(compile=args.compile, cuda_graphs=args.cuda_graphs, device=device,
+                         micro_batches=k,
+                         autocast=torch.bfloat16 if args.precision == "bf16" else None)
     trainer = Trainer(p.model, plan, optimizer_factory(args.optimizer, args.lr),
-                      schedule_factory(args),
-                      compile=args.compile, device=device, micro_batches=k,
-                      autocast=torch.bfloat16 if args.precision == "bf16" else None,
-                      cuda_graphs=args.cuda_graphs)
+                      schedule_factory(args), options)
     names_in = [n.source for n in graph.user_inputs]
     losses, times, rss, lrs, first = [], [], [], [], 0
     run_id = checkpoint.RunId(args.model, batch, args.seed, args.optimizer)
@@ -440,7 +222,7 @@ def _step_line(step: int, steps: int, loss: float, lr: float, seconds: float, it
             f"lr {lr:.3e}  {memory}  {1e3 * seconds:.1f} ms")
 
 
-def _diverged(args, step: int, loss: float, saved: int | None) -> str:
+def _diverged(args: TrainOptions, step: int, loss: float, saved: int | None) -> str:
     kept = ""
     if args.checkpoint is not None:
         kept = f"; the last complete checkpoint (step {saved}) is in {args.checkpoint}" \

@@ -10,7 +10,8 @@ from typing import Callable
 
 from hidup.planning.costs import LinkCost, Profile
 from hidup.program import Program
-from simulator.engine import Result, simulate
+from simulator.engine import simulate
+from simulator.records import Result
 
 
 @dataclass(frozen=True)

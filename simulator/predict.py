@@ -17,9 +17,10 @@ from hidup import models
 from hidup.cli import Parser, parse_mesh
 from hidup.graph.capture import Graph
 from hidup.models import capture_model
-from hidup.planning.costs import Profile, load_profile
+from hidup.planning.costs import Profile
 from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import Plan, resolve_strategy, save_plan
+from hidup.planning.profile_file import load_profile
 from hidup.planning.select import DUPLEX_K, SEARCH, Goal, select_plan
 from hidup.strategy import Strategy
 from hidup.program import HOST_MODES, OPTIMIZERS, lower

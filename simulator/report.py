@@ -10,8 +10,8 @@ from hidup.graph.capture import Graph
 from hidup.planning.costs import Profile
 from hidup.planning.memory import MemoryReport
 from hidup.strategy import Strategy, describe, summarize
-from simulator.engine import Result
 from simulator.montecarlo import Interval
+from simulator.records import Result
 
 COLUMNS = ("step (ms)", "computation (ms)", "communication (ms)", "overlap", "exposed comm (ms)",
            "peak mem (GiB)")

@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 
 from hidup.program import Compute, Convert, task_label
-from simulator.engine import HOST, Record, Result
+from simulator.records import HOST, Record, Result
 
 log = logging.getLogger(__name__)
 

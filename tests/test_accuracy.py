@@ -23,6 +23,9 @@ import pytest
 import torch
 
 from experiments import accuracy
+from experiments.accuracy_report import summarize, write_outputs
+from experiments.accuracy_rows import Row, read_rows
+from experiments.accuracy_runs import probed, speed_probe_ms
 
 
 @pytest.mark.skipif(not (os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")),
@@ -58,7 +61,7 @@ def test_quick_accuracy_run_writes_its_table_and_plot(tmp_path, capsys):
     again = tmp_path / "again"
     assert accuracy.main(["--combine", str(tmp_path), "--repredict", "--out", str(again)]) == 0
     assert "predicted again by this version's simulator" in capsys.readouterr().out
-    before, after = accuracy.read_rows(tmp_path), accuracy.read_rows(again)
+    before, after = read_rows(tmp_path), read_rows(again)
     assert [r.predicted_ms for r in after] == pytest.approx([r.predicted_ms for r in before],
                                                             rel=1e-9)
     assert [r.measured_ms for r in after] == [r.measured_ms for r in before]
@@ -71,10 +74,10 @@ def test_quick_accuracy_run_writes_its_table_and_plot(tmp_path, capsys):
 
 
 def test_summary_figures_on_a_hand_made_table():
-    row = lambda s, k, p, m: accuracy.Row("m", s, k, "1gbit", 2, 1, p, m, 0, 0, 0, 1.0)  # noqa: E731
+    row = lambda s, k, p, m: Row("m", s, k, "1gbit", 2, 1, p, m, 0, 0, 0, 1.0)  # noqa: E731
     rows = [row("ddp", 1, 110, 100), row("ddp", 2, 90, 100), row("megatron", 1, 200, 210),
             row("megatron", 2, 80, 95)]
-    summary = accuracy.summarize(rows)
+    summary = summarize(rows)
     assert summary["median_abs_error"] == pytest.approx(0.1)  # of 4.8%, 10%, 10%, 15.8%
     assert summary["max_abs_error"] == pytest.approx(15 / 95)
     # predicted order 80 < 90 < 110 < 200, measured 95 < 100 = 100 < 210
@@ -85,12 +88,12 @@ def test_summary_figures_on_a_hand_made_table():
 
 
 def test_drift_scales_each_prediction_to_the_speed_its_run_had():
-    row = lambda p, m, d: accuracy.Row("m", "ddp", 1, "1gbit", 2, 1, p, m, 0, 0, 0, 1.0,  # noqa: E731
-                                       drift=d)
+    row = lambda p, m, d: Row("m", "ddp", 1, "1gbit", 2, 1, p, m, 0, 0, 0, 1.0,  # noqa: E731
+                              drift=d)
     # the first two ran on a machine 10% slower / 20% faster than their kernels were timed on,
     # which is all their error; the third has a 5% error of its own; the fourth has no probe
     rows = [row(100, 110, 1.1), row(100, 80, 0.8), row(100, 105, 1.0), row(90, 100, math.nan)]
-    summary = accuracy.summarize(rows)
+    summary = summarize(rows)
     assert summary["drift_probed"] == 3
     assert summary["median_abs_drift"] == pytest.approx(0.1)
     assert summary["max_abs_drift"] == pytest.approx(0.2)
@@ -102,29 +105,29 @@ def test_drift_scales_each_prediction_to_the_speed_its_run_had():
 
 def test_speed_probe_times_a_fixed_workload_on_one_thread():
     threads = torch.get_num_threads()
-    first, second = accuracy.speed_probe_ms(repeats=3), accuracy.speed_probe_ms(repeats=3)
+    first, second = speed_probe_ms(repeats=3), speed_probe_ms(repeats=3)
     assert 0.1 < first < 5000 and 0.1 < second < 5000
     assert torch.get_num_threads() == threads  # the caller's setting is given back
-    (result, speed) = accuracy.probed(lambda: "done")
+    (result, speed) = probed(lambda: "done")
     assert result == "done" and speed > 0
 
 
 def test_combine_reports_earlier_runs_as_one_table(tmp_path, capsys):
-    row = lambda c, s, k, p, m: accuracy.Row("m", s, k, c, 2, 1, p, m, 1, 2, 0.5, 1.0,  # noqa: E731
-                                             m * 0.9, m * 1.2,  # the rounds' fastest, slowest
-                                             m / p)  # a drift: all the error is the machine's
+    row = lambda c, s, k, p, m: Row("m", s, k, c, 2, 1, p, m, 1, 2, 0.5, 1.0,  # noqa: E731
+                                    m * 0.9, m * 1.2,  # the rounds' fastest, slowest
+                                    m / p)  # a drift: all the error is the machine's
     one = [row("1gbit", "ddp", 1, 110, 100), row("1gbit", "megatron", 1, 200, 210)]
     two = [row("10gbit", "ddp", 1, 30, 40), row("10gbit", "megatron", 1, 38, 35)]
     for name, rows in (("one", one), ("two", two)):
         (tmp_path / name).mkdir()
-        accuracy.write_outputs(rows, accuracy.summarize(rows), tmp_path / name, f"run {name}")
+        write_outputs(rows, summarize(rows), tmp_path / name, f"run {name}")
     out = tmp_path / "both"
     assert accuracy.main(["--combine", str(tmp_path / "one"), str(tmp_path / "two"),
                           "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "4 configurations" in printed and "| m | megatron | off | 2x1 10gbit | 38.0 | 35.0 |" \
         in printed
-    assert accuracy.read_rows(out) == one + two  # the CSV round trip keeps every field
+    assert read_rows(out) == one + two  # the CSV round trip keeps every field
     summary = json.loads((out / "accuracy.json").read_text())
     assert [s["command"] for s in summary["sources"]] == ["run one", "run two"]
     assert summary["median_abs_error_at_run_speed"] < 1e-9 < summary["median_abs_error"]
@@ -145,7 +148,7 @@ def test_combine_reports_earlier_runs_as_one_table(tmp_path, capsys):
     cut = lambda line: ",".join(line.split(",")[:12] + line.split(",")[14:])  # noqa: E731
     (old / "accuracy.csv").write_text("\n".join(map(cut, lines)) + "\n")
     assert "measured_low_ms" not in (old / "accuracy.csv").read_text()
-    assert [r.measured_ms for r in accuracy.read_rows(old)] == [100, 210]
+    assert [r.measured_ms for r in read_rows(old)] == [100, 210]
     assert accuracy.main(["--combine", str(old), "--out", str(out)]) == 0
     assert json.loads((out / "accuracy.json").read_text())["median_round_spread"] is None
     # a damaged summary is named, with what to do
@@ -157,9 +160,9 @@ def test_combine_reports_earlier_runs_as_one_table(tmp_path, capsys):
 
 
 def test_repredict_needs_runs_calibrated_once_given_with_combine(tmp_path, capsys):
-    row = accuracy.Row("m", "ddp", 1, "1gbit", 2, 1, 110, 100, 0, 0, 0, 1.0)
-    accuracy.write_outputs([row], accuracy.summarize([row]), tmp_path,
-                           "python -m experiments.accuracy --recalibrate-each")
+    row = Row("m", "ddp", 1, "1gbit", 2, 1, 110, 100, 0, 0, 0, 1.0)
+    write_outputs([row], summarize([row]), tmp_path,
+                  "python -m experiments.accuracy --recalibrate-each")
     with pytest.raises(SystemExit):
         accuracy.main(["--repredict", "--out", str(tmp_path / "x")])
     assert "give their folders with --combine" in capsys.readouterr().err
@@ -167,7 +170,7 @@ def test_repredict_needs_runs_calibrated_once_given_with_combine(tmp_path, capsy
                           "--out", str(tmp_path / "x")]) == 2
     assert "(--recalibrate-each)" in capsys.readouterr().err
     # a run calibrated once, but its profile is gone: the missing file is named
-    accuracy.write_outputs([row], accuracy.summarize([row]), tmp_path, "python -m x")
+    write_outputs([row], summarize([row]), tmp_path, "python -m x")
     assert accuracy.main(["--combine", str(tmp_path), "--repredict",
                           "--out", str(tmp_path / "x")]) == 2
     assert f"{tmp_path / 'profile-2x1-1gbit-m.json'}, which is not there" in \
@@ -175,12 +178,12 @@ def test_repredict_needs_runs_calibrated_once_given_with_combine(tmp_path, capsy
 
 
 def test_a_cluster_with_one_configuration_has_no_ranking(tmp_path, capsys):
-    rows = [accuracy.Row("m", "ddp", 1, "1gbit", 2, 1, 110, 100, 0, 0, 0, 1.0),
-            accuracy.Row("m", "ddp", 1, "10gbit", 2, 1, 30, 40, 0, 0, 0, 1.0),
-            accuracy.Row("m", "megatron", 1, "10gbit", 2, 1, 38, 35, 0, 0, 0, 1.0)]
-    summary = accuracy.summarize(rows)
+    rows = [Row("m", "ddp", 1, "1gbit", 2, 1, 110, 100, 0, 0, 0, 1.0),
+            Row("m", "ddp", 1, "10gbit", 2, 1, 30, 40, 0, 0, 0, 1.0),
+            Row("m", "megatron", 1, "10gbit", 2, 1, 38, 35, 0, 0, 0, 1.0)]
+    summary = summarize(rows)
     assert summary["kendall_tau_per_cluster"]["m on 2x1 1gbit"] is None
-    accuracy.write_outputs(rows, summary, tmp_path, "run")
+    write_outputs(rows, summary, tmp_path, "run")
     text = (tmp_path / "accuracy.json").read_text()
     assert "NaN" not in text and json.loads(text)["kendall_tau_per_cluster"] == \
         {"m on 2x1 10gbit": -1.0, "m on 2x1 1gbit": None}

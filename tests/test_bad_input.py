@@ -23,7 +23,7 @@ def files(tmp_path_factory):
     assert planner.main(["--model", "gpt:tiny", "--gpus", "2", "--cluster", "v100-1x4-nvlink",
                       "--out", str(good)]) == 0
     (folder / "plan-cut.json").write_text(good.read_text()[:120])
-    from hidup.planning.costs import load_profile
+    from hidup.planning.profile_file import load_profile
 
     (folder / "profile-cut.json").write_text(load_profile("v100-2x4").to_json()[:300])
     (folder / "profile-latin1.json").write_bytes('{"name": "caf\xe9"}'.encode("latin-1"))

@@ -14,7 +14,8 @@ from calibration.trace import TraceError, load_trace
 from calibration.traced_plan import derive_plan, kind_counts
 from hidup.graph.placement import Shard
 from hidup.models import capture_model, get_model
-from hidup.planning.costs import ProfileError, load_profile
+from hidup.planning.costs import ProfileError
+from hidup.planning.profile_file import load_profile
 from hidup.program import lower
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"

@@ -16,9 +16,10 @@ import torch
 import calibration.ops
 from calibration.ops import main as ops_main, measure_in_turns, measure_kernels, quantiles
 from hidup.models import capture_model, get_model
-from hidup.planning.costs import from_dict, kernel_coverage, kernel_key, load_profile
+from hidup.planning.costs import kernel_coverage, kernel_key
 from hidup.planning.estimate import estimate
 from hidup.planning.planfile import resolve_strategy
+from hidup.planning.profile_file import from_dict, load_profile
 from hidup.program import Compute, Convert, lower
 from hidup.runtime.passes import TaskClock
 from simulator import simulate

@@ -12,13 +12,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import free_port
 
 from calibration.fit import FitError, Residuals, fit_links, fit_roofline, residuals
-from calibration.measure import byte_sizes, group_sizes, time_collective
+from calibration.measure import byte_sizes, group_sizes
 from calibration.profile import check_out, parse_args, parse_size
-from hidup.planning.costs import LinkCost, Profile, load_profile
+from calibration.timing import time_collective
+from hidup.planning.costs import LinkCost, Profile
+from hidup.planning.profile_file import load_profile
 from hidup.program import COLLECTIVES
-from conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TRUE_LINKS = {"all_gather": LinkCost(2e-5, 3e9), "all_reduce": LinkCost(5e-6, 1e10),

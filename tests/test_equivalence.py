@@ -11,8 +11,9 @@ from conftest import build_model, run_ranks
 
 from hidup.graph.capture import capture
 from hidup.models import get_model
-from hidup.planning.costs import load_profile
-from hidup.planning.search import Search, SearchOptions, replicated_plan, search
+from hidup.planning.profile_file import load_profile
+from hidup.planning.programme import Search, SearchOptions, replicated_plan
+from hidup.planning.search import search
 from hidup.strategy import fixed_strategy, random_strategy
 from hidup.program import LoweringError, lower
 from hidup.runtime.execute import Executor, full_tensor

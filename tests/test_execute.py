@@ -12,7 +12,7 @@ from hidup.strategy import fixed_strategy
 from hidup.program import Convert, Wait, lower
 from hidup.runtime.execute import Executor
 from hidup.runtime.passes import communication_order
-from hidup.runtime.step import issue
+from hidup.runtime.collectives import issue
 
 FUNCTIONAL = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor",
               "reduce_scatter": "reduce_scatter_tensor", "all_to_all": "all_to_all_single"}

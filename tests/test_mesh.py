@@ -11,10 +11,11 @@ import pytest
 from hidup.models import capture_model, get_model
 from hidup.planner import main as plan_main
 from hidup.graph.placement import R
-from hidup.planning.costs import load_profile
 from hidup.planning.estimate import estimate
 from hidup.planning.planfile import PlanError, load_plan, save_plan
-from hidup.planning.search import SearchOptions, search
+from hidup.planning.profile_file import load_profile
+from hidup.planning.programme import SearchOptions
+from hidup.planning.search import search
 from hidup.strategy import fixed_strategy, mesh_option
 from hidup.program import Compute, LoweringError, lower
 from simulator import engine

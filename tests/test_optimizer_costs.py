@@ -10,9 +10,10 @@ import pytest
 from hidup.graph.placement import Shard
 from hidup.models import capture_model, get_model
 from hidup.planner import main as plan_main
-from hidup.planning.costs import load_profile
 from hidup.planning.memory import peak_memory
-from hidup.planning.search import SearchOptions, search
+from hidup.planning.profile_file import load_profile
+from hidup.planning.programme import SearchOptions
+from hidup.planning.search import search
 from hidup.strategy import data_parallel, fixed_strategies, megatron
 from hidup.program import OPTIMIZERS, Compute, LoweringError, Program, lower
 from conftest import one_line
@@ -64,7 +65,7 @@ def test_update_task_follows_the_table(gpt, make, name):
 def test_adamw_is_the_default_and_sgd_keeps_its_op_name(gpt):
     """AdamW, what hidup.train runs, is every door's default (the lowering, a Program, the
     search, the selection); sgd's update keeps the op name calibrated profiles know it by."""
-    from hidup.planning.search import SearchOptions
+    from hidup.planning.programme import SearchOptions
     from hidup.planning.select import Goal
 
     assert lower(gpt, data_parallel(gpt, 2), 2, k=1).optimizer == "adamw"

@@ -39,11 +39,11 @@ def test_breakdown_is_what_the_simulated_timeline_shows(quick):
     computation is the compute stream's busy time, communication the collectives' summed time,
     and the step holds its computation plus the communication left exposed."""
     from experiments.paper_figures import graph_of
-    from hidup.planning.costs import load_profile
+    from hidup.planning.profile_file import load_profile
     from hidup.strategy import fixed_strategy
     from hidup.program import lower
     from simulator import simulate
-    from simulator.engine import COMPUTE_STREAM
+    from simulator.records import COMPUTE_STREAM
 
     out, _ = quick
     rows = _rows(out / "breakdown.csv")

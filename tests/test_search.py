@@ -11,10 +11,11 @@ from hidup.graph.placement import R
 
 from hidup.models import capture_model, get_model, names
 from hidup.planner import main as plan_main
-from hidup.planning.costs import load_profile
 from hidup.planning.estimate import estimate
 from hidup.planning.planfile import load_plan
-from hidup.planning.search import SearchOptions, search
+from hidup.planning.profile_file import load_profile
+from hidup.planning.programme import SearchOptions
+from hidup.planning.search import search
 from hidup.strategy import fixed_strategies
 from hidup.program import lower
 from simulator import simulate
@@ -164,7 +165,7 @@ def test_the_duplex_search_alone_finds_what_the_plain_search_finds(model, world,
     its best plan with one micro-batch is within 0.1% of the plain programme's (measured: equal,
     or 0.002% better on bert-sgmoe:paper's 2 x 4 mesh; gpt:paper's was 0.36% worse before the
     beam kept a share of states for the cheapest with one micro-batch)."""
-    from hidup.planning.search import Search, SearchOptions
+    from hidup.planning.programme import Search, SearchOptions
 
     spec = get_model(model, gpus=world)
     graph = capture_model(spec, spec.batch)
@@ -181,7 +182,7 @@ def test_the_duplex_search_alone_finds_what_the_plain_search_finds(model, world,
 def test_a_tensor_is_converted_once_per_placement_however_many_read_it():
     """As the lowering does: the second consumer that wants a tensor in a placement it was
     already converted to pays nothing for it."""
-    from hidup.planning.search import Search, SearchOptions
+    from hidup.planning.programme import Search, SearchOptions
     from hidup.strategy import fitting_options
 
     spec = get_model("gpt:tiny", gpus=2)
@@ -220,7 +221,7 @@ def test_the_programme_finds_the_integer_programmes_proven_optimum_at_k1(model, 
     import random
 
     from hidup.planning.exact import exact_plan
-    from hidup.planning.search import Search, SearchOptions
+    from hidup.planning.programme import Search, SearchOptions
     from hidup.strategy import fitting_options
 
     spec = get_model(model, gpus=world)
@@ -264,7 +265,7 @@ def test_the_duplex_programme_matches_the_unbounded_one_where_that_runs(world):
     """Exactness at k = 2, where the stage model is not linear: with no cap on states or labels
     the programme keeps every non-dominated label and is exact (each step is monotone in every
     label field); the default beam reaches the same cost. It runs in time on mlp:tiny only."""
-    from hidup.planning.search import Search, SearchOptions
+    from hidup.planning.programme import Search, SearchOptions
 
     spec = get_model("mlp:tiny", gpus=world)
     graph = capture_model(spec, spec.batch)
@@ -313,7 +314,7 @@ def test_the_programme_prices_a_replicated_block_before_a_sharded_one_as_lowered
     that one all-reduce (before: it carried the Partial sum back and all-reduced the block's
     8.4 MB of parameter gradients, which the programme did not see: 639 us priced, 725 lowered)."""
     from hidup.graph.placement import parse_option
-    from hidup.planning.search import Search, SearchOptions
+    from hidup.planning.programme import Search, SearchOptions
     from hidup.program.tasks import Convert
     spec = get_model("mlp:small", gpus=2)
     graph = capture_model(spec, spec.batch)

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from hidup.graph.placement import P, R, Shard
-from hidup.planning.costs import from_dict
+from hidup.planning.profile_file import from_dict
 from hidup.program import COLLECTIVES, Compute, Convert, Program, Wait
 from simulator import LinkCost, Profile, ProfileError, SimulationError, load_profile, simulate
 
@@ -257,7 +257,7 @@ def test_a_gpu_host_issues_every_task_and_a_kernel_waits_to_be_issued():
     from dataclasses import replace
 
     from hidup.planning.estimate import estimate
-    from simulator.engine import HOST
+    from simulator.records import HOST
     from simulator.trace import chrome_trace
 
     tiny = [compute(f"t{i}", 1e6, outputs=[f"t{i}"]) for i in range(10)]  # 1 us + 1 us overhead

@@ -81,7 +81,8 @@ def test_a_collectives_latency_is_slowed_by_its_own_factor_beside_a_kernel():
 
 
 def test_profile_keeps_its_latency_factor_and_refuses_unknown_ones(tmp_path):
-    from hidup.planning.costs import ProfileError, from_dict, load_profile
+    from hidup.planning.costs import ProfileError
+    from hidup.planning.profile_file import from_dict, load_profile
 
     doc = load_profile("cpu-gloo-loopback").to_dict()
     assert "latency" not in doc["interference"]  # a profile measured before it: left out
@@ -196,6 +197,6 @@ def test_link_share_is_re_timed_when_a_group_starts_and_ends():
 
 
 def test_groups_that_do_not_split_the_world_are_refused():
-    from simulator.engine import SimulationError
+    from simulator.records import SimulationError
     with pytest.raises(SimulationError, match=r"do not split the 4 ranks"):
         simulate(_split(((0, 2), (1, 2))), _links())

@@ -11,10 +11,11 @@ from test_equivalence import one_step, rel_err
 
 from hidup.graph.capture import capture
 from hidup.graph.placement import R, Shard
-from hidup.planning.costs import load_profile
-from hidup.planning.search import SearchOptions, search
+from hidup.planning.profile_file import load_profile
+from hidup.planning.programme import SearchOptions
+from hidup.planning.search import search
 from hidup.strategy import conversion, fixed_strategy, microbatch_split, random_strategy
-from hidup.runtime.step import mb_join, mb_part, shard_of
+from hidup.runtime.layout import mb_join, mb_part, shard_of
 
 pytest.importorskip("transformers")
 from experiments.third_party import MODELS, build  # noqa: E402

@@ -1,6 +1,7 @@
 """Profiles: a cluster's cost figures (device throughput, per-kernel overhead, per link tier and
-collective kind a latency per step and a bus bandwidth, interference factors) as a versioned JSON
-file, and the cost model that times a Program's tasks with them (the planner and the simulator).
+collective kind a latency per step and a bus bandwidth, interference factors), and the cost model
+that times a Program's tasks with them (the planner and the simulator). A profile's versioned JSON
+file, the shipped profiles and their checks: hidup.planning.profile_file.
 
 Collectives follow NCCL's ring formulas on a group of n ranks: all-gather, reduce-scatter and
 all-to-all take (n-1) steps and move (n-1)/n of the tensor per rank; all-reduce takes the cheaper
@@ -20,45 +21,19 @@ over two such columns at once on the emulated 2 x 2 cluster, which took 140 ms."
 from __future__ import annotations
 
 import json
-import logging
 import math
 import statistics
 from bisect import bisect_left
 from dataclasses import asdict, dataclass, field
 from functools import cached_property, lru_cache
-from importlib import resources
-from pathlib import Path
 
-from hidup.program.tasks import (COLLECTIVES, HOST_MODES, LOCAL_KERNELS, Compute, Convert, Wait,
-                                 kernel_tasks)
+from hidup.program.tasks import LOCAL_KERNELS, Compute, Convert, Wait, kernel_tasks
 
-log = logging.getLogger(__name__)
-
-PROFILE_FORMAT, PROFILE_VERSION = "hidup-profile", 2
-_SCALARS = ("flops", "mem_bandwidth", "op_overhead", "gpus_per_node")
-_KEYS = {"format", "version", "name", "source", "collectives", "inter_node", "interference",
-         *_SCALARS}
-# provenance: where a measured profile was taken (host, devices, date, versions);
-# kernels: measured seconds of kernels by kernel_key (calibration.ops), used before the roofline;
-# collective_points: [tier ("intra"/"inter"/"column"), kind, group size, bytes, seconds] as
-# measured by calibration.profile, interpolated before the fitted formulas ("column": one rank on
-# each of several machines, alone on their links, as a 2-D mesh's columns are);
-# kernel_quantiles: each measured kernel's spread (calibration.ops): its seconds at evenly spaced
-# quantiles over every rank's runs, from which simulator.montecarlo draws per rank;
-# host: on a GPU, seconds the host spends issuing one task, per executor mode or plain PyTorch
-# ("eager"; hidup.program.HOST_MODES);
-# device_memory: bytes of memory per device (a GPU's, or a CPU rank's share of its host's RAM);
-# kernels_in_situ: true when calibration.ops timed the kernels in real steps, collectives on the
-# network: their times include what the transfers around them take from the device, so the
-# simulator does not slow them again by the interference factor;
-# comm_lanes: how many collectives a rank runs at once (gloo's two worker threads: 2; NCCL's
-# stream: 1, the default);
-# pair_points: [tier, kind, group size, bytes, ratio] as measured by calibration.profile: two such
-# collectives in flight at once took `ratio` times as long as one after the other (0.5: the link
-# fits both; 1: they share it)
-_OPTIONAL = {"provenance", "kernels", "collective_points", "kernel_quantiles", "host",
-             "device_memory", "kernels_in_situ", "comm_lanes", "pair_points"}
-TIERS = ("intra", "inter", "column")  # of collective_points and pair_points
+PROFILE_FORMAT, PROFILE_VERSION = "hidup-profile", 2  # of the file Profile.to_dict describes
+# the profile file's optional keys (what each holds: hidup.planning.profile_file), which to_dict
+# leaves out where the profile has none
+OPTIONAL_KEYS = {"provenance", "kernels", "collective_points", "kernel_quantiles", "host",
+                 "device_memory", "kernels_in_situ", "comm_lanes", "pair_points"}
 # two collectives in flight take at least as long as the larger alone and, measured, never more
 # than twice as long as one after the other: ratios outside are noise
 PAIR_RATIO_MIN, PAIR_RATIO_MAX = 0.5, 2.0
@@ -71,7 +46,8 @@ def _machines(group: tuple[int, ...], gpus_per_node: int) -> tuple[int, ...]:
 
 
 class ProfileError(ValueError):
-    """A profile file is missing, unreadable or not a valid HiDup profile."""
+    """A profile file is missing, unreadable or not a valid HiDup profile
+    (hidup.planning.profile_file), or a profile lacks the figures asked of it."""
 
 
 @dataclass(frozen=True)
@@ -328,7 +304,7 @@ class Profile:
             if doc[tier] is not None:
                 doc[tier] = {k: {"alpha": c["alpha"], "bus_bandwidth": c["beta"]}
                              for k, c in doc[tier].items()}
-        for key in _OPTIONAL:
+        for key in OPTIONAL_KEYS:
             if doc[key] is None or doc[key] is False or (key == "comm_lanes" and doc[key] == 1):
                 del doc[key]
         return doc
@@ -393,152 +369,3 @@ def kernel_coverage(profile: Profile, tasks) -> float:
         return 1.0
     return sum(kernel_key(t) in (profile.kernels or {}) for t in kernels) / len(kernels)
 
-
-def shipped_names() -> list[str]:
-    """Names of the profiles that ship with the package."""
-    folder = resources.files("hidup") / "profiles"
-    return sorted(p.name.removesuffix(".json") for p in folder.iterdir()
-                  if p.name.endswith(".json"))
-
-
-def load_profile(name_or_path: str | Path) -> Profile:
-    """A shipped profile by name (e.g. 'v100-1x4-nvlink'), or the profile file at a path."""
-    text = str(name_or_path)
-    if Path(text).is_file() or text.endswith(".json") or "/" in text:
-        return _read(Path(text))
-    path = resources.files("hidup") / "profiles" / f"{text}.json"
-    if not path.is_file():
-        raise ProfileError(f"unknown cluster profile {text!r}; choose one of {shipped_names()} "
-                           f"or give the path of a profile file")
-    return _read(Path(str(path)))
-
-
-def _read(path: Path) -> Profile:
-    try:
-        doc = json.loads(path.read_text())
-    except OSError as exc:
-        raise ProfileError(f"profile file {path}: cannot read it ({exc.strerror or exc}); "
-                           f"check the path") from exc
-    except json.JSONDecodeError as exc:
-        raise ProfileError(f"profile file {path}: not valid JSON ({exc}); fix or re-create "
-                           f"it") from exc
-    except UnicodeDecodeError as exc:
-        raise ProfileError(f"profile file {path}: not UTF-8 text (byte {exc.start}: "
-                           f"{exc.reason}); give a profile JSON file, as calibration.profile "
-                           f"writes") from exc
-    profile = from_dict(doc, f"profile file {path}")
-    log.debug("loaded %s from %s", profile, path)
-    return profile
-
-
-def from_dict(doc, where: str = "profile") -> Profile:
-    """Check a decoded profile document and build the Profile; `where` names it in errors."""
-    if not isinstance(doc, dict) or doc.get("format") != PROFILE_FORMAT:
-        raise ProfileError(f"{where}: not a HiDup profile (no \"format\": \"{PROFILE_FORMAT}\"); "
-                           f"give a profile file")
-    if doc.get("version") != PROFILE_VERSION:
-        raise ProfileError(f"{where}: version {doc.get('version')}, this HiDup reads version "
-                           f"{PROFILE_VERSION}; re-create the profile")
-    unknown, missing = sorted(set(doc) - _KEYS - _OPTIONAL), sorted(_KEYS - set(doc))
-    if unknown or missing:
-        what = f"unknown keys {unknown}" if unknown else f"missing keys {missing}"
-        raise ProfileError(f"{where}: {what}; the keys are {sorted(_KEYS)} (optional: "
-                           f"{sorted(_OPTIONAL)})")
-    provenance = doc.get("provenance")
-    if provenance is not None and not isinstance(provenance, dict):
-        raise ProfileError(f"{where}: \"provenance\" must be an object (host, devices, date, "
-                           f"versions), got {type(provenance).__name__}")
-    kernels = doc.get("kernels")
-    if kernels is not None:
-        if not isinstance(kernels, dict):
-            raise ProfileError(f"{where}: \"kernels\" must map kernel keys to seconds, got "
-                               f"{type(kernels).__name__}")
-        kernels = {str(k): _number(v, f"kernels[{k!r}]", where, zero_ok=True)
-                   for k, v in kernels.items()}
-    spreads = doc.get("kernel_quantiles")
-    if spreads is not None:
-        if not isinstance(spreads, dict) or not all(
-                isinstance(v, list) and v for v in spreads.values()):
-            raise ProfileError(f"{where}: \"kernel_quantiles\" must map kernel keys to non-empty "
-                               f"lists of seconds")
-        spreads = {str(k): sorted(_number(x, f"kernel_quantiles[{k!r}]", where, zero_ok=True)
-                                  for x in v) for k, v in spreads.items()}
-    host = doc.get("host")
-    if host is not None:
-        if not isinstance(host, dict) or not host or set(host) - set(HOST_MODES):
-            raise ProfileError(f"{where}: \"host\" must map executor modes "
-                               f"({', '.join(HOST_MODES)}) "
-                               f"to the seconds of host time per task, got {host!r}")
-        host = {k: _number(v, f"host[{k!r}]", where, zero_ok=True) for k, v in host.items()}
-    in_situ = doc.get("kernels_in_situ", False)
-    if not isinstance(in_situ, bool):
-        raise ProfileError(f"{where}: \"kernels_in_situ\" must be true or false, got "
-                           f"{in_situ!r}")
-    memory = doc.get("device_memory")
-    if memory is not None:
-        memory = _number(memory, "device_memory", where)
-    points = doc.get("collective_points")
-    if points is not None:
-        points = [_point(p, where) for p in (points if isinstance(points, list) else [points])]
-    pairs = doc.get("pair_points")
-    if pairs is not None:
-        pairs = [_point(p, where, "pair_points", "ratio")
-                 for p in (pairs if isinstance(pairs, list) else [pairs])]
-    lanes = doc.get("comm_lanes", 1)
-    if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
-        raise ProfileError(f"{where}: comm_lanes must be a whole number >= 1 (collectives "
-                           f"a rank runs at once), got {lanes!r}")
-    values = {k: _number(doc[k], k, where, zero_ok=k == "op_overhead") for k in _SCALARS}
-    if values["gpus_per_node"] != int(values["gpus_per_node"]):
-        raise ProfileError(f"{where}: gpus_per_node must be a whole number")
-    inter = None if doc["inter_node"] is None else _collectives(doc["inter_node"], where, "inter_node")
-    factors = doc["interference"]
-    if not isinstance(factors, dict) or not \
-            {"compute", "communication"} <= set(factors) <= {"compute", "communication", "latency"}:
-        raise ProfileError(f"{where}: \"interference\" must be {{\"compute\": factor, "
-                           f"\"communication\": factor}}, optionally with \"latency\": factor "
-                           f"(1.0: none)")
-    slow = {k: _number(v, f"interference.{k}", where) for k, v in factors.items()}
-    if min(slow.values()) < 1.0:
-        raise ProfileError(f"{where}: interference factors slow things down: each must be >= 1.0")
-    return Profile(str(doc["name"]), str(doc["source"]), values["flops"],
-                   values["mem_bandwidth"], values["op_overhead"],
-                   _collectives(doc["collectives"], where), int(values["gpus_per_node"]), inter,
-                   slow["compute"], slow["communication"], provenance, kernels, points,
-                   spreads, host, memory, in_situ, slow.get("latency"), lanes, pairs)
-
-
-def _point(p, where: str, key: str = "collective_points", value: str = "seconds") -> list:
-    ok = (isinstance(p, list) and len(p) == 5 and p[0] in TIERS and p[1] in COLLECTIVES
-          and isinstance(p[2], int) and p[2] >= 2)
-    if not ok:
-        raise ProfileError(f"{where}: {key} holds {p!r}; each must be [tier "
-                           f"({'/'.join(TIERS)}), kind ({'/'.join(COLLECTIVES)}), group size >= 2, "
-                           f"bytes, {value}]")
-    return [p[0], p[1], p[2], _number(p[3], f"{key} bytes", where, zero_ok=True),
-            _number(p[4], f"{key} {value}", where)]
-
-
-def _collectives(doc, where: str, tier: str = "collectives") -> dict[str, LinkCost]:
-    if not isinstance(doc, dict) or set(doc) != set(COLLECTIVES):
-        got = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
-        raise ProfileError(f"{where}: \"{tier}\" must have exactly the kinds "
-                           f"{list(COLLECTIVES)}, got {got}")
-    out = {}
-    for kind in COLLECTIVES:
-        cost = doc[kind]
-        if not isinstance(cost, dict) or set(cost) != {"alpha", "bus_bandwidth"}:
-            raise ProfileError(f"{where}: {tier}.{kind} must be {{\"alpha\": seconds per step, "
-                               f"\"bus_bandwidth\": bytes/s}}")
-        alpha = _number(cost["alpha"], f"{tier}.{kind}.alpha", where, zero_ok=True)
-        out[kind] = LinkCost(alpha, _number(cost["bus_bandwidth"], f"{tier}.{kind}.bus_bandwidth",
-                                            where))
-    return out
-
-
-def _number(value, key: str, where: str, zero_ok: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (value == 0 and not zero_ok):
-        raise ProfileError(f"{where}: {key} must be a {'non-negative' if zero_ok else 'positive'} "
-                           f"number, got {value!r}")
-    return float(value)

@@ -1,4 +1,4 @@
-"""The exact plan for plain SPMD (k = 1): the search's own cost model (hidup.planning.search) as an
+"""The exact plan for plain SPMD (k = 1): the search's own cost model (hidup.planning.programme) as an
 integer programme, solved to optimality by HiGHS (scipy.optimize.milp).
 
 With one micro-batch the programme's cost of a plan is linear in its choices:
@@ -83,7 +83,7 @@ class _Model:
 
 
 def exact_plan(search, name: str = "exact", time_limit: float = 60.0) -> ExactResult:
-    """The cheapest plan of `search` (a hidup.planning.search.Search with k = 1) under its own
+    """The cheapest plan of `search` (a hidup.planning.programme.Search with k = 1) under its own
     cost model, proven optimal unless `time_limit` seconds run out (then the best found and a
     lower bound)."""
     if search.k != 1:

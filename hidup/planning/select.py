@@ -15,7 +15,8 @@ from dataclasses import dataclass, field, replace
 
 from hidup.graph.capture import Graph
 from hidup.planning.costs import Profile
-from hidup.planning.search import Ranked, SearchOptions, SearchResult, rank_plans, search
+from hidup.planning.programme import SearchOptions
+from hidup.planning.search import Ranked, SearchResult, rank_plans, search
 from hidup.strategy import (ACROSS, FIXED, Strategy, fixed_strategies, fixed_strategy,
                             microbatch_split)
 

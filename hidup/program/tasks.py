@@ -117,7 +117,7 @@ class Convert:
     # machine (its columns); () for a collective over the whole world
     groups: tuple[tuple[int, ...], ...] = ()
     # micro-batch conversions along a dim the ranks' placement does not split: the rank blocks
-    # (world) each micro-batch's part holds there, one after another (see runtime.step.shard_of)
+    # (world) each micro-batch's part holds there, one after another (see runtime.layout.shard_of)
     blocks: int = 1
 
     @property

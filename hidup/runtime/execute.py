@@ -15,7 +15,8 @@ from hidup.graph.placement import Partial, Placement, Shard
 from hidup.strategy import Strategy
 from hidup.program.tasks import MODES, Program, task_label
 from hidup.runtime.passes import inductor_segments, with_hooks
-from hidup.runtime.step import INPUT_TASK, StepSpec, shard_of, trace_step
+from hidup.runtime.layout import shard_of
+from hidup.runtime.step import INPUT_TASK, StepSpec, trace_step
 
 log = logging.getLogger(__name__)
 

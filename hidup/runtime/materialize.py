@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hidup.runtime.step import shard_of
+from hidup.runtime.layout import shard_of
 
 
 def is_meta(model: torch.nn.Module) -> bool:

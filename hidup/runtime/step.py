@@ -19,38 +19,15 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from hidup.graph import ops
 from hidup.graph.capture import Graph
-from hidup.graph.placement import Partial, Placement, R, Shard, ShardingOption
+from hidup.graph.placement import Partial, R, Shard, ShardingOption
 from hidup.strategy import Strategy, microbatch_split
 from hidup.program.tasks import MB_CONVERSIONS, Compute, Convert, Program, Wait, vkey
+from hidup.runtime.collectives import PACKING, issue, stand_in
+from hidup.runtime.layout import mb_join, mb_part, shard_of
 from hidup.runtime.passes import simplify
 
 _C = torch.ops._c10d_functional
 INPUT_TASK = -1  # the graph nodes that cut the global batch into this rank's shards
-
-
-def shard_of(full: torch.Tensor, placement: Placement, mb_placement: Placement, k: int,
-             mb: int | None, rank: int, world: int, rank_blocks: bool = False) -> torch.Tensor:
-    """This rank's piece of micro-batch `mb` of a whole tensor: the micro-batch's part first, then
-    the mesh's split of it. The part is the whole's k-th block, or with `rank_blocks` the mb-th
-    piece of each rank's block (so that a rank's micro-batches, joined, are its shard)."""
-    x = full
-    if isinstance(mb_placement, Shard) and mb is not None and k > 1:
-        x = mb_part(x, mb_placement.dim, k, mb, world if rank_blocks else 1)
-    if isinstance(placement, Shard) and world > 1:
-        x = x.chunk(world, dim=placement.dim)[rank]
-    return x.contiguous()
-
-
-def mb_part(whole: torch.Tensor, dim: int, k: int, mb: int, blocks: int) -> torch.Tensor:
-    """Micro-batch mb's part of `whole` along dim: the mb-th of k pieces of each of `blocks`
-    blocks, one after another."""
-    return torch.cat([b.chunk(k, dim=dim)[mb] for b in whole.chunk(blocks, dim=dim)], dim=dim)
-
-
-def mb_join(parts: list[torch.Tensor], dim: int, blocks: int) -> torch.Tensor:
-    """The whole of which `parts` are the micro-batches' (mb_part's inverse)."""
-    pieces = [p.chunk(blocks, dim=dim) for p in parts]
-    return torch.cat([piece[b] for b in range(blocks) for piece in pieces], dim=dim)
 
 
 @dataclass(frozen=True)
@@ -243,7 +220,7 @@ class _TaskRunner:
         elif (n := len(self.members(task))) == 1:  # a group of one: the identity
             self.pending[task.id] = lambda: self.accumulate(out_key, x, root)
         else:
-            pack, unpack = _PACKING[task.kind]
+            pack, unpack = PACKING[task.kind]
             sent = pack(x, task, n)
             with fx_traceback.annotate({"task": task.id, "standin": True}):
                 result = self.collective(task, sent)
@@ -274,7 +251,7 @@ class _TaskRunner:
         flat = torch.cat([p.reshape(-1) for p in parts])
         with fx_traceback.annotate({"task": task.id, "standin": True}):
             if self.spec.local_collectives:
-                flat = _stand_in("all_reduce", flat, 1, 0)
+                flat = stand_in("all_reduce", flat, 1, 0)
             else:  # in place: the buffer is the step's own (the functional one would copy it)
                 flat = _C.all_reduce_(flat, "sum", self.group_name(task))
 
@@ -302,7 +279,7 @@ class _TaskRunner:
         """Issue one functional collective over this rank's group (or its local stand-in)."""
         group = self.members(task)
         if self.spec.local_collectives:
-            return _stand_in(task.kind, x, len(group), group.index(self.spec.rank))
+            return stand_in(task.kind, x, len(group), group.index(self.spec.rank))
         return issue(task.kind, x, len(group), self.group_name(task))
 
     def wait(self, x: torch.Tensor) -> torch.Tensor:
@@ -313,24 +290,6 @@ class _TaskRunner:
             return x
         with fx_traceback.annotate({"standin": True}):
             return _C.wait_tensor(x)
-
-
-def issue(kind: str, x: torch.Tensor, world: int, group: str) -> torch.Tensor:
-    """Issue the functional collective `kind` on `x` over the group named `group` of `world`
-    ranks; its result is ready after `wait_tensor`."""
-    if kind == "all_reduce":
-        return _C.all_reduce(x, "sum", group)
-    if kind == "all_gather":  # into a buffer of its own: the functional all_gather_into_tensor
-        # (gloo's coalesced all-gather) corrupts the heap when two are in flight, as under Duplex
-        # (torch 2.13; tests/test_execute.py)
-        out = x.new_empty((x.shape[0] * world,) + tuple(x.shape[1:]))
-        return _C.all_gather_into_tensor_out(x, world, group, out=out)
-    if kind == "reduce_scatter":
-        return _C.reduce_scatter_tensor(x, "sum", world, group)
-    if kind == "all_to_all":
-        return _C.all_to_all_single(x, [x.shape[0] // world] * world,
-                                    [x.shape[0] // world] * world, group)
-    raise ValueError(f"unknown collective {kind!r}")
 
 
 class _Values(dict):
@@ -360,39 +319,6 @@ class _Values(dict):
 
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
-
-
-def _stand_in(kind: str, x: torch.Tensor, world: int, rank: int) -> torch.Tensor:
-    """A collective's result built from this rank's own piece, with the right shape and valid
-    values (token ids stay in range): all-gather repeats it, reduce-scatter cuts it."""
-    if kind == "all_gather":
-        return x.repeat((world,) + (1,) * (x.dim() - 1))
-    if kind == "reduce_scatter":
-        return x.chunk(world)[rank].clone()
-    return x.clone()
-
-
-def _along_dim0(x, task, world):
-    return x.movedim(task.src.dim if task.kind == "all_gather" else task.dst.dim, 0).contiguous()
-
-
-def _back_from_dim0(y, task, world):
-    return y.movedim(0, task.src.dim if task.kind == "all_gather" else task.dst.dim).contiguous()
-
-
-def _stack_chunks(x, task, world):
-    return torch.stack(x.chunk(world, dim=task.dst.dim)).contiguous()
-
-
-def _cat_received(y, task, world):
-    return torch.cat(y.unbind(0), dim=task.src.dim).contiguous()
-
-
-# kind -> (pack the local value into the collective's layout, unpack its result)
-_PACKING = {"all_reduce": (lambda x, task, world: x.contiguous(), lambda y, task, world: y),
-            "all_gather": (_along_dim0, _back_from_dim0),
-            "reduce_scatter": (_along_dim0, _back_from_dim0),
-            "all_to_all": (_stack_chunks, _cat_received)}
 
 
 def trace_step(spec: StepSpec, params, buffers, inputs, lr, update: bool = True

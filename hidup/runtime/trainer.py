@@ -5,50 +5,71 @@ rank's compiled step without its built-in update: forward, backward and the grad
 every micro-batch, returning the gradients in the parameters' own placements; the user's
 `torch.optim` optimizer then updates the shards (an element-wise update such as SGD or AdamW on a
 shard is the update of that part of the whole tensor, so the run equals single-device training).
+How it runs (compile, CUDA graphs, device, micro-batches, autocast) is one `RunOptions`.
 
-Checkpoints go through torch.distributed.checkpoint: `state_dict()` holds each parameter and
-optimizer state as a DTensor in its placement (a plain tensor with one rank), so a checkpoint
-written under one plan and world size loads under another (`save_checkpoint` /
-`load_checkpoint`); `full_state_dict()` gathers whole tensors for the user's own module."""
+Checkpoints (`state_dict()`, `save_checkpoint`, `load_checkpoint`, `full_state_dict()`) are the
+Trainer's state half, hidup.runtime.trainer_state."""
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from hidup.graph import ops
 from hidup.graph.capture import TensorMeta, capture
-from hidup.graph.placement import R, Shard
+from hidup.graph.placement import Shard
 from hidup.planning.planfile import Plan, PlanError, check
 from hidup.planning.planfile import example_inputs as zeros_like_inputs
 from hidup.strategy import fixed_strategy
 from hidup.program import lower
-from hidup.runtime.execute import Executor, device_mesh
+from hidup.runtime.execute import Executor
 from hidup.runtime.materialize import is_meta, local_weights
-from hidup.runtime.step import shard_of
+from hidup.runtime.trainer_state import TrainerState
 
 log = logging.getLogger(__name__)
 FIXED = ("ddp", "megatron", "expert")
 
 
-class Trainer:
+@dataclass(frozen=True)
+class RunOptions:
+    """How a Trainer runs its step (hidup.parallelize's keywords of the same names).
+
+    compile: through torch.compile (Inductor); cuda_graphs (CUDA only): the step captured once as
+    a CUDA graph and replayed (at most one of the two); device: None for the process group's
+    (cuda:LOCAL_RANK under NCCL, else the CPU); micro_batches: None for the plan's (1 with a
+    fixed strategy); autocast: a dtype such as torch.bfloat16 for each op under torch.autocast."""
+
+    compile: bool = False
+    cuda_graphs: bool = False
+    device: torch.device | str | None = None
+    micro_batches: int | None = None
+    autocast: torch.dtype | None = None
+
+    def __post_init__(self):
+        if self.compile and self.cuda_graphs:
+            raise ValueError("compile and cuda_graphs: choose one of them")
+
+    @property
+    def mode(self) -> str:
+        """The Executor's mode."""
+        return "cuda-graphs" if self.cuda_graphs else "compile" if self.compile else "graph"
+
+
+class Trainer(TrainerState):
     """One rank's part of a parallel training run; made by `hidup.parallelize`."""
 
     def __init__(self, model: torch.nn.Module, plan, optimizer: Callable, lr_scheduler=None,
-                 compile: bool = False, device: torch.device | str | None = None,
-                 micro_batches: int | None = None, autocast: torch.dtype | None = None,
-                 cuda_graphs: bool = False, example_inputs: tuple | None = None,
+                 options: RunOptions = RunOptions(), *, example_inputs: tuple | None = None,
                  state_dict: dict | None = None):
-        if compile and cuda_graphs:
-            raise ValueError("compile and cuda_graphs: choose one of them")
+        if not isinstance(options, RunOptions):
+            raise TypeError(f"options: give a RunOptions (hidup.parallelize makes one of its "
+                            f"keywords), got {type(options).__name__}")
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
+        device = options.device
         self.device = torch.device(device) if device is not None else _default_device()
         if isinstance(plan, str):
             if plan not in FIXED:
@@ -63,10 +84,8 @@ class Trainer:
                              f"hidup.plan(..., gpus={self.world})")
         self._model_keys = set(model.state_dict())
         self._fixed, self._plan = (plan, None) if isinstance(plan, str) else (None, plan)
-        self._micro_batches = micro_batches
+        self.options = options
         self._factories = (optimizer, lr_scheduler)
-        self._mode = "cuda-graphs" if cuda_graphs else "compile" if compile else "graph"
-        self._autocast = autocast
         self._model = model
         self._state_dict = state_dict
         # JSON-able values of the caller's own (e.g. hidup.train's losses and random state),
@@ -91,10 +110,12 @@ class Trainer:
                                 f"{self._plan.fingerprint}, this model's is {graph.fingerprint}); "
                                 f"plan this model with hidup.plan")
             check(graph, self._plan.strategy)
-            strategy, k = self._plan.strategy, self._micro_batches or self._plan.micro_batches
+            strategy = self._plan.strategy
+            k = self.options.micro_batches or self._plan.micro_batches
             name, optimizer_name = self._plan.model, self._plan.optimizer
         else:
-            strategy, k = fixed_strategy(self._fixed, graph, self.world), self._micro_batches or 1
+            strategy = fixed_strategy(self._fixed, graph, self.world)
+            k = self.options.micro_batches or 1
             name, optimizer_name = type(self._model).__name__, None
         if optimizer_name is None:  # priced as what the factory makes (tried on a scalar)
             optimizer_name = kind_of(self._factories[0]([torch.zeros(1)])) or "adamw"
@@ -117,8 +138,8 @@ class Trainer:
         self._state_dict = None
         self.graph, self.strategy, self.program = graph, strategy, program
         self.executor = Executor(graph, strategy, program, params, 0.0, self.device,
-                                 buffers=buffers, rank=self.rank, autocast=self._autocast,
-                                 mode=self._mode, local=local)
+                                 buffers=buffers, rank=self.rank, autocast=self.options.autocast,
+                                 mode=self.options.mode, local=local)
         self._sources = {n.name: n.source for n in graph.params}
         self._tied = _tied_aliases(graph, named)
         self._inputs = [n.source for n in graph.user_inputs]
@@ -160,164 +181,6 @@ class Trainer:
         self.steps += 1
         return loss
 
-    # -- state ------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """The run's state for torch.distributed.checkpoint: parameters and optimizer states
-        ("optim", keyed 'NAME::STATE') as DTensors in their placements (plain tensors with one
-        rank), and as JSON the optimizer's settings, the schedule, the step count and
-        `extra_state`."""
-        self._require_built("state_dict")
-        names = self._names_of_shards()
-        model = {self._sources[n]: self._distributed(n, p) for n, p in
-                 self.executor.params.items()}
-        optim = {}
-        for shard, state in self.optimizer.state.items():
-            node = names[id(shard)]
-            for key, value in state.items():
-                if _elementwise(value, shard):
-                    value = self._distributed(node, value)
-                optim[f"{self._sources[node]}::{key}"] = value
-        groups = [{k: v for k, v in g.items() if k != "params"} |
-                  {"params": [self._sources[names[id(p)]] for p in g["params"]]}
-                  for g in self.optimizer.param_groups]
-        extra = {"param_groups": groups, "steps": self.steps,
-                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
-                 "user": self.extra_state}
-        return {"model": model, "optim": optim, "extra": json.dumps(extra, default=_plain)}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Load a state_dict() (this trainer's or another's, under any plan, or one that
-        torch.distributed.checkpoint.load filled): each tensor is cut to this rank's piece in
-        this plan's placement; the optimizer's state becomes the saved one."""
-        self._require_built("load_state_dict")
-        extra = json.loads(state["extra"])
-        if len(extra["param_groups"]) != len(self.optimizer.param_groups):
-            raise ValueError(f"the saved optimizer has {len(extra['param_groups'])} parameter "
-                             f"groups, this one {len(self.optimizer.param_groups)}: make the "
-                             f"optimizer as the run that saved it did")
-        by_source = {self._sources[n]: (n, shard) for n, shard in self.executor.params.items()}
-        with torch.no_grad():
-            for source, (node, shard) in by_source.items():
-                shard.copy_(self._local(node, state["model"][source]))
-            saved: dict = {}
-            for entry, value in state["optim"].items():
-                source, key = entry.rsplit("::", 1)
-                saved.setdefault(source, {})[key] = value
-            names = self._names_of_shards()
-            for shard in self._trainable:
-                node = names[id(shard)]
-                mine = saved.get(self._sources[node])
-                if not mine:
-                    self.optimizer.state.pop(shard, None)
-                    continue
-                self.optimizer.state[shard] = {
-                    key: (self._local(node, value).clone() if _elementwise(value, shard)
-                          else value.clone() if isinstance(value, torch.Tensor) else value)
-                    for key, value in mine.items()}
-        for group, kept in zip(self.optimizer.param_groups, extra["param_groups"]):
-            for key, value in kept.items():
-                if key == "params":
-                    continue
-                if isinstance(group.get(key), torch.Tensor):
-                    group[key].fill_(value)
-                else:
-                    group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
-        if self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
-            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
-        self.steps = extra["steps"]
-        self.extra_state = extra.get("user") or {}
-
-    def save_checkpoint(self, path: str | Path) -> None:
-        """Write the state to folder `path` with torch.distributed.checkpoint (every rank)."""
-        import torch.distributed.checkpoint as dcp
-
-        with _plain_failures():
-            dcp.save(self.state_dict(), checkpoint_id=str(path))
-
-    def load_checkpoint(self, path: str | Path) -> None:
-        """Load a checkpoint folder written by save_checkpoint under any plan or world size."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        if not (Path(path) / ".metadata").is_file():
-            raise FileNotFoundError(f"no checkpoint in {path} (no .metadata file): give a folder "
-                                    f"written by Trainer.save_checkpoint")
-        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        state = self.state_dict()
-        state["optim"] = {}  # what the checkpoint holds, in this plan's placements
-        shards = {self._sources[n]: (n, t) for n, t in self.executor.params.items()}
-        for entry, meta in saved.items():
-            if not entry.startswith("optim."):
-                continue
-            source, key = entry.removeprefix("optim.").rsplit("::", 1)
-            node, shard = shards[source]
-            if not isinstance(meta, TensorStorageMetadata):
-                template = None  # a number: read as it was written
-            elif tuple(meta.size) == self._full_shape(node, shard):
-                template = self._distributed(node, torch.zeros_like(shard,
-                                                                    dtype=meta.properties.dtype))
-            else:
-                template = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
-            state["optim"][f"{source}::{key}"] = template
-        with _plain_failures():
-            dcp.load(state, checkpoint_id=str(path))
-        self.load_state_dict(state)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Whole parameters and buffers by the module's names, on the CPU, on every rank:
-        `model.load_state_dict(trainer.full_state_dict())` loads them into the user's module."""
-        self._require_built("full_state_dict")
-        out = {}
-        for node, shard in self.executor.params.items():
-            whole = self.executor.full(node, shard)
-            out[self._sources[node]] = whole.detach().cpu().clone()
-        for alias, used in self._tied.items():  # one tensor in the module: the trained value
-            out[alias] = out[used]
-        for source, buf in zip(self._buffers, self.executor.buffers):
-            if source in self._model_keys:
-                out[source] = buf.detach().cpu().clone()
-        return out
-
-    # -- helpers ----------------------------------------------------------------------------
-    def _require_built(self, what: str) -> None:
-        if self.executor is None:
-            raise RuntimeError(f"{what}(): with a fixed strategy the model is captured at the "
-                               f"first step(); give parallelize(..., example_inputs=BATCH) to "
-                               f"build at once, or run one step first")
-
-    def _full_shape(self, node: str, local: torch.Tensor) -> tuple[int, ...]:
-        shape = list(local.shape)
-        home = self.strategy.home(node)
-        if isinstance(home, Shard) and self.world > 1:
-            shape[home.dim] *= self.executor.per_machine  # split over a machine's ranks
-        return tuple(shape)
-
-    def _distributed(self, node: str, local: torch.Tensor):
-        """A rank's shard as a DTensor over the world in the parameter's placement."""
-        if self.world == 1:
-            return local
-        from torch.distributed.tensor import DTensor
-
-        shape = self._full_shape(node, local)
-        stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(local, device_mesh(self.device, self.program.mesh),
-                                  self._placements(node),
-                                  run_check=False, shape=torch.Size(shape), stride=stride)
-
-    def _placements(self, node: str) -> list:
-        """The DTensor placements of a parameter (and its optimizer states) in this plan, one
-        per mesh dimension: replicated across machines on a 2-D mesh."""
-        inside = self._placement(node)
-        return [R, inside] if self.program.machines > 1 else [inside]
-
-    def _placement(self, node: str):
-        """The DTensor placement of a parameter (and its optimizer states) inside a machine."""
-        home = self.strategy.home(node)
-        return home if isinstance(home, Shard) and self.world > 1 else R
-
-    def _names_of_shards(self) -> dict[int, str]:
-        return {id(t): n for n, t in self.executor.params.items()}
-
     def _check_inputs(self, inputs) -> None:
         """The batch has the shapes and dtypes the step was traced for (one line if not)."""
         want = [n.out for n in self.graph.user_inputs]
@@ -327,18 +190,6 @@ class Trainer:
             raise ValueError(f"step() takes the global batch it was planned for: {planned}; got "
                              f"{', '.join(map(str, got))}; plan again for another batch shape "
                              f"(a last, smaller batch: drop it or pad it)")
-
-    def _local(self, node: str, value) -> torch.Tensor:
-        """This rank's piece, in this plan's placement, of a saved value: a DTensor in this
-        placement (its local part), one in another (whole, then cut), or a whole tensor."""
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(value, DTensor):
-            if list(value.placements) == self._placements(node):
-                return value.to_local()
-            value = value.full_tensor()  # written under another plan
-        per = self.executor.per_machine
-        return shard_of(value, self.strategy.home(node), None, 1, None, self.rank % per, per)
 
 
 def parallelize(model: torch.nn.Module, plan, *, optimizer: Callable,
@@ -366,23 +217,10 @@ def parallelize(model: torch.nn.Module, plan, *, optimizer: Callable,
     module's reset_parameters() or the enclosing model's _init_weights(module) (all ranks draw
     rank 0's random numbers); or, with state_dict (whole tensors by the module's names, e.g.
     read from a file), each rank cuts its shards out of it."""
-    return Trainer(model, plan, optimizer, lr_scheduler, compile, device, micro_batches,
-                   autocast, cuda_graphs, example_inputs, state_dict)
-
-
-@contextlib.contextmanager
-def _plain_failures():
-    """torch.distributed.checkpoint raises a CheckpointException, a BaseException that no
-    `except Exception` catches, wrapping each rank's failure: raise the first rank's own error
-    instead (a lost peer's RuntimeError, a full disk's OSError, ...)."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        yield
-    except CheckpointException as exc:
-        failures = [f[0] if isinstance(f, tuple) else f for f in (exc.failures or {}).values()]
-        first = next((f for f in failures if isinstance(f, Exception)), None)
-        raise (first or RuntimeError(str(exc))) from None
+    options = RunOptions(compile=compile, cuda_graphs=cuda_graphs, device=device,
+                         micro_batches=micro_batches, autocast=autocast)
+    return Trainer(model, plan, optimizer, lr_scheduler, options, example_inputs=example_inputs,
+                   state_dict=state_dict)
 
 
 def _default_device() -> torch.device:
@@ -437,24 +275,3 @@ def _tied_aliases(graph, named: dict[str, torch.nn.Parameter]) -> dict[str, str]
         users = [n for n in names if n in used]
         aliases.update({n: users[0] for n in names if users and n not in used})
     return aliases
-
-
-def _elementwise(value, shard: torch.Tensor) -> bool:
-    """Is an optimizer state one value per parameter element (sharded as the parameter)? A
-    DTensor is one (state_dict makes them of such states only), of whatever global shape."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        return True
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shard.shape
-
-
-def _plain(value):
-    """JSON for what optimizer settings and schedules hold besides numbers."""
-    if isinstance(value, torch.Tensor):
-        return value.item() if value.numel() == 1 else value.tolist()
-    if callable(value):
-        return None
-    raise TypeError(f"cannot save {type(value).__name__} in a checkpoint's settings")
-
-

@@ -1,0 +1,164 @@
+"""What the search programme (hidup.planning.programme) charges for one option of a node: c of
+computation (forward + backward, per micro-batch) and m of communication (its input conversions
+and their backward duals, per micro-batch, plus its parameters' gradient reduction spread over the
+step). A replicated tensor's gradient is a Partial sum where a consumer reads it replicated and
+makes a split or Partial output (a column-parallel matmul): the lowering makes it whole once, at
+the tensor (the dual of its conversion to R, or an all-reduce where its home is R); the first such
+consumer pays that, and the dual of a conversion to R is charged nowhere else. The optimizer's
+update of the node's parameter shards is priced at the parameter's first consumer, where its
+placement is chosen. Memory counts each parameter, its gradient and the optimizer's state tensors
+(hidup.program.OPTIMIZERS). (Pricing gradient reductions as hidden under the backward instead, as
+the lowering issues them, won 3-5% on two small models and lost 20-25% on the paper's BERT models
+at 16-32 GPUs, where the backward's conversions share the link.) Objective 'comm' counts bytes instead of seconds.
+
+On a 2-D mesh of `machines` (hidup.strategy) conversions are priced inside a machine, a gradient
+partial there is all-reduced over the world, and a parameter's gradient that is whole there over
+its mesh column, the columns sharing each machine's link."""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from hidup.graph.capture import Node
+from hidup.graph.flops import backward_flops, forward_flops
+from hidup.graph.placement import Placement, R, Replicate, ShardingOption
+from hidup.strategy import conversion
+from hidup.program.tasks import LoweringError
+
+_DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all",
+         "all_reduce": "all_reduce", "slice": "all_gather"}
+
+
+class _NodeCost(NamedTuple):
+    """What one option of one node costs (seconds, bytes)."""
+    compute: float  # forward + backward computation per micro-batch
+    grads: float  # its parameters' gradient reductions, per step
+    memory: float  # its output per step, and the parameters it is the home of
+    update: float  # the optimizer's update of those parameters, per step
+
+
+class Pricing:
+    """The programme's prices of conversions and of nodes' options, each priced once
+    (a mixin of hidup.planning.programme.Search, whose graph, profile, shapes and caches it
+    reads)."""
+
+    def per_mb(self, t: str) -> float:
+        """Share of a once-per-step cost carried by one micro-batch."""
+        return 1.0 / self.k if isinstance(self.mbs.home(t), Replicate) else 1.0
+
+    def conversion_cost(self, t: str, src: Placement, dst: Placement) -> float:
+        """The conversion's time per micro-batch, forward and backward (its dual)."""
+        key = (self.alike[t], src, dst)
+        if key not in self._converts:
+            self._converts[key] = self._conversion_cost(t, src, dst)
+        return self._converts[key]
+
+    def _conversion_cost(self, t: str, src: Placement, dst: Placement) -> float:
+        kind = conversion(src, dst)
+        if kind is None:
+            return 0.0
+        size = max(self.nbytes(t, src), self.nbytes(t, dst))
+        # the dual of a conversion to R runs only where the gradient comes back as a Partial
+        # sum: partial_grad_cost charges it then
+        return self._collectives(kind, size, t in self.grads and dst != R, self.per_mb(t))
+
+    def partial_grad_cost(self, t: str, home: Placement) -> float:
+        """Per micro-batch, making whole the Partial gradient of t's replicated value, which the
+        lowering does once, however many consumers make it Partial: the dual of its conversion
+        to R (a reduce-scatter to a split home, an all-reduce to a Partial one), or an
+        all-reduce where t's home is R (hidup.program.lowering's reduced_at)."""
+        key = (self.alike[t], home, "grad")
+        if key not in self._converts:
+            size = max(self.nbytes(t, home), self.nbytes(t, R))
+            kind = "all_reduce" if home == R else _DUAL[conversion(home, R)]
+            if self.objective == "comm":
+                cost = float(size)
+            else:
+                cost = self.profile.collective_time(kind, size, self.group)
+            self._converts[key] = cost * self.per_mb(t)
+        return self._converts[key]
+
+    def _collectives(self, kind: str, size: int, backward: bool, share: float) -> float:
+        """A conversion's collective of `size` bytes, and its dual where the tensor has a
+        gradient, `share` of it per micro-batch (the layers' tensors repeat: computed once)."""
+        key = (kind, size, backward, share)
+        if key not in self._conversions:
+            if self.objective == "comm":
+                cost = size * share * (kind != "slice")
+            else:
+                fwd = 0.0 if kind == "slice" else \
+                    self.profile.collective_time(kind, size, self.group)
+                bwd = self.profile.collective_time(_DUAL[kind], size, self.group) \
+                    if backward else 0.0
+                cost = (fwd + bwd) * share
+            self._conversions[key] = cost
+        return self._conversions[key]
+
+    def node_cost(self, node: Node, opt: ShardingOption) -> _NodeCost:
+        """What the option costs; objective 'comm' counts bytes, its gradients' as `grads`."""
+        kind = self._node_kinds.get(node.name)
+        if kind is None:
+            here = self.position[node.name]
+            kind = self._node_kinds[node.name] = (
+                node.op, repr(node.args), self.alike[node.name],
+                tuple((self.alike[t], self.g.node(t).kind, self.first[t] == here)
+                      for t in node.inputs))
+        key = kind, opt
+        if key not in self._node_costs:
+            self._node_costs[key] = self._node_cost(node, opt)
+        return self._node_costs[key]
+
+    def _node_cost(self, node: Node, opt: ShardingOption) -> _NodeCost:
+        ins = [self.shape(t, p) for t, p in zip(node.inputs, opt.inputs)]
+        out = self.shape(node.name, opt.output)
+        fwd = forward_flops(node.op, ins, out, node.args)
+        nbytes = sum(math.prod(s) for s in ins + [out]) * node.out.itemsize
+        compute = self.profile.kernel_time(fwd, nbytes) + \
+            self.profile.kernel_time(backward_flops(node.op, fwd, ins, out, node.args),
+                                     2 * nbytes)
+        if self.mbs.home(node.name) == R:
+            compute /= self.k  # runs once per step
+        grads = 0.0
+        memory, update, numel = math.prod(out) * node.out.itemsize * self.k, 0.0, 0
+        for t, p in zip(node.inputs, opt.inputs):
+            param = self.g.node(t)
+            if param.kind == "param":
+                size = self.nbytes(t, p)
+                if p == R and opt.output != R:  # its gradient is a Partial sum: all-reduced
+                    grads += self.reduction(size, self.everyone, ())
+                elif self.machines > 1 and self.first[t] == self.position[node.name]:
+                    grads += self.reduction(size, self.column, self.columns)  # summed across
+                if self.first[t] == self.position[node.name]:  # its home: where it lives
+                    memory += (2 + self.optimizer.states) * size  # parameter, gradient, state
+                    if param.out.is_float:
+                        numel += math.prod(self.shape(t, p))  # the shard it updates
+        if numel and self.objective == "time":  # a share of the one update kernel, no launch
+            update = self.profile.kernel_time(self.optimizer.flops * numel,
+                                              self.optimizer.bytes * numel) \
+                - self.profile.op_overhead
+        if self.objective == "comm":
+            compute = 0.0
+        return _NodeCost(compute, grads, memory, update)
+
+    def reduction(self, nbytes: int, group: tuple[int, ...], parts: tuple) -> float:
+        """A gradient's all-reduce over `group`, all of `parts` at once (a 2-D mesh's columns
+        share each machine's link); objective 'comm': its bytes."""
+        if self.objective == "comm":
+            return float(nbytes)
+        latency, transfer = self.profile.collective_split("all_reduce", nbytes, group)
+        return latency + transfer * self.profile.link_load(group, parts)
+
+    def costs(self, node: Node, opt: ShardingOption) -> tuple[_NodeCost | None, _NodeCost | None]:
+        """The option's cost with k micro-batches (None where its splits do not divide by
+        them) and with one (None where there is no plain pricing); LoweringError where it
+        divides by neither."""
+        if self.plain is self:
+            cost = self.node_cost(node, opt)
+            return cost, cost
+        plain = self.plain.node_cost(node, opt) if self.plain is not None else None
+        try:
+            return self.node_cost(node, opt), plain
+        except LoweringError:
+            if plain is None:
+                raise
+            return None, plain  # a plan that runs with one micro-batch only

@@ -1,0 +1,66 @@
+"""One way to choose a plan: hidup.plan(), python -m hidup.planner and python -m simulator.predict
+all call hidup.planning.select.select_plan with the same defaults, so the same model, cluster
+and GPUs give the same plan file through every door."""
+import json
+
+import pytest
+import torch
+
+import hidup
+from hidup import planner
+from hidup.models import capture_model, get_model
+from hidup.planning.planfile import read_plan
+from hidup.planning.profile_file import load_profile
+from hidup.planning.select import Goal, select_plan
+from simulator import predict
+
+SAME = ("world", "mesh", "micro_batches", "optimizer", "strategy", "placements", "options",
+        "fingerprint", "inputs")
+
+
+@pytest.mark.parametrize("model, cluster, gpus", [
+    ("bert-sgmoe:tiny", "v100-2x4", 8),  # two machines: the 2-D mesh is searched too
+    ("gpt:tiny", "v100-1x4-nvlink", 2),
+])
+def test_every_door_chooses_the_same_plan(tmp_path, capsys, model, cluster, gpus):
+    spec = get_model(model, gpus=gpus)
+    inputs = spec.inputs(spec.batch, torch.Generator().manual_seed(0))
+    hidup.plan(spec.build(), inputs, cluster=cluster, gpus=gpus).save(tmp_path / "api.json")
+    common = ["--model", model, "--cluster", cluster, "--gpus", str(gpus)]
+    assert planner.main([*common, "--out", str(tmp_path / "planner.json")]) == 0
+    assert predict.main([*common, "--save-plan", str(tmp_path / "predict.json")]) == 0
+    capsys.readouterr()
+    files = {door: read_plan(tmp_path / f"{door}.json") for door in ("api", "planner", "predict")}
+    for key in SAME:
+        assert files["api"][key] == files["planner"][key] == files["predict"][key], key
+
+
+def test_the_choice_is_the_fastest_plan_that_fits_by_the_estimate():
+    """The selection's plan is the fastest of what it ranked; a fixed micro-batch count or a
+    fixed strategy is kept; a memory limit below every plan is refused with what to do."""
+    spec = get_model("gpt:tiny", gpus=2)
+    graph = capture_model(spec, spec.batch)
+    profile = load_profile("v100-1x4-nvlink")
+    chosen = select_plan(graph, profile, Goal(2))
+    assert chosen.step_time == min(r.step_time for r in chosen.ranked)
+    assert chosen.goal.mesh == (1, 2) and chosen.duplex_k == 2
+    assert list(chosen.candidates)[0] == "hidup" and "ddp" in chosen.candidates
+    plain = select_plan(graph, profile, Goal(2, micro_batches=1))
+    assert plain.k == 1 and plain.step_time == min(r.step_time for r in plain.ranked if r.k == 1)
+    ddp = select_plan(graph, profile, Goal(2, strategy="ddp"))
+    assert ddp.strategy.name == "ddp" and ddp.search is None
+    with pytest.raises(ValueError, match=r"no plan with 1 or 2 micro-batches lowers and fits a "
+                                         r"device's .* GiB on 2 GPUs; give more GPUs or memory"):
+        select_plan(graph, profile, Goal(2, memory=1000.0))
+    with pytest.raises(ValueError, match=r"strategy='fsdp2': give 'search' or one of"):
+        select_plan(graph, profile, Goal(2, strategy="fsdp2"))
+
+
+def test_the_planner_and_the_prediction_report_one_choice(capsys):
+    """simulator.predict marks the plan the selection chose, the planner names the same."""
+    args = ["--model", "bert-sgmoe:tiny", "--cluster", "v100-2x4", "--gpus", "8", "--json"]
+    assert predict.main(args) == 0
+    predicted = json.loads(capsys.readouterr().out)["chosen"]
+    assert planner.main(args) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert (planned["chosen"], planned["chosen_k"]) == (predicted["strategy"], predicted["k"])
