@@ -38,7 +38,7 @@ def test_breakdown_is_what_the_simulated_timeline_shows(quick):
     """The expert-parallel row of the one-machine breakdown, against its own simulated timeline:
     computation is the compute stream's busy time, communication the collectives' summed time,
     and the step holds its computation plus the communication left exposed."""
-    from experiments.paper_figures import graph_of
+    from experiments.paper_figures import OPTIMIZER, graph_of
     from hidup.planning.profile_file import load_profile
     from hidup.strategy import fixed_strategy
     from hidup.program import lower
@@ -51,7 +51,7 @@ def test_breakdown_is_what_the_simulated_timeline_shows(quick):
                                             "two machines 30 Gbit/s"}
     row = next(r for r in rows if r["cluster"] == "one machine" and r["system"] == "expert")
     graph = graph_of(row["model"], 8)
-    result = simulate(lower(graph, fixed_strategy("expert", graph, 8), 8, 1),
+    result = simulate(lower(graph, fixed_strategy("expert", graph, 8), 8, 1, optimizer=OPTIMIZER),
                       load_profile("v100-8x8-10gbps"))
     mine = result.records[0]
     busy = sum(r.duration for r in mine if r.stream == COMPUTE_STREAM)
