@@ -1,7 +1,8 @@
 """Planning full-size models built on the meta device (no weights allocated): a Llama-3-8B-shaped
 and a Mixtral-8x7B-shaped `transformers` model on 64 GPUs of `v100-8x8-10gbps`. Prints, per
-model, the time to build it, to capture it (torch.export), the whole `hidup.plan` (capture,
-search, and the simulated comparison with the fixed strategies), the planning process's peak
+model, the time to build it, to capture it (torch.export), the whole `hidup.plan` (capture, and
+the search on the 8 x 8 mesh and over every GPU with the fixed strategies ranked beside it), the
+planning process's peak
 memory, and the plan (or why none fits). Each model is planned in a process of its own, so that
 the peak memory is its own.
 

@@ -102,18 +102,17 @@ def _search(graph: Graph, world: int, profile: Profile, options: SearchOptions,
             baselines: dict[str, Strategy]) -> SearchResult:
     started = time.perf_counter()
     ranking = Ranking(graph, world, profile, options)
-    labels, proofs, runs = 0, [], []
+    labels, proofs, runs, failed = 0, [], [], {}
     for mesh in ([options.machines, 1] if options.machines > 1 else [1]):
         try:
             dp = programme(graph, world, profile, replace(options, machines=mesh))
             runs.append((mesh, dp, dp.run()))
-        except ValueError as exc:
-            if mesh == 1:
-                raise
+        except ValueError as exc:  # no plan of the programme fits: the baselines may
             log.info("search on %d machines x %d: %s", mesh, world // mesh, exc)
+            failed[mesh] = str(exc)
             continue
         labels += dp.labels
-    least = min(finals[0].best for _, _, finals in runs)
+    least = min((finals[0].best for _, _, finals in runs), default=math.inf)
     timed = options.objective == "time"
     for mesh, dp, finals in runs:
         mesh_tag = "-2d" if mesh > 1 else ""
@@ -132,17 +131,20 @@ def _search(graph: Graph, world: int, profile: Profile, options: SearchOptions,
                      "the beam's %.4g s", mesh, proof.cost, proof.bound,
                      "optimal" if proof.optimal else "time ran out", proof.seconds, beam_cost)
             ranking.add(proof.strategy, "exact-2d#0" if mesh > 1 else "exact#0", proof.cost)
-    one_d = next(dp for mesh, dp, _ in runs if mesh == 1)
-    whole = replicated_plan(one_d) if timed else None
-    price = one_d.plain.price(whole) if whole is not None else math.inf
-    if not _far_behind(price, least):
-        ranking.add(whole, "search-replicated#0", price)
+    one_d = next((dp for mesh, dp, _ in runs if mesh == 1), None)
+    whole = replicated_plan(one_d) if timed and one_d is not None else None
+    if whole is not None and not _far_behind(one_d.plain.price(whole), least):
+        ranking.add(whole, "search-replicated#0", one_d.plain.price(whole))
     for name, strategy in baselines.items():
         ranking.add(strategy, name, math.nan, seen=False)
     if not ranking.ranked:
+        if 1 in failed:  # the programme over every GPU found nothing: its reason
+            raise ValueError(failed[1])
         limit = math.inf if options.memory is None else options.memory / 2**30
-        raise ValueError(f"search: no plan fits in {limit:.3g} GiB per device and lowers for "
-                         f"this model and world size")
+        least = "" if ranking.least == math.inf else \
+            f" (the smallest lowered needs {ranking.least / 2**30:.3g} GiB)"
+        raise ValueError(f"search: no plan fits in {limit:.3g} GiB per device{least} and lowers "
+                         f"for this model and world size")
     ranked = sorted(ranking.ranked, key=attrgetter("step_time" if timed else "dp_cost"))
     best = ranked[0]
     log.info("search: %d labels, %d plans ranked in %.2f s", labels, len(ranked),
@@ -180,6 +182,7 @@ class Ranking:
         self.memory = math.inf if options.memory is None else options.memory
         self.ranked: list[Ranked] = []
         self.seen: dict[tuple, dict[int, bool]] = {}  # plans ranked so far: count -> it fits
+        self.least = math.inf  # the smallest peak of a plan over the limit (bytes)
 
     def finals(self, dp: Search, finals, cost, keep: int, tag: str, at: list[int]) -> None:
         """Rank the first `keep` distinct plans of `finals` that fit with a micro-batch count of
@@ -215,10 +218,18 @@ class Ranking:
             except (LoweringError, ValueError) as exc:
                 log.info("plan %s with k=%d cannot be lowered: %s", name, kk, exc)
                 continue
-            peak = peak_memory(program).peak
-            if peak > self.memory:
+            memory = peak_memory(program)
+            if memory.peak > self.memory:
+                self.least = min(self.least, memory.peak)
                 log.info("plan %s with k=%d needs %.3g GiB per device: over the limit", name, kk,
-                         peak / 2**30)
+                         memory.peak / 2**30)
+                # no larger count can fit where what any count holds (parameters and optimizer
+                # state) is over the limit, or where 1/k of every part would still be (each of
+                # the k micro-batches keeps its whole forward's activations for its backward)
+                for more in (counts or (1, self.options.k)):
+                    if more > kk and (memory.params + memory.optimizer > self.memory
+                                      or memory.peak * kk > more * self.memory):
+                        tried[more] = False
                 continue
             est = estimate(program, self.profile)
             self.ranked.append(Ranked(est.step_time, name, strategy, dp_cost, est, kk))

@@ -74,24 +74,28 @@ def select_plan(graph: Graph, profile: Profile, goal: Goal) -> Selection:
     fixed = fixed_strategies(graph, goal.gpus, goal.mesh[0])
     found = None
     if goal.strategy == SEARCH:
-        try:
+        try:  # the fixed strategies are ranked as baselines, even where the search finds
+            # no plan of its own
             found = search(graph, goal.gpus, profile, options, baselines=fixed)
             ranked = found.ranked
-        except ValueError as exc:  # no searched plan fits or lowers: the fixed ones may
-            notes += (f"no searched plan: {exc}",)
-            ranked = tuple(rank_plans(graph, goal.gpus, profile, fixed, options))
+        except ValueError as exc:  # neither a searched plan nor a fixed one fits
+            notes += (str(exc),)
+            ranked = ()
     else:
         chosen = fixed_strategy(goal.strategy, graph, goal.gpus, goal.mesh[0])
         ranked = tuple(rank_plans(graph, goal.gpus, profile, {goal.strategy: chosen}, options))
     allowed = {goal.micro_batches} if goal.micro_batches else {1, k}
     fitting = [r for r in ranked if r.k in allowed]
     if not fitting:
+        why = "; ".join(notes) or ("those that fit run with another micro-batch count" if ranked
+                                   else "every plan lowered is over the limit")
         limit = "no limit" if profile.device_memory is None else \
             f"a device's {profile.device_memory / 2**30:.3g} GiB"
         raise ValueError(f"no plan{'' if goal.strategy == SEARCH else ' of ' + goal.strategy} "
                          f"with {' or '.join(map(str, sorted(allowed)))} micro-batches lowers "
-                         f"and fits {limit} on {goal.gpus} GPUs; give more GPUs or memory, a "
-                         f"smaller batch{', or leave micro_batches to the planner' if goal.micro_batches else ''}")
+                         f"and fits {limit} on {goal.gpus} GPUs ({why}); give more GPUs or "
+                         f"memory, a smaller batch"
+                         f"{', or leave micro_batches to the planner' if goal.micro_batches else ''}")
     best = fitting[0]
     strategy = replace(best.strategy, name="hidup" if _searched(best) else best.name)
     candidates = dict(fixed) if goal.strategy == SEARCH else {goal.strategy: strategy}
