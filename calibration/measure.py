@@ -1,7 +1,7 @@
 """What calibration.profile measures on every rank (timed as calibration.timing times it): the
 kernels (mm, bmm, element-wise add / mul / relu, tiny ops) and the four collectives as
-hidup.runtime.execute issues them over sizes and group sizes, pairs of collectives in flight at once where the backend runs
-several (gloo's threads), then computation and communication alone and at once (interference).
+hidup.runtime.execute issues them over sizes and group sizes, pairs of collectives in flight at
+once where the backend runs several (gloo's threads), then computation and communication alone and at once (interference).
 `measure` runs all of it; calibration.profile fits and writes the profile."""
 from __future__ import annotations
 

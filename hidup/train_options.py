@@ -80,7 +80,8 @@ def parser() -> Parser:
                          f"module(*batch) returns the loss and inputs(batch_size, "
                          f"torch.Generator) returns the global batch, a tuple of tensors")
     ap.add_argument("--strategy", default=d.strategy,
-                    help="'ddp', 'megatron', or the path of a plan file (python -m hidup.planner)")
+                    help="a fixed strategy ('ddp', 'fsdp', 'megatron', 'expert') or the path of a "
+                         "plan file (python -m hidup.planner)")
     ap.add_argument("--duplex", action="store_true", help="Duplex: two micro-batches per rank")
     ap.add_argument("--micro-batches", type=int, default=d.micro_batches,
                     help="micro-batches per rank (overrides --duplex; 1 = plain SPMD)")

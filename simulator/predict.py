@@ -147,8 +147,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="world size (default: %(default)s)")
     p.add_argument("--strategy", metavar="NAME|PATH", default=SEARCH,
                    help=f"'{SEARCH}': HiDup's searched plan beside the fixed strategies; or one "
-                        f"strategy alone: a fixed one (ddp, megatron, expert) or the path of a "
-                        f"plan file (default: %(default)s)")
+                        f"strategy alone: a fixed one (ddp, fsdp, megatron, expert) or the path "
+                        f"of a plan file (default: %(default)s)")
     p.add_argument("--batch", metavar="B", type=_positive, default=None,
                    help="global batch size (default: the model's own)")
     p.add_argument("--micro-batches", metavar="K", type=_positive, default=None,

@@ -159,8 +159,12 @@ class Comparison:
             line += (f"; Duplex hides {duplex_run.overlap_ratio:.0%} of its communication behind "
                      f"computation (SPMD {spmd.overlap_ratio:.0%})")
         elif chosen.fits(chosen.memory[1]):
-            line += (f"; Duplex would take {duplex_run.step_time * 1e3:.4g} ms: its extra "
-                     f"kernels cost more than the communication it hides")
+            kernels = duplex_run.computation - spmd.computation
+            exposed = duplex_run.exposed_communication - spmd.exposed_communication
+            why = (f"its extra kernels ({kernels * 1e3:+.4g} ms) cost more than the "
+                   f"communication it hides" if kernels >= exposed else
+                   f"it leaves more communication exposed ({exposed * 1e3:+.4g} ms)")
+            line += f"; Duplex would take {duplex_run.step_time * 1e3:.4g} ms: {why}"
         return line
 
     def to_dict(self) -> dict:

@@ -78,7 +78,7 @@ def _train_all(rank, world):
     out = []
     torch.manual_seed(0 if rank == 0 else 100 + rank)
     model = TinyLM()
-    for plan in ("ddp", "megatron", searched_plan(model, world)):
+    for plan in ("ddp", "fsdp", "megatron", searched_plan(model, world)):
         for k in (1, 2):
             trainer = hidup.parallelize(copy.deepcopy(model), plan, optimizer=adamw,
                                         lr_scheduler=cosine, micro_batches=k)
@@ -131,7 +131,7 @@ def _resume(rank, world, folder, steps, how):
 
 @pytest.mark.parametrize("saved, world_saved, resumed, world_resumed", [
     ("ddp", 2, "megatron", 4), ("megatron", 2, "searched", 4), ("searched", 4, "ddp", 2),
-    ("dp-megatron", 4, "megatron", 2), ("ddp", 2, "dp-megatron", 4)])
+    ("dp-megatron", 4, "megatron", 2), ("ddp", 2, "dp-megatron", 4), ("fsdp", 2, "megatron", 4)])
 def test_checkpoint_resumes_under_another_plan_and_world_size(tmp_path, saved, world_saved,
                                                               resumed, world_resumed):
     want_losses, want_weights = eager()

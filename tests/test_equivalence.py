@@ -22,6 +22,7 @@ MODELS = ("mlp:tiny", "gpt:tiny")
 CASES = [(m, s, k) for m in MODELS for s in ("ddp", "megatron") for k in (1, 2)]
 CASES += [(m, "search", 2) for m in MODELS + ("bert-sgmoe:tiny",)]  # a searched plan
 CASES += [("gpt:tiny", "replicated", 2)]  # the search's plan with no communication
+CASES += [(m, "fsdp", k) for m in ("gpt:tiny", "bert-sgmoe:tiny") for k in (1, 2)]  # sharded
 
 
 def batch_of(spec, seed=1):

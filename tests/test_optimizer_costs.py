@@ -135,13 +135,20 @@ def test_search_memory_limit_sees_the_optimizer_state():
     assert chosen.optimizer == "adamw" and peak_memory(chosen).peak <= limit
 
 
-def test_search_refuses_where_only_sgd_fits(gpt):
-    """gpt:tiny has no plan leaner than ddp: under ddp's AdamW peak, only SGD fits."""
-    profile, base = load_profile(PROFILE), fixed_strategies(gpt, 2)
+def test_search_refuses_where_only_sgd_fits_unless_the_state_is_sharded(gpt):
+    """gpt:tiny has no plan with parameters stored where they are computed that is leaner than
+    ddp: under ddp's AdamW peak, only SGD fits. fsdp, which keeps parameters, gradients and
+    AdamW's state sharded, fits there with AdamW."""
+    profile, every = load_profile(PROFILE), fixed_strategies(gpt, 2)
+    base = {name: s for name, s in every.items() if name != "fsdp"}
     limit = _ddp_peaks(gpt, base)["adamw"] - 1
-    assert search(gpt, 2, profile, SearchOptions(k=2, memory=limit, optimizer="sgd"), baselines=base).strategy.options == base["ddp"].options
+    assert search(gpt, 2, profile, SearchOptions(k=2, memory=limit, optimizer="sgd"),
+                  baselines=base).strategy.options == base["ddp"].options
     with pytest.raises(ValueError, match=r"search: no (plan|option of node \w+ .*) fits in"):
         search(gpt, 2, profile, SearchOptions(k=2, memory=limit, optimizer="adamw"), baselines=base)
+    found = search(gpt, 2, profile, SearchOptions(k=2, memory=limit, optimizer="adamw"),
+                   baselines=every)
+    assert found.strategy.name == "fsdp"
 
 
 def test_search_estimate_includes_the_update(gpt):

@@ -39,10 +39,18 @@ def test_search_estimate_agrees_with_the_simulator(name):
     assert found.estimate.step_time == pytest.approx(simulated, rel=0.05)
 
 
-def _best_fixed(graph, world, profile, optimizer="adamw") -> tuple[float, str]:
+# Where a parameter is stored is not yet a decision of the programme (it stores a parameter where
+# its first consumer computes with it), so fsdp's plans are outside its space: the selection
+# ranks fsdp as a baseline, and the case below marks what the programme misses.
+IN_SPACE = ("ddp", "megatron", "expert")
+
+
+def _best_fixed(graph, world, profile, optimizer="adamw", names=IN_SPACE) -> tuple[float, str]:
     """The fastest fixed strategy's estimated step, with Duplex or without, and its name."""
     times = []
     for name, strategy in fixed_strategies(graph, world).items():
+        if name not in names:
+            continue
         for k in (1, 2):
             try:
                 times.append((estimate(lower(graph, strategy, world, k, optimizer=optimizer),
@@ -82,6 +90,19 @@ def test_the_search_alone_matches_or_beats_the_best_fixed_strategy(model, world,
     assert all(name.startswith(("search#", "search-k1#", "search-replicated#"))
                for name, _ in found.candidates)
     assert found.estimate.step_time <= fixed_time * (1 + 1e-9), (found.candidates, fixed_name)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 38: where a parameter is stored is not a decision of the programme yet, so it cannot "
+    "find fsdp's plan (sharded storage, computed data parallel), which the v100-2x4 profile "
+    "prices below every plan it finds"))
+def test_the_search_alone_matches_fsdp():
+    spec = get_model("bert-sgmoe:paper", gpus=8)
+    graph = capture_model(spec, spec.batch)
+    profile = load_profile("v100-2x4")
+    fsdp_time, _ = _best_fixed(graph, 8, profile, names=("fsdp",))
+    found = search(graph, 8, profile, SearchOptions(k=2))  # no baselines
+    assert found.estimate.step_time <= fsdp_time * (1 + 1e-9)
 
 
 def test_paper_size_search_alone_matches_or_beats_every_baseline():
@@ -131,16 +152,16 @@ def test_plan_cli_writes_a_plan_that_loads(tmp_path, capsys):
     assert plan_main(["--model", "bert-switch:tiny", "--gpus", "2", "--out", str(out),
                       "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert set(doc["plans"]) == {"hidup", "ddp", "megatron", "expert"}
-    hidup = doc["plans"]["hidup"][f"k{doc['plans']['hidup']['chosen_k']}_ms"]
-    assert all(hidup <= min(t[key] for key in ("k1_ms", "k2_ms") if t[key] is not None)
+    assert set(doc["plans"]) == {"hidup", "ddp", "fsdp", "megatron", "expert"}
+    chosen = doc["plans"][doc["chosen"]][f"k{doc['chosen_k']}_ms"]
+    assert all(chosen <= min(t[key] for key in ("k1_ms", "k2_ms") if t[key] is not None)
                * (1 + 1e-9) for t in doc["plans"].values())
     spec = get_model("bert-switch:tiny", gpus=2)
     strategy = load_plan(out, capture_model(spec, spec.batch), 2)
     assert {n: str(o) for n, o in strategy.options.items()} == doc["options"]  # what it printed
     assert json.loads(out.read_text())["cluster"] == doc["cluster"] == "v100-8x8-10gbps"
     # the plan is named by what it does, with each plan's memory beside its times
-    assert doc["chosen"] in ("hidup", "ddp", "megatron", "expert")
+    assert doc["chosen"] in ("hidup", "ddp", "fsdp", "megatron", "expert")
     assert "key ops" in doc["description"] and doc["memory_limit_gib"] == 32
     assert all(t["k1_gib"] > 0 for t in doc["plans"].values())
     assert plan_main(["--model", "bert-switch:tiny", "--gpus", "2"]) == 0

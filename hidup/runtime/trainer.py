@@ -23,14 +23,15 @@ from hidup.graph.capture import TensorMeta, capture
 from hidup.graph.placement import Shard
 from hidup.planning.planfile import Plan, PlanError, check
 from hidup.planning.planfile import example_inputs as zeros_like_inputs
-from hidup.strategy import fixed_strategy
 from hidup.program import lower
 from hidup.runtime.execute import Executor
 from hidup.runtime.materialize import is_meta, local_weights
 from hidup.runtime.trainer_state import TrainerState
+from hidup.strategy import FIXED as FIXED_STRATEGIES
+from hidup.strategy import fixed_strategy
 
 log = logging.getLogger(__name__)
-FIXED = ("ddp", "megatron", "expert")
+FIXED = tuple(FIXED_STRATEGIES)  # a fixed strategy by name works wherever a Plan does
 
 
 @dataclass(frozen=True)
@@ -198,8 +199,9 @@ def parallelize(model: torch.nn.Module, plan, *, optimizer: Callable,
                 micro_batches: int | None = None, autocast: torch.dtype | None = None,
                 cuda_graphs: bool = False, example_inputs: tuple | None = None,
                 state_dict: dict | None = None) -> Trainer:
-    """Run `plan` (a hidup.Plan, or "ddp" / "megatron" / "expert") for `model` on this rank (under
-    torchrun with the process group initialized, or alone): returns the Trainer.
+    """Run `plan` (a hidup.Plan, or a fixed strategy: "ddp", "fsdp", "megatron", "expert") for
+    `model` on this rank (under torchrun with the process group initialized, or alone): returns
+    the Trainer.
 
     optimizer: a function of the parameters that returns a torch.optim optimizer (it gets this
     rank's shards), e.g. `lambda params: torch.optim.AdamW(params, lr=3e-4)`; lr_scheduler

@@ -85,7 +85,29 @@ def _through_views(graph: Graph, t: str) -> Node:
 
 
 _VIEWS = ("transpose", "permute", "view", "reshape", "t", "contiguous", "_unsafe_view")
-FIXED = {"ddp": data_parallel, "megatron": megatron, "expert": expert_parallel}
+def fully_sharded(graph: Graph, world: int, batch_dim: int = 0) -> Strategy:
+    """FSDP (ZeRO-3), as torch.distributed.fsdp.fully_shard runs it: every op data parallel as
+    in DDP, but each parameter kept sharded (dim 0 where it divides by `world`, else its largest
+    dim that does; whole where none does): gathered once per step before its first use (an
+    all-gather, whatever the number of micro-batches), its gradient reduce-scattered into the
+    shards, the optimizer's state and update on the shards."""
+    ddp = data_parallel(graph, world, batch_dim)
+    homes, whole = dict(ddp.placements), []
+    for param in graph.params:
+        shape = param.out.shape
+        dims = [d for d in range(len(shape)) if shape[d] % world == 0]
+        if not dims:
+            whole.append(param.name)
+            continue
+        homes[param.name] = Shard(0 if 0 in dims else max(dims, key=lambda d: shape[d]))
+    notes = (f"{len(whole)} of {len(graph.params)} parameters kept whole (no dim divides by "
+             f"{world}): {', '.join(whole[:3])}{' ...' if len(whole) > 3 else ''}",) if whole \
+        else ()
+    return Strategy("fsdp", homes, ddp.options, ddp.notes + notes)
+
+
+FIXED = {"ddp": data_parallel, "fsdp": fully_sharded, "megatron": megatron,
+         "expert": expert_parallel}
 # on a 2-D mesh: the strategy inside each machine, data parallel across the machines
 ACROSS = {"dp-megatron": "megatron", "dp-expert": "expert"}
 
@@ -131,7 +153,7 @@ def _as_named(name: str, graph: Graph, strategy: Strategy, world: int,
     machines, data parallel across), else a ValueError that says which dims do not divide and
     what would."""
     base = ACROSS.get(name, name)
-    split = world * machines if base in ("ddp", "expert") else machines
+    split = world * machines if base in ("ddp", "fsdp", "expert") else machines
     for node in graph.user_inputs if split > 1 else ():
         size = node.out.shape[0] if node.out.shape else 1
         if size % split:
