@@ -9,12 +9,12 @@ import math
 import sys
 from pathlib import Path
 
+from experiments.paper_figures import paper_baselines
 from hidup.cli import Parser
 from hidup.models import capture_model, get_model
 from hidup.planning.profile_file import load_profile
 from hidup.planning.programme import SearchOptions
 from hidup.planning.search import search
-from hidup.strategy import fixed_strategies
 from hidup.program import LoweringError, lower
 from simulator import simulate
 
@@ -52,7 +52,7 @@ def compare(model: str, gpus: int, profile, memory: float) -> dict:
     spec = get_model(model, gpus=gpus)
     graph = capture_model(spec, spec.batch)
     machines = profile.mesh(gpus)[0]  # a 2-D mesh where the GPUs fill whole machines
-    baselines = fixed_strategies(graph, gpus, machines)
+    baselines = paper_baselines(graph, gpus, machines)  # the paper's (fsdp: simulator.predict)
     baselines["min-comm"] = search(graph, gpus, profile, SearchOptions(k=1, memory=memory, objective="comm", optimizer=OPTIMIZER)).strategy
     found = search(graph, gpus, profile, SearchOptions(k=2, memory=memory, machines=machines, optimizer=OPTIMIZER), baselines=baselines)
     row = {"model": model, "gpus": gpus, "chosen": found.candidates[0][0],
