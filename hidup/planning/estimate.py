@@ -44,7 +44,7 @@ def estimate(program: Program, profile: Profile, mode: str = "graph") -> Estimat
                 break
             ci += 1
             if kind == "kernel":
-                kernel = [*what[:2], what[2]]
+                kernel = list(what)
             elif what in unpacks:  # the first Wait unpacks the collective's result
                 seconds, slowed = unpacks.pop(what)
                 kernel = [seconds, slowed, ()]
@@ -66,8 +66,8 @@ def estimate(program: Program, profile: Profile, mode: str = "graph") -> Estimat
             continue
         kernel_rate = 1.0 / slowdown["compute"] if kernel and kernel[1] and wire else 1.0
         wire_rate = 1.0 / slowdown[wire[1]] if wire and kernel else 1.0
-        step = min([kernel[0] / kernel_rate] if kernel else [math.inf])
-        step = min([step, *([wire[0] / wire_rate] if wire else []), *(w - now for w in wake)])
+        step = min([w - now for w in wake] + ([kernel[0] / kernel_rate] if kernel else [])
+                   + ([wire[0] / wire_rate] if wire else []))
         now += step
         if kernel:
             computation += step

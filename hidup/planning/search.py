@@ -208,7 +208,8 @@ class Ranking:
         tried yet (`seen`: remember it, so that a plan reached twice is lowered once); return
         whether it fits, per count."""
         tried = self.seen.setdefault(_plan_key(strategy), {}) if seen else {}
-        for kk in counts or sorted({1, self.options.k}):
+        counts = counts or sorted({1, self.options.k})
+        for kk in counts:
             if kk in tried:
                 continue
             tried[kk] = False
@@ -226,7 +227,7 @@ class Ranking:
                 # no larger count can fit where what any count holds (parameters and optimizer
                 # state) is over the limit, or where 1/k of every part would still be (each of
                 # the k micro-batches keeps its whole forward's activations for its backward)
-                for more in (counts or (1, self.options.k)):
+                for more in counts:
                     if more > kk and (memory.params + memory.optimizer > self.memory
                                       or memory.peak * kk > more * self.memory):
                         tried[more] = False
