@@ -2,13 +2,16 @@
 `python -m experiments.executor_overhead` (one process: eager PyTorch, and for k=2 eager with two
 accumulated micro-batches, against hidup k=1 and k=2 in each executor mode) or
 `torchrun --nproc-per-node 2 -m experiments.executor_overhead --models gpt:small` (hidup's ddp
-plan against torch.nn.parallel.DistributedDataParallel, micro-batches under no_sync). The
+plan against torch.nn.parallel.DistributedDataParallel, micro-batches under no_sync; with
+`--plans fsdp search --fully-shard --memory GIB`, also hidup's fsdp plan and the plan hidup.plan
+chooses within that memory, against PyTorch's FSDP2, torch.distributed.fsdp.fully_shard). The
 contestants take turns, a few steps each, for several rounds; each prints its median step and
 its ratio to the baseline: the median over rounds of the ratio within a round (this machine's
 speed drifts between rounds). On CUDA, --busy also reads each contestant's GPU busy time (the
 union of its kernels in a profiler trace) and prints step / busy."""
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -23,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import hidup
 from hidup.cli import Parser
 from hidup.graph.capture import capture
 from hidup.models import get_model
@@ -39,7 +43,8 @@ class Row:
     model: str
     precision: str
     k: int
-    contestant: str  # 'eager', 'ddp', 'hidup graph', 'hidup compile', 'hidup cuda-graphs'
+    contestant: str  # 'eager', 'ddp', 'fully_shard', 'hidup graph', 'hidup compile',
+    #   'hidup cuda-graphs' ('hidup PLAN MODE' for a plan other than ddp)
     baseline: str
     median_ms: float
     ratio: float = 1.0  # median over rounds of (step / the baseline's step in that round)
@@ -55,6 +60,18 @@ def parse_args(argv=None):
     ap.add_argument("--modes", nargs="+", default=None,
                     choices=["graph", "compile", "cuda-graphs"],
                     help="executor modes (default: graph and compile; cuda-graphs too on CUDA)")
+    ap.add_argument("--plans", nargs="+", default=["ddp"],
+                    help="hidup's plans: fixed strategies (ddp, fsdp, megatron, expert) or "
+                         "'search', the plan hidup.plan chooses for --cluster within --memory "
+                         "(default: %(default)s)")
+    ap.add_argument("--cluster", default="cpu-gloo-loopback",
+                    help="the profile 'search' plans for (default: %(default)s)")
+    ap.add_argument("--memory", type=float, default=None,
+                    help="device memory limit 'search' plans within, GiB (default: the "
+                         "profile's)")
+    ap.add_argument("--fully-shard", action="store_true",
+                    help="under torchrun, also race PyTorch's FSDP2 (fully_shard on each block "
+                         "of every ModuleList, then the model)")
     ap.add_argument("--precision", nargs="+", choices=["fp32", "bf16"], default=["fp32"],
                     help="fp32, or bf16 autocast (both sides alike)")
     ap.add_argument("--batch", type=int, default=None, help="global batch (default: the model's)")
@@ -72,47 +89,91 @@ def parse_args(argv=None):
             ap.error(f"--{flag} must be at least 1, got {value}")
     if min(args.micro_batches) < 1:
         ap.error("every --micro-batches must be at least 1")
+    if args.memory is not None and not args.memory > 0:
+        ap.error(f"--memory {args.memory}: must be a positive number of GiB")
     return args
 
 
 def contestants(name: str, k: int, precision: str, modes, device, world: int, rank: int,
-                batch: int | None) -> dict:
+                args) -> dict:
     """name -> (one training step, no sync) on the same model, weights, optimizer and batch."""
     spec = get_model(name, gpus=world)
-    batch = batch or spec.batch
+    batch = args.batch or spec.batch
     data = [x.to(device) for x in spec.inputs(batch, torch.Generator().manual_seed(1))]
     dtype = torch.bfloat16 if precision == "bf16" else None
     torch.manual_seed(0)
     model = spec.build()
-    graph = capture(model, spec.inputs(batch, torch.Generator().manual_seed(0)))  # on the CPU
+    example = spec.inputs(batch, torch.Generator().manual_seed(0))
+    graph = capture(model, example)  # on the CPU
+    sharded = copy.deepcopy(model).to(device) if args.fully_shard and world > 1 else None
     model.to(device)
-    plan = fixed_strategy("ddp", graph, world)
-    program = lower(graph, plan, world, k, name)
     inputs = dict(zip([n.source for n in graph.user_inputs], data))
     out = {}
-    for mode in modes:
-        ex = Executor(graph, plan, program, dict(model.named_parameters()), 0.01, device,
-                      buffers=dict(model.named_buffers()), autocast=dtype, mode=mode)
-        out[f"hidup {mode}"] = lambda ex=ex: ex.step(inputs)
-    baseline = model
+    for plan_name in args.plans:
+        plan, kk = _plan(plan_name, model, graph, example, world, k, args)
+        program = lower(graph, plan, world, kk, name, optimizer="sgd")
+        tag = "hidup" if plan_name == "ddp" else f"hidup {plan_name}"
+        for mode in modes:
+            ex = Executor(graph, plan, program, dict(model.named_parameters()), 0.01, device,
+                          buffers=dict(model.named_buffers()), autocast=dtype, mode=mode)
+            out[f"{tag} {mode}"] = lambda ex=ex: ex.step(inputs)
     if world > 1:
-        baseline = torch.nn.parallel.DistributedDataParallel(model)
-        data = [x.chunk(world)[rank] for x in data]
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        mine = [x.chunk(world)[rank] for x in data]
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        out["ddp"] = _eager_step(ddp, mine, k, dtype, device, ddp.no_sync)
+        if sharded is not None:
+            out["fully_shard"] = _eager_step(_fully_shard(sharded, world, device), mine, k,
+                                             dtype, device, None)
+    else:
+        out["eager"] = _eager_step(model, data, k, dtype, device, None)
+    return out
+
+
+def _plan(name: str, model, graph, example, world: int, k: int, args):
+    """hidup's plan `name` (a fixed strategy, or hidup.plan's choice for 'search') and its
+    micro-batch count."""
+    if name != "search":
+        return fixed_strategy(name, graph, world), k
+    memory = None if args.memory is None else args.memory * 2**30
+    chosen = hidup.plan(model, example, cluster=args.cluster, gpus=world, micro_batches=k,
+                        memory=memory, optimizer="sgd")
+    log.info("search on %s within %s: %s", args.cluster,
+             "its memory" if memory is None else f"{args.memory:g} GiB", chosen.describe())
+    return chosen.strategy, chosen.micro_batches
+
+
+def _fully_shard(model, world: int, device):
+    """PyTorch's FSDP2 as torchtitan applies it: each block of every ModuleList its own unit,
+    then the whole model (what is left: embeddings, head)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    for module in list(model.modules()):
+        if isinstance(module, torch.nn.ModuleList):
+            for block in module:
+                fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _eager_step(module, data, k: int, dtype, device, no_sync):
+    """One plain PyTorch step of `module` on `data` in k accumulated micro-batches, SGD: DDP
+    (`no_sync`) reduces once, after the last; FSDP2 syncs gradients on the last only."""
+    opt = torch.optim.SGD(module.parameters(), lr=0.01)
     chunks = list(zip(*(x.chunk(k) for x in data)))
 
-    def eager():
-        for i, part in enumerate(chunks):  # DDP reduces once, after the last micro-batch
+    def step():
+        for i, part in enumerate(chunks):
             last = i == len(chunks) - 1
+            if hasattr(module, "set_requires_gradient_sync"):
+                module.set_requires_gradient_sync(last)
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None), \
-                    (nullcontext() if world == 1 or last else baseline.no_sync()):
-                loss = baseline(*part)
+                    (nullcontext() if no_sync is None or last else no_sync()):
+                loss = module(*part)
                 loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-
-    out["ddp" if world > 1 else "eager"] = eager
-    return out
+    return step
 
 
 def sync(device) -> None:
@@ -167,7 +228,7 @@ def measure(args, device, world: int, rank: int) -> list[Row]:
     for name in args.models:
         for precision in args.precision:
             for k in args.micro_batches:
-                runs = contestants(name, k, precision, modes, device, world, rank, args.batch)
+                runs = contestants(name, k, precision, modes, device, world, rank, args)
                 base = "ddp" if world > 1 else "eager"
                 times = race(runs, args.rounds, args.steps, device)
                 for who, mine in times.items():
@@ -185,7 +246,7 @@ def measure(args, device, world: int, rank: int) -> list[Row]:
 def _line(row: Row) -> str:
     busy = "" if row.busy_ms is None else \
         f"  busy {row.busy_ms:.2f} ms (step / busy {row.median_ms / row.busy_ms:.2f})"
-    return (f"{row.model:16s} {row.precision} k={row.k} {row.contestant:18s} "
+    return (f"{row.model:16s} {row.precision} k={row.k} {row.contestant:24s} "
             f"{row.median_ms:8.2f} ms  {row.ratio:.3f}x {row.baseline}{busy}")
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from hidup.program import buckets as buckets_module
-from hidup.strategy import data_parallel, megatron
+from hidup.graph.placement import R
+from hidup.strategy import data_parallel, fully_sharded, megatron
 from hidup.program import Compute, Convert, LoweringError, Wait, lower
 
 
@@ -68,6 +69,34 @@ def test_the_first_bucket_is_small_as_in_ddp(tiny_graphs, monkeypatch):
     first = [sizes[key.removeprefix("grad:")] for key in buckets[0].outputs]
     assert len(buckets) == 2 and sum(first) >= 20_000 > sum(first[:-1])
     assert buckets[0].bytes + buckets[1].bytes == sum(sizes.values())
+
+
+def test_sharded_parameters_are_gathered_and_scattered_in_buckets_like_fsdp(tiny_graphs):
+    """fsdp's parameters are all-gathered in buckets of about `bucket_bytes` (gathered) in the
+    order of their first use, once per step whatever k; their gradients reduce-scattered in
+    buckets; every parameter in one of each; one collective per parameter with buckets off."""
+    _, _, graph = tiny_graphs["gpt:tiny"]
+    sizes = {p.name: p.out.nbytes for p in graph.params}
+    sharded = [p for p in sizes if fully_sharded(graph, 2).home(p) != R]
+    first_use = {}
+    for i, node in enumerate(graph.ops):
+        for t in node.inputs:
+            first_use.setdefault(t, i)
+    for k in (1, 2):
+        prog = lower(graph, fully_sharded(graph, 2), 2, k=k, bucket_bytes=20_000)
+        gathers = [t for t in prog.collectives if t.kind == "all_gather"]
+        scatters = [t for t in prog.collectives if t.kind == "reduce_scatter"]
+        gathered = [key.split("@")[0] for t in gathers for key in t.outputs]
+        assert gathered == sorted(sharded, key=first_use.get)  # each once, in order of use
+        assert sorted(key.split("@")[0].removeprefix("d") for t in scatters
+                      for key in t.outputs) == sorted(sharded)
+        for t in gathers[:-1]:  # a bucket closes once it holds at least the cap
+            held = [sizes[key.split("@")[0]] for key in t.outputs]
+            assert t.bytes == sum(held) >= 20_000 > sum(held[:-1])
+        assert 1 < len(gathers) < len(sharded) and 1 < len(scatters) < len(sharded)
+        assert all(t.mb is None for t in gathers + scatters)
+    plain = lower(graph, fully_sharded(graph, 2), 2, k=1, bucket_bytes=0).collectives
+    assert sum(t.kind == "all_gather" for t in plain) == len(sharded)
 
 
 def test_every_collective_is_waited_before_the_update(tiny_graphs):

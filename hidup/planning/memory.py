@@ -129,6 +129,8 @@ def _convert_sizes(numel, first, t: Convert, i: int, world: int, k: int) -> None
     """A conversion reads `shape`; several inputs and outputs are a bucket, converted pairwise."""
     if t.inputs[0] not in numel:
         numel[t.inputs[0]] = math.prod(t.shape)
+    for key, shape in zip(t.inputs, t.in_shapes):  # a bucket's inputs
+        numel.setdefault(key, math.prod(shape))
     for src, dst in zip(t.inputs, t.outputs):
         if dst not in first:
             first[dst] = i

@@ -33,7 +33,8 @@ class _NodeCost(NamedTuple):
     """What one option of one node costs (seconds, bytes)."""
     compute: float  # forward + backward computation per micro-batch
     grads: float  # its parameters' gradient reductions, per step
-    memory: float  # its output per step, and the parameters it is the home of
+    memory: float  # its output per step, and the parameters it is the home of (those it
+    #   reads whole counted as the cheaper of whole and stored sharded)
     update: float  # the optimizer's update of those parameters, per step
 
 
@@ -129,7 +130,11 @@ class Pricing:
                 elif self.machines > 1 and self.first[t] == self.position[node.name]:
                     grads += self.reduction(size, self.column, self.columns)  # summed across
                 if self.first[t] == self.position[node.name]:  # its home: where it lives
-                    memory += (2 + self.optimizer.states) * size  # parameter, gradient, state
+                    held = (2 + self.optimizer.states) * size  # parameter, gradient, state
+                    if p == R and self.world > 1:  # or stored sharded (the ranking's +sharded
+                        #   variant): a shard of each, and the weight gathered for use
+                        held = min(held, size + held / self.world)
+                    memory += held
                     if param.out.is_float:
                         numel += math.prod(self.shape(t, p))  # the shard it updates
         if numel and self.objective == "time":  # a share of the one update kernel, no launch

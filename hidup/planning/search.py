@@ -24,7 +24,7 @@ from hidup.planning.exact import exact_plan
 from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import check
 from hidup.planning.programme import Search, SearchOptions, programme, replicated_plan
-from hidup.strategy import Strategy
+from hidup.strategy import Strategy, sharded_storage
 from hidup.program.lowering import lower
 from hidup.program.tasks import LoweringError
 
@@ -41,7 +41,8 @@ class Ranked(NamedTuple):
     """A plan the search lowered with `k` micro-batches and estimated, and that fits."""
 
     step_time: float  # the fast estimate's (s)
-    name: str  # search#j, search-k1#j, search-2d#j, exact#0, search-replicated#0, or a baseline's
+    name: str  # search#j, search-k1#j, search-2d#j, exact#0, search-replicated#0 (+sharded:
+    #   its parameters stored sharded), or a baseline's
     strategy: Strategy
     dp_cost: float  # the programme's own price of it (nan for a baseline)
     estimate: Estimate
@@ -130,7 +131,8 @@ def _search(graph: Graph, world: int, profile: Profile, options: SearchOptions,
             log.info("exact k=1 plan on %d machines: %.4g s (bound %.4g, %s) in %.1f s; "
                      "the beam's %.4g s", mesh, proof.cost, proof.bound,
                      "optimal" if proof.optimal else "time ran out", proof.seconds, beam_cost)
-            ranking.add(proof.strategy, "exact-2d#0" if mesh > 1 else "exact#0", proof.cost)
+            ranking.add_stored(proof.strategy, "exact-2d#0" if mesh > 1 else "exact#0",
+                               proof.cost)
     one_d = next((dp for mesh, dp, _ in runs if mesh == 1), None)
     whole = replicated_plan(one_d) if timed and one_d is not None else None
     if whole is not None and not _far_behind(one_d.plain.price(whole), least):
@@ -159,7 +161,7 @@ def _far_behind(price: float, least: float) -> bool:
 
 
 def _plan_key(strategy: Strategy) -> tuple:
-    return strategy.machines, tuple(strategy.options.items())
+    return strategy.machines, tuple(strategy.placements.items()), tuple(strategy.options.items())
 
 
 def _orders(k: int, objective: str) -> list[tuple]:
@@ -197,10 +199,24 @@ class Ranking:
             mine.append(plan)
             if plan not in self.seen:
                 check(self.graph, strategy)
-            tried = self.add(strategy, f"{tag}#{j}", cost(label), sorted({1, dp.k}))
+            tried = self.add_stored(strategy, f"{tag}#{j}", cost(label), sorted({1, dp.k}))
             keep -= any(tried[kk] for kk in at)  # it fits: the DP's memory model is an estimate
             if keep == 0:
                 break
+
+    def add_stored(self, strategy: Strategy, name: str, dp_cost: float,
+                   counts: list[int] | None = None) -> dict[int, bool]:
+        """Rank the plan and, where it keeps some parameter whole, the same plan with every such
+        parameter stored sharded (NAME+sharded; hidup.strategy.sharded_storage): where a
+        parameter lives is the search's decision too, priced by the estimate (gathers before
+        use, gradients reduce-scattered) and held to memory (state on the shards). Whether
+        each fits, per count: either variant's."""
+        tried = dict(self.add(strategy, name, dp_cost, counts))
+        sharded = sharded_storage(self.graph, strategy, self.world // strategy.machines)
+        if sharded is not strategy:
+            for kk, fits in self.add(sharded, f"{name}+sharded", dp_cost, counts).items():
+                tried[kk] = tried.get(kk, False) or fits
+        return tried
 
     def add(self, strategy: Strategy, name: str, dp_cost: float, counts: list[int] | None = None,
             seen: bool = True) -> dict[int, bool]:

@@ -1,12 +1,14 @@
 """Parameter gradients for hidup.program.lowering.Lowering: once complete on a machine, reduced
 in buckets as DDP does (a partial sum over the world, a whole one over the mesh's columns), then
-the optimizer's update."""
+the optimizer's update. Parameters stored sharded and read whole are gathered in buckets too,
+and their gradients reduce-scattered into the shards in buckets, as FSDP does: one collective
+over many tensors flattened together, in the order the step first uses them."""
 from __future__ import annotations
 
 import math
 
-from hidup.graph.placement import Partial, Placement, R
-from hidup.program.tasks import FIRST_BUCKET_BYTES, Compute, Convert, Wait, gkey
+from hidup.graph.placement import Partial, Placement, R, Shard
+from hidup.program.tasks import FIRST_BUCKET_BYTES, Compute, Convert, Wait, gkey, vkey
 
 
 class GradientBuckets:
@@ -53,7 +55,76 @@ class GradientBuckets:
         for key in task.outputs:
             self.pending.setdefault(key, []).append(task.id)
 
+    # -- sharded storage: parameters gathered before use, gradients scattered into the shards --
+    def gather_params(self) -> set[str]:
+        """All-gather the parameters stored sharded that some op reads whole, in buckets of
+        about `bucket_bytes` gathered, in the order of their first use; return their names."""
+        first_use = {}
+        for i, node in enumerate(self.g.ops):
+            for t in node.inputs:
+                first_use.setdefault(t, i)
+        names = sorted((p.name for p in self.g.params
+                        if isinstance(self.home(p.name), Shard) and R in self.converted(p.name)),
+                       key=lambda t: first_use.get(t, -1))
+        bucket: list[str] = []
+        for t in names + [None]:
+            if bucket and (t is None or self.home(t) != self.home(bucket[0]) or sum(
+                    self.nbytes(b, R) for b in bucket) >= self.bucket_bytes):
+                home = self.home(bucket[0])
+                self.emit_bucket("all_gather", bucket, home, R, "fwd",
+                                 [vkey(b, home, None) for b in bucket],
+                                 [vkey(b, R, None) for b in bucket],
+                                 [self.shape(b, home) for b in bucket])
+                bucket = []
+            if t is not None:
+                bucket.append(t)
+        return set(names)
+
+    def scatter_grad(self, t: str, p: Placement, home: Placement) -> None:
+        """Parameter t's gradient, complete as a partial sum of its whole (read as p), joins the
+        reduce-scatter bucket into its shards (home)."""
+        bucket = self.scattered
+        if bucket and self.home(bucket[0][0]) != home:
+            self.flush_scatter()
+        bucket.append((t, p))
+        cap = self.bucket_bytes if "scatter" in self.flushed else \
+            min(self.bucket_bytes, FIRST_BUCKET_BYTES)
+        if sum(self.nbytes(b, q) for b, q in bucket) >= cap:
+            self.flush_scatter()
+            self.flushed.add("scatter")
+
+    def flush_scatter(self) -> None:
+        """One reduce-scatter of the gradients in the bucket; each is then complete in its shard."""
+        bucket, self.scattered = self.scattered, []
+        if not bucket:
+            return
+        home = self.home(bucket[0][0])
+        self.emit_bucket("reduce_scatter", [t for t, _ in bucket], Partial(), home, "bwd",
+                         [gkey(t, p, None) for t, p in bucket],
+                         [gkey(t, home, None) for t, _ in bucket],
+                         [self.shape(t, p) for t, p in bucket])
+        for t, _ in bucket:
+            self.contributed(t, home, None)
+
+    def emit_bucket(self, kind: str, names: list[str], src: Placement, dst: Placement,
+                    phase: str, in_keys: list[str], out_keys: list[str], shapes) -> None:
+        """One collective over the tensors `names` (one of them: a plain conversion)."""
+        nbytes = sum(max(self.nbytes(t, R), self.nbytes(t, dst)) for t in names)
+        if len(names) == 1:
+            return self.emit_convert(kind, names[0], src, dst, phase, None, in_keys[0],
+                                     out_keys[0], shapes[0], nbytes)
+        for key in in_keys:
+            self.wait_for(key)
+        group, groups = self.scopes["row"]
+        task = Convert(len(self.tasks), kind, f"bucket({names[0]}..{names[-1]})", src, dst,
+                       phase, None, shapes[0], nbytes, group, tuple(in_keys), tuple(out_keys),
+                       (), groups, in_shapes=tuple(shapes))
+        self.add(task)
+        for key in out_keys:
+            self.pending.setdefault(key, []).append(task.id)
+
     def update(self) -> None:
+        self.flush_scatter()
         for scope in self.buckets:
             self.flush_bucket(scope)
         for key in self.final.values():

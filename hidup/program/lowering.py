@@ -37,6 +37,7 @@ class Lowering(MicroBatches, GradientBuckets):
         self.optimizer = optimizer_cost(optimizer)
         self.bucket_bytes, self.flushed = bucket_bytes, set()
         self.buckets: dict[str, list[str]] = {"world": [], "column": []}
+        self.scattered: list[tuple[str, Placement]] = []  # gradients awaiting a reduce-scatter
         self.mbs_split = microbatch_split(graph, k, machines=self.machines)
         self.parts = k * self.machines
         self.joins: bool = self.parts > 1 and any(  # an op reads micro-batches joined or sliced
@@ -177,9 +178,12 @@ class Lowering(MicroBatches, GradientBuckets):
                 self.waited.add(cid)
                 self.add(Wait(len(self.tasks), cid))
 
-    def convert_for_consumers(self, t: str, m: int | None) -> None:
+    def convert_for_consumers(self, t: str, m: int | None, skip: Placement | None = None
+                              ) -> None:
         home = self.home(t)
         for p in self.converted(t):
+            if p == skip:
+                continue
             kind = conversion(home, p)
             nbytes = max(self.nbytes(t, home), self.nbytes(t, p))
             self.emit_convert(kind, t, home, p, "fwd", m, vkey(t, home, m), vkey(t, p, m),
@@ -191,10 +195,12 @@ class Lowering(MicroBatches, GradientBuckets):
                 for t, p, q in zip(node.inputs, opt.inputs, mb_opt.inputs)]
 
     def forward(self) -> list[str]:
+        gathered = self.gather_params()  # in buckets
         for node in self.g.nodes:
             if node.kind != "op":
                 for m in self.mbs(node.name):
-                    self.convert_for_consumers(node.name, m)
+                    self.convert_for_consumers(node.name, m,
+                                               R if node.name in gathered else None)
         self.loss_keys: list[str] = []
         per_mb = [n for n in self.g.ops if n.name not in self.once or n.name in self.after_join]
         for node in self.g.ops:  # computed once per step, from parameters only
@@ -328,6 +334,8 @@ class Lowering(MicroBatches, GradientBuckets):
         src, dst = self.gplace(t, p), self.gplace(t, home)
         root = isinstance(dst, Partial) and isinstance(src, Shard)
         kind = "alias" if src == dst else conversion(src, R if root else dst)
+        if kind == "reduce_scatter" and m is None and self.g.node(t).kind == "param":
+            return self.scatter_grad(t, p, home)  # in a bucket
         nbytes = max(self.nbytes(t, p), self.nbytes(t, home))
         out = gkey(t, home, m)
         self.emit_convert(kind, t, src, dst, "bwd", m, gkey(t, p, m), out, self.shape(t, p),

@@ -119,6 +119,9 @@ class Convert:
     # micro-batch conversions along a dim the ranks' placement does not split: the rank blocks
     # (world) each micro-batch's part holds there, one after another (see runtime.layout.shard_of)
     blocks: int = 1
+    # a bucket (several inputs, one collective over them flattened together): each input's
+    # local shape; () for one tensor (its shape is `shape`)
+    in_shapes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def collective(self) -> bool:

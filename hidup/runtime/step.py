@@ -210,7 +210,8 @@ class _TaskRunner:
         if task.kind in MB_CONVERSIONS:
             return self.mb_conversion(task)
         if len(task.inputs) > 1:
-            return self.bucket_all_reduce(task)
+            return self.bucket_all_reduce(task) if task.kind == "all_reduce" else \
+                self.bucket_shards(task)
         x, out_key = self.env[task.inputs[0]], task.outputs[0]
         if task.kind == "alias":
             self.accumulate(out_key, x, root)
@@ -259,6 +260,38 @@ class _TaskRunner:
             done = self.wait(flat)
             for key, piece, p in zip(task.outputs, done.split([q.numel() for q in parts]), parts):
                 self.accumulate(key, piece.view_as(p))
+
+        self.pending[task.id] = finish
+
+    def bucket_shards(self, task: Convert) -> None:
+        """Several tensors all-gathered from their shards, or their partial sums
+        reduce-scattered into shards, as one flat buffer (an FSDP bucket): rank r's block of
+        the buffer is each tensor's r-th chunk along its shard dim, flattened, one after
+        another."""
+        parts = [self.env[key] for key in task.inputs]
+        n = len(self.members(task))
+        if n == 1:  # a group of one: each is already whole, or its own shard
+            self.pending[task.id] = lambda: [self.accumulate(key, p)
+                                             for key, p in zip(task.outputs, parts)]
+            return
+        gather = task.kind == "all_gather"
+        dim = (task.src if gather else task.dst).dim
+        moved = [p.movedim(dim, 0) for p in parts]
+        if gather:
+            flat = torch.cat([m.reshape(-1) for m in moved])
+        else:
+            flat = torch.cat([m.reshape(n, -1) for m in moved], dim=1).reshape(-1)
+        sizes = [m.numel() if gather else m.numel() // n for m in moved]
+        with fx_traceback.annotate({"task": task.id, "standin": True}):
+            result = self.collective(task, flat)
+
+        def finish():
+            done = self.wait(result)
+            pieces = done.view(n, -1).split(sizes, dim=1) if gather else done.split(sizes)
+            for key, piece, m in zip(task.outputs, pieces, moved):
+                rows = m.shape[0] * n if gather else m.shape[0] // n
+                value = piece.reshape(rows, *m.shape[1:]).movedim(0, dim).contiguous()
+                self.accumulate(key, value)
 
         self.pending[task.id] = finish
 

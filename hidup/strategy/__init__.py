@@ -6,11 +6,12 @@ from hidup.strategy.base import (NoMicroBatches, Strategy, Unreachable, conversi
                                  conversion_cost, fitting_options, propagate, splits_evenly)
 from hidup.strategy.describe import describe, mesh_option, op_style, summarize, uncovered
 from hidup.strategy.fixed import (ACROSS, FIXED, data_parallel, expert_parallel, fixed_strategies,
-                                  fixed_strategy, fully_sharded, megatron, random_strategy)
+                                  fixed_strategy, fully_sharded, megatron, random_strategy,
+                                  sharded_storage)
 from hidup.strategy.microbatch import microbatch_split
 
 __all__ = ["ACROSS", "FIXED", "NoMicroBatches", "Strategy", "Unreachable", "conversion",
            "conversion_cost", "data_parallel", "describe", "expert_parallel", "fitting_options",
            "fixed_strategies", "fixed_strategy", "fully_sharded", "megatron", "mesh_option",
-           "microbatch_split", "op_style", "propagate", "random_strategy", "splits_evenly",
-           "summarize", "uncovered"]
+           "microbatch_split", "op_style", "propagate", "random_strategy", "sharded_storage",
+           "splits_evenly", "summarize", "uncovered"]

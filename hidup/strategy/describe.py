@@ -50,11 +50,25 @@ def describe(graph: Graph, strategy: Strategy) -> str:
     across = f"data parallel across {strategy.machines} machines; inside each: " \
         if strategy.machines > 1 else ""
     if not counts:
-        return f"{across}no key ops" + uncovered(graph)
+        return f"{across}no key ops" + storage(graph, strategy) + uncovered(graph)
     (style, n), rest = counts[0], counts[1:]
     what = f"all {n} key ops {style}" if not rest else \
         ", ".join([f"{n} key ops {style}"] + [f"{m} {s}" for s, m in rest])
-    return across + what + uncovered(graph)
+    return across + what + storage(graph, strategy) + uncovered(graph)
+
+
+def stored_sharded(graph: Graph, strategy: Strategy) -> list[str]:
+    """The parameters stored sharded but read whole by some op: gathered before use (FSDP)."""
+    read_whole = {t for node in graph.ops
+                  for t, p in zip(node.inputs, strategy.options[node.name].inputs) if p == R}
+    return [p.name for p in graph.params if p.name in read_whole and strategy.home(p.name) != R]
+
+
+def storage(graph: Graph, strategy: Strategy) -> str:
+    """'; 9 of 9 parameters stored sharded (gathered before use)', or ''."""
+    sharded = stored_sharded(graph, strategy)
+    return f"; {len(sharded)} of {len(graph.params)} parameters stored sharded (gathered " \
+           f"before use)" if sharded else ""
 
 
 def uncovered(graph: Graph) -> str:

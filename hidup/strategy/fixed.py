@@ -30,7 +30,8 @@ def megatron(graph: Graph, world: int) -> Strategy:
 def random_strategy(graph: Graph, world: int, rng, divide: int | None = None) -> Strategy:
     """A random valid strategy (for tests): each op takes a random option whose Partial inputs come
     from Partial producers and whose splits divide by `divide` (default: world); each input is
-    placed at random; a parameter goes where its first consumer wants it. rng: a random.Random."""
+    placed at random; a parameter goes where its first consumer wants it, and one kept whole
+    there is stored sharded or not at random. rng: a random.Random."""
     divide = divide or world
     placements: dict[str, Placement] = {n.name: R for n in graph.nodes if n.kind == "buffer"}
     for n in graph.user_inputs:
@@ -45,8 +46,11 @@ def random_strategy(graph: Graph, world: int, rng, divide: int | None = None) ->
         choices[node.name] = rng.choice(cands)
         for t, p in zip(node.inputs, choices[node.name].inputs):
             placements.setdefault(t, p)
-    return Strategy("random", {n.name: placements.get(n.name, R) for n in graph.nodes
-                               if n.kind != "op"}, choices)
+    drawn = Strategy("random", {n.name: placements.get(n.name, R) for n in graph.nodes
+                                if n.kind != "op"}, choices)
+    # where each parameter kept whole lives: whole, or sharded (gathered before use)
+    stored = {p.name for p in graph.params if rng.random() < 0.5}
+    return sharded_storage(graph, drawn, world, stored) if stored else drawn
 
 
 def expert_parallel(graph: Graph, world: int, batch_dim: int = 0) -> Strategy:
@@ -85,25 +89,43 @@ def _through_views(graph: Graph, t: str) -> Node:
 
 
 _VIEWS = ("transpose", "permute", "view", "reshape", "t", "contiguous", "_unsafe_view")
+
+
 def fully_sharded(graph: Graph, world: int, batch_dim: int = 0) -> Strategy:
     """FSDP (ZeRO-3), as torch.distributed.fsdp.fully_shard runs it: every op data parallel as
-    in DDP, but each parameter kept sharded (dim 0 where it divides by `world`, else its largest
-    dim that does; whole where none does): gathered once per step before its first use (an
-    all-gather, whatever the number of micro-batches), its gradient reduce-scattered into the
-    shards, the optimizer's state and update on the shards."""
-    ddp = data_parallel(graph, world, batch_dim)
-    homes, whole = dict(ddp.placements), []
+    in DDP, but each parameter kept sharded (sharded_storage): gathered once per step before its
+    first use (an all-gather, whatever the number of micro-batches), its gradient
+    reduce-scattered into the shards, the optimizer's state and update on the shards."""
+    sharded = sharded_storage(graph, data_parallel(graph, world, batch_dim), world)
+    return Strategy("fsdp", sharded.placements, sharded.options, sharded.notes)
+
+
+def sharded_storage(graph: Graph, strategy: Strategy, world: int,
+                    params: set[str] | None = None) -> Strategy:
+    """`strategy` with every parameter it keeps whole on a machine's `world` ranks (of
+    `params`, where given) stored sharded there instead (dim 0 where it divides by `world`, else its largest dim that does;
+    whole where none does, with a note): the ops compute as before, the lowering gathers the
+    parameter once per step before its first use and turns its gradient into the shard (a
+    reduce-scatter of a partial sum, a slice of a whole one), and the optimizer's state and
+    update are on the shard. The same strategy where nothing changes."""
+    homes, whole, changed = dict(strategy.placements), [], False
     for param in graph.params:
+        if homes.get(param.name, R) != R or params is not None and param.name not in params:
+            continue
         shape = param.out.shape
         dims = [d for d in range(len(shape)) if shape[d] % world == 0]
-        if not dims:
+        if not dims or world == 1:
             whole.append(param.name)
             continue
         homes[param.name] = Shard(0 if 0 in dims else max(dims, key=lambda d: shape[d]))
+        changed = True
+    if not changed:
+        return strategy
     notes = (f"{len(whole)} of {len(graph.params)} parameters kept whole (no dim divides by "
              f"{world}): {', '.join(whole[:3])}{' ...' if len(whole) > 3 else ''}",) if whole \
         else ()
-    return Strategy("fsdp", homes, ddp.options, ddp.notes + notes)
+    return Strategy(strategy.name, homes, strategy.options, strategy.notes + notes,
+                    strategy.machines)
 
 
 FIXED = {"ddp": data_parallel, "fsdp": fully_sharded, "megatron": megatron,
