@@ -71,7 +71,7 @@ def parse_args(argv=None):
                          "profile's)")
     ap.add_argument("--fully-shard", action="store_true",
                     help="under torchrun, also race PyTorch's FSDP2 (fully_shard on each block "
-                         "of every ModuleList, then the model)")
+                         "of every ModuleList, then the model), and give every ratio to it")
     ap.add_argument("--precision", nargs="+", choices=["fp32", "bf16"], default=["fp32"],
                     help="fp32, or bf16 autocast (both sides alike)")
     ap.add_argument("--batch", type=int, default=None, help="global batch (default: the model's)")
@@ -229,7 +229,7 @@ def measure(args, device, world: int, rank: int) -> list[Row]:
         for precision in args.precision:
             for k in args.micro_batches:
                 runs = contestants(name, k, precision, modes, device, world, rank, args)
-                base = "ddp" if world > 1 else "eager"
+                base = "eager" if world == 1 else "fully_shard" if args.fully_shard else "ddp"
                 times = race(runs, args.rounds, args.steps, device)
                 for who, mine in times.items():
                     busy = busy_seconds(runs[who], device) if args.busy and \
