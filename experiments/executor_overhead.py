@@ -29,6 +29,8 @@ import torch.distributed as dist
 import hidup
 from hidup.cli import Parser
 from hidup.graph.capture import capture
+from hidup.planning.memory import peak_memory
+from hidup.planning.planfile import Plan
 from hidup.models import get_model
 from hidup.strategy import fixed_strategy
 from hidup.program import lower
@@ -72,6 +74,11 @@ def parse_args(argv=None):
     ap.add_argument("--fully-shard", action="store_true",
                     help="under torchrun, also race PyTorch's FSDP2 (fully_shard on each block "
                          "of every ModuleList, then the model), and give every ratio to it")
+    ap.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd",
+                    help="every contestant's optimizer: sgd (lr 0.01; hidup's update is in its "
+                         "compiled step) or adamw (torch.optim.AdamW, lr 1e-3, on each rank's "
+                         "shards: hidup runs through hidup.parallelize); the search plans for it "
+                         "(default: %(default)s)")
     ap.add_argument("--precision", nargs="+", choices=["fp32", "bf16"], default=["fp32"],
                     help="fp32, or bf16 autocast (both sides alike)")
     ap.add_argument("--batch", type=int, default=None, help="global batch (default: the model's)")
@@ -111,21 +118,29 @@ def contestants(name: str, k: int, precision: str, modes, device, world: int, ra
     out = {}
     for plan_name in args.plans:
         plan, kk = _plan(plan_name, model, graph, example, world, k, args)
-        program = lower(graph, plan, world, kk, name, optimizer="sgd")
+        program = lower(graph, plan, world, kk, name, optimizer=args.optimizer)
+        log.info("%s: lowered peak %s", plan_name, peak_memory(program))
         tag = "hidup" if plan_name == "ddp" else f"hidup {plan_name}"
         for mode in modes:
+            if args.optimizer == "adamw":  # the user's torch.optim optimizer on the shards
+                trainer = hidup.parallelize(
+                    copy.deepcopy(model), Plan.of(graph, plan, world, kk), optimizer=_adamw,
+                    compile=mode == "compile", cuda_graphs=mode == "cuda-graphs",
+                    device=device, micro_batches=kk, autocast=dtype)
+                out[f"{tag} {mode}"] = lambda t=trainer: t.step(*data)
+                continue
             ex = Executor(graph, plan, program, dict(model.named_parameters()), 0.01, device,
                           buffers=dict(model.named_buffers()), autocast=dtype, mode=mode)
             out[f"{tag} {mode}"] = lambda ex=ex: ex.step(inputs)
     if world > 1:
         mine = [x.chunk(world)[rank] for x in data]
         ddp = torch.nn.parallel.DistributedDataParallel(model)
-        out["ddp"] = _eager_step(ddp, mine, k, dtype, device, ddp.no_sync)
+        out["ddp"] = _eager_step(ddp, mine, k, dtype, device, ddp.no_sync, args.optimizer)
         if sharded is not None:
             out["fully_shard"] = _eager_step(_fully_shard(sharded, world, device), mine, k,
-                                             dtype, device, None)
+                                             dtype, device, None, args.optimizer)
     else:
-        out["eager"] = _eager_step(model, data, k, dtype, device, None)
+        out["eager"] = _eager_step(model, data, k, dtype, device, None, args.optimizer)
     return out
 
 
@@ -136,7 +151,7 @@ def _plan(name: str, model, graph, example, world: int, k: int, args):
         return fixed_strategy(name, graph, world), k
     memory = None if args.memory is None else args.memory * 2**30
     chosen = hidup.plan(model, example, cluster=args.cluster, gpus=world, micro_batches=k,
-                        memory=memory, optimizer="sgd")
+                        memory=memory, optimizer=args.optimizer)
     log.info("search on %s within %s: %s", args.cluster,
              "its memory" if memory is None else f"{args.memory:g} GiB", chosen.describe())
     return chosen.strategy, chosen.micro_batches
@@ -156,10 +171,16 @@ def _fully_shard(model, world: int, device):
     return fully_shard(model, mesh=mesh)
 
 
-def _eager_step(module, data, k: int, dtype, device, no_sync):
-    """One plain PyTorch step of `module` on `data` in k accumulated micro-batches, SGD: DDP
-    (`no_sync`) reduces once, after the last; FSDP2 syncs gradients on the last only."""
-    opt = torch.optim.SGD(module.parameters(), lr=0.01)
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def _eager_step(module, data, k: int, dtype, device, no_sync, optimizer: str = "sgd"):
+    """One plain PyTorch step of `module` on `data` in k accumulated micro-batches, SGD or
+    AdamW: DDP (`no_sync`) reduces once, after the last; FSDP2 syncs gradients on the last
+    only."""
+    opt = _adamw(module.parameters()) if optimizer == "adamw" else \
+        torch.optim.SGD(module.parameters(), lr=0.01)
     chunks = list(zip(*(x.chunk(k) for x in data)))
 
     def step():

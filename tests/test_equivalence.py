@@ -14,8 +14,9 @@ from hidup.models import get_model
 from hidup.planning.profile_file import load_profile
 from hidup.planning.programme import Search, SearchOptions, replicated_plan
 from hidup.planning.search import search
-from hidup.strategy import fixed_strategy, random_strategy
+from hidup.strategy import fixed_strategy, random_strategy, sharded_storage
 from hidup.program import LoweringError, lower
+from hidup.program.tasks import BUCKET_BYTES
 from hidup.runtime.execute import Executor, full_tensor
 
 MODELS = ("mlp:tiny", "gpt:tiny")
@@ -23,6 +24,11 @@ CASES = [(m, s, k) for m in MODELS for s in ("ddp", "megatron") for k in (1, 2)]
 CASES += [(m, "search", 2) for m in MODELS + ("bert-sgmoe:tiny",)]  # a searched plan
 CASES += [("gpt:tiny", "replicated", 2)]  # the search's plan with no communication
 CASES += [(m, "fsdp", k) for m in ("gpt:tiny", "bert-sgmoe:tiny") for k in (1, 2)]  # sharded
+# fsdp gathering in buckets of ~4 kB (each issued as the one before it is first used, the
+# backward's again in reverse), and sharded storage whose gathered weights are held to the
+# backward (no reshard)
+CASES += [("gpt:tiny", "fsdp-small-buckets", 2), ("bert-sgmoe:tiny", "fsdp-kept", 2)]
+BUCKETS = {"fsdp-small-buckets": 4096}  # bucket_bytes by strategy name (default: DDP's)
 
 
 def batch_of(spec, seed=1):
@@ -41,6 +47,9 @@ def reference(name: str, world: int):
 def one_d_strategy(graph, name: str, world: int, k: int):
     """A strategy over every rank: searched, every op replicated (as the search ranks it), or
     fixed by name."""
+    if name.startswith("fsdp-"):
+        return fixed_strategy("fsdp", graph, world) if name == "fsdp-small-buckets" else \
+            sharded_storage(graph, fixed_strategy("ddp", graph, world), world)
     if name == "replicated":
         return replicated_plan(Search(graph, world, load_profile("v100-8x8-10gbps"), SearchOptions(k=k)))
     return (search(graph, world, load_profile("v100-8x8-10gbps"), SearchOptions(k=k)).strategy
@@ -59,14 +68,16 @@ def distributed_grads(rank, world, cases, make_strategy=one_d_strategy):
         if strategy is None:
             continue
         out[(name, strategy_name, k)] = one_step(model, graph, strategy, world, k, name,
-                                                 batch_of(spec))
+                                                 batch_of(spec),
+                                                 BUCKETS.get(strategy_name, BUCKET_BYTES))
     return out
 
 
-def one_step(model, graph, strategy, world: int, k: int, name: str, batch):
+def one_step(model, graph, strategy, world: int, k: int, name: str, batch,
+             bucket_bytes: int = BUCKET_BYTES):
     """(loss, whole gradients by parameter name, the strategy as text) after one step of the
     executor without update, on this rank."""
-    program = lower(graph, strategy, world, k, name)
+    program = lower(graph, strategy, world, k, name, bucket_bytes)
     ex = Executor(graph, strategy, program, dict(model.named_parameters(remove_duplicate=False)),
                   buffers=dict(model.named_buffers()))
     inputs = dict(zip([n.source for n in graph.user_inputs], batch))

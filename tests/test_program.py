@@ -5,7 +5,7 @@ import pytest
 
 from hidup.program import buckets as buckets_module
 from hidup.graph.placement import R
-from hidup.strategy import data_parallel, fully_sharded, megatron
+from hidup.strategy import data_parallel, fully_sharded, megatron, sharded_storage
 from hidup.program import Compute, Convert, LoweringError, Wait, lower
 
 
@@ -73,8 +73,11 @@ def test_the_first_bucket_is_small_as_in_ddp(tiny_graphs, monkeypatch):
 
 def test_sharded_parameters_are_gathered_and_scattered_in_buckets_like_fsdp(tiny_graphs):
     """fsdp's parameters are all-gathered in buckets of about `bucket_bytes` (gathered) in the
-    order of their first use, once per step whatever k; their gradients reduce-scattered in
-    buckets; every parameter in one of each; one collective per parameter with buckets off."""
+    order of their first use, once per step whatever k, each bucket issued before its first use
+    and no earlier than the one before it is needed; gathered again for the backward in the
+    reverse order (fsdp reshards after the forward; sharded storage without reshard does not);
+    their gradients reduce-scattered in buckets; every parameter in one of each; one collective
+    per parameter with buckets off."""
     _, _, graph = tiny_graphs["gpt:tiny"]
     sizes = {p.name: p.out.nbytes for p in graph.params}
     sharded = [p for p in sizes if fully_sharded(graph, 2).home(p) != R]
@@ -84,7 +87,19 @@ def test_sharded_parameters_are_gathered_and_scattered_in_buckets_like_fsdp(tiny
             first_use.setdefault(t, i)
     for k in (1, 2):
         prog = lower(graph, fully_sharded(graph, 2), 2, k=k, bucket_bytes=20_000)
-        gathers = [t for t in prog.collectives if t.kind == "all_gather"]
+        gathers = [t for t in prog.collectives if t.kind == "all_gather" and t.phase == "fwd"]
+        again = [t for t in prog.collectives if t.kind == "all_gather" and t.phase == "bwd"]
+        assert [t.outputs for t in again] == [
+            tuple(key + "+again" for key in t.outputs) for t in reversed(gathers)]
+        first_compute = {}  # a bucket is issued before its first use, after the one before's
+        for i, task in enumerate(prog.tasks):
+            if isinstance(task, Compute):
+                for key in task.inputs:
+                    first_compute.setdefault(key, i)
+        used = [first_compute[t.outputs[0]] for t in gathers]
+        for j, bucket in enumerate(gathers):
+            assert bucket.id < used[max(j - 1, 0)]  # before the one before it is first used
+            assert j < 2 or bucket.id > used[j - 2]  # and not before the one two back is
         scatters = [t for t in prog.collectives if t.kind == "reduce_scatter"]
         gathered = [key.split("@")[0] for t in gathers for key in t.outputs]
         assert gathered == sorted(sharded, key=first_use.get)  # each once, in order of use
@@ -96,7 +111,11 @@ def test_sharded_parameters_are_gathered_and_scattered_in_buckets_like_fsdp(tiny
         assert 1 < len(gathers) < len(sharded) and 1 < len(scatters) < len(sharded)
         assert all(t.mb is None for t in gathers + scatters)
     plain = lower(graph, fully_sharded(graph, 2), 2, k=1, bucket_bytes=0).collectives
-    assert sum(t.kind == "all_gather" for t in plain) == len(sharded)
+    assert sum(t.kind == "all_gather" for t in plain) == 2 * len(sharded)
+    kept = sharded_storage(graph, data_parallel(graph, 2), 2)
+    assert not kept.reshard and fully_sharded(graph, 2).reshard == set(sharded)
+    assert not [t for t in lower(graph, kept, 2, k=2).collectives
+                if t.kind == "all_gather" and t.phase == "bwd"]
 
 
 def test_every_collective_is_waited_before_the_update(tiny_graphs):

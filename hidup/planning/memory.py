@@ -13,7 +13,8 @@ tensors are counted at `itemsize` too: bool masks and int32 over, int64 indices 
   its first write and freed after its last read; a final parameter gradient lives until the
   'update' task has run.
 - activations: a forward Compute's output, or a forward Convert's (allocated when the collective
-  is issued), is freed after its last read; autograd also keeps a forward node's inputs and output
+  is issued), is freed after its last read; autograd also keeps a forward node's inputs (as its backward reads them: a weight freed
+  after the forward is the one gathered again) and output
   until that node's backward task for the same micro-batch has run. Loss values live all step.
 Not modelled: tensors autograd saves inside one op (softmax outputs, dropout masks), transient
 buffers of a task (an accumulation's sum, a gather's staging copy, the optimizer's temporaries:
@@ -110,8 +111,8 @@ def _scan(program: Program) -> tuple[dict[str, int], dict[str, int], dict[str, i
         elif t.phase == "bwd":
             _written(numel, first, zip(t.outputs, t.in_shapes), i)
             fwd = saved.pop((t.node, t.mb), None)
-            if fwd is not None:
-                for key in fwd.inputs:
+            if fwd is not None:  # what the forward read, as the backward reads it (a weight
+                for key in t.inputs[1:]:  # freed after the forward: gathered again)
                     last[key] = i
                 last[fwd.outputs[0]] = i
     return numel, first, last

@@ -132,7 +132,8 @@ def save_plan(path: Path, graph: Graph | None, strategy: Strategy, world: int, m
            "inputs": [{"shape": list(m.shape), "dtype": m.dtype} for m in inputs or ()],
            "strategy": strategy.name,
            "placements": {n: str(p) for n, p in strategy.placements.items()},
-           "options": {n: str(o) for n, o in strategy.options.items()}}
+           "options": {n: str(o) for n, o in strategy.options.items()},
+           "reshard": sorted(strategy.reshard)}
     Path(path).write_text(json.dumps(doc, indent=1) + "\n")
 
 
@@ -177,7 +178,8 @@ def load_plan(path: Path, graph: Graph | None, world: int, cluster: str | None =
                  f"python -m hidup.planner --cluster {cluster} to get its best plan",)
     strategy = Strategy(doc.get("strategy", Path(path).stem),
                         {n: parse_placement(p) for n, p in doc["placements"].items()},
-                        {n: parse_option(o) for n, o in doc["options"].items()}, notes, machines)
+                        {n: parse_option(o) for n, o in doc["options"].items()}, notes, machines,
+                        frozenset(doc.get("reshard", ())))
     if graph is not None:
         check(graph, strategy)
     return strategy

@@ -42,7 +42,8 @@ class Ranked(NamedTuple):
 
     step_time: float  # the fast estimate's (s)
     name: str  # search#j, search-k1#j, search-2d#j, exact#0, search-replicated#0 (+sharded:
-    #   its parameters stored sharded), or a baseline's
+    #   its parameters stored sharded; +resharded: also gathered again for the backward), or a
+    #   baseline's
     strategy: Strategy
     dp_cost: float  # the programme's own price of it (nan for a baseline)
     estimate: Estimate
@@ -161,7 +162,8 @@ def _far_behind(price: float, least: float) -> bool:
 
 
 def _plan_key(strategy: Strategy) -> tuple:
-    return strategy.machines, tuple(strategy.placements.items()), tuple(strategy.options.items())
+    return (strategy.machines, tuple(strategy.placements.items()),
+            tuple(strategy.options.items()), tuple(sorted(strategy.reshard)))
 
 
 def _orders(k: int, objective: str) -> list[tuple]:
@@ -209,13 +211,23 @@ class Ranking:
         """Rank the plan and, where it keeps some parameter whole, the same plan with every such
         parameter stored sharded (NAME+sharded; hidup.strategy.sharded_storage): where a
         parameter lives is the search's decision too, priced by the estimate (gathers before
-        use, gradients reduce-scattered) and held to memory (state on the shards). Whether
-        each fits, per count: either variant's."""
+        use, gradients reduce-scattered) and held to memory (state on the shards). Where that
+        does not fit with some count, also with each gathered weight freed after the forward and
+        gathered again for the backward (NAME+resharded). Whether each count fits: any
+        variant's."""
         tried = dict(self.add(strategy, name, dp_cost, counts))
-        sharded = sharded_storage(self.graph, strategy, self.world // strategy.machines)
-        if sharded is not strategy:
-            for kk, fits in self.add(sharded, f"{name}+sharded", dp_cost, counts).items():
-                tried[kk] = tried.get(kk, False) or fits
+        ranks = self.world // strategy.machines
+        sharded = sharded_storage(self.graph, strategy, ranks)
+        if sharded is strategy:
+            return tried
+        kept = self.add(sharded, f"{name}+sharded", dp_cost, counts)
+        variants = [kept]
+        if not all(kept.values()):
+            variants.append(self.add(sharded_storage(self.graph, strategy, ranks, reshard=True),
+                                     f"{name}+resharded", dp_cost, counts))
+        for fits in variants:
+            for kk, ok in fits.items():
+                tried[kk] = tried.get(kk, False) or ok
         return tried
 
     def add(self, strategy: Strategy, name: str, dp_cost: float, counts: list[int] | None = None,

@@ -56,9 +56,11 @@ class GradientBuckets:
             self.pending.setdefault(key, []).append(task.id)
 
     # -- sharded storage: parameters gathered before use, gradients scattered into the shards --
-    def gather_params(self) -> set[str]:
-        """All-gather the parameters stored sharded that some op reads whole, in buckets of
-        about `bucket_bytes` gathered, in the order of their first use; return their names."""
+    def plan_gathers(self) -> set[str]:
+        """Split the parameters stored sharded that some op reads whole into buckets of about
+        `bucket_bytes` gathered, in the order of their first use (one placement per bucket);
+        issue the first. Each later bucket is issued when the one before it is first needed
+        (gather_for: one bucket prefetched, as FSDP does). Return their names."""
         first_use = {}
         for i, node in enumerate(self.g.ops):
             for t in node.inputs:
@@ -66,19 +68,44 @@ class GradientBuckets:
         names = sorted((p.name for p in self.g.params
                         if isinstance(self.home(p.name), Shard) and R in self.converted(p.name)),
                        key=lambda t: first_use.get(t, -1))
-        bucket: list[str] = []
-        for t in names + [None]:
-            if bucket and (t is None or self.home(t) != self.home(bucket[0]) or sum(
-                    self.nbytes(b, R) for b in bucket) >= self.bucket_bytes):
-                home = self.home(bucket[0])
-                self.emit_bucket("all_gather", bucket, home, R, "fwd",
-                                 [vkey(b, home, None) for b in bucket],
-                                 [vkey(b, R, None) for b in bucket],
-                                 [self.shape(b, home) for b in bucket])
-                bucket = []
-            if t is not None:
-                bucket.append(t)
+        self.gather_buckets: list[list[str]] = []
+        for t in names:
+            bucket = self.gather_buckets[-1] if self.gather_buckets else None
+            if bucket is None or self.home(t) != self.home(bucket[0]) or sum(
+                    self.nbytes(b, R) for b in bucket) >= self.bucket_bytes:
+                self.gather_buckets.append(bucket := [])
+            bucket.append(t)
+        self.bucket_of = {t: i for i, bucket in enumerate(self.gather_buckets) for t in bucket}
+        self.regather = {t for t in names if t in self.s.reshard}
+        self.issued: set[tuple[str, int]] = set()
+        if self.gather_buckets:
+            self.gather_for([self.gather_buckets[0][0]], "fwd")
         return set(names)
+
+    def gather_for(self, tensors, phase: str) -> None:
+        """Issue the gather buckets of these tensors that are not yet issued in this phase, and
+        the next bucket after them in the phase's order (the backward's is the reverse)."""
+        step = 1 if phase == "fwd" else -1
+        needed = sorted({self.bucket_of[t] for t in tensors if t in self.bucket_of and (
+            phase == "fwd" or t in self.regather)}, reverse=step < 0)
+        for j in needed + [needed[-1] + step] if needed else ():
+            if 0 <= j < len(self.gather_buckets) and (phase, j) not in self.issued:
+                self.issued.add((phase, j))
+                self.gather_bucket(self.gather_buckets[j], phase)
+
+    def gather_bucket(self, bucket: list[str], phase: str) -> None:
+        names = [t for t in bucket if phase == "fwd" or t in self.regather]
+        if not names:
+            return
+        home = self.home(names[0])
+        self.emit_bucket("all_gather", names, home, R, phase,
+                         [vkey(t, home, None) for t in names],
+                         [self.gathered_key(t, phase) for t in names],
+                         [self.shape(t, home) for t in names])
+
+    def gathered_key(self, t: str, phase: str) -> str:
+        """The key of parameter t gathered whole: for the forward, or again for the backward."""
+        return vkey(t, R, None) + ("+again" if phase == "bwd" else "")
 
     def scatter_grad(self, t: str, p: Placement, home: Placement) -> None:
         """Parameter t's gradient, complete as a partial sum of its whole (read as p), joins the

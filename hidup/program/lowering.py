@@ -195,7 +195,7 @@ class Lowering(MicroBatches, GradientBuckets):
                 for t, p, q in zip(node.inputs, opt.inputs, mb_opt.inputs)]
 
     def forward(self) -> list[str]:
-        gathered = self.gather_params()  # in buckets
+        gathered = self.plan_gathers()  # in buckets, each issued before its first use
         for node in self.g.nodes:
             if node.kind != "op":
                 for m in self.mbs(node.name):
@@ -219,6 +219,7 @@ class Lowering(MicroBatches, GradientBuckets):
         for t, p, q in zip(node.inputs, opt.inputs, mb_opt.inputs):
             if self.mb_converted(t, q):
                 self.emit_mb_conversion(t, p, q, m)
+        self.gather_for(node.inputs, "fwd")
         keys = self.in_keys(node, m)
         for key in keys:
             self.wait_for(key)
@@ -290,7 +291,13 @@ class Lowering(MicroBatches, GradientBuckets):
         opt, mb_opt = self.s.options[node.name], self.mbs_split.options[node.name]
         grad_in = self.out_grad(node.name, m)
         self.wait_for(grad_in)
-        fwd_keys = tuple(self.in_keys(node, m))
+        self.gather_for(node.inputs, "bwd")
+        fwd_keys = tuple(  # what the forward read: a parameter resharded after it, gathered again
+            self.gathered_key(t, "bwd") if t in self.regather and p == R else key
+            for t, p, key in zip(node.inputs, opt.inputs, self.in_keys(node, m)))
+        for t, key in zip(node.inputs, fwd_keys):
+            if t in self.regather:
+                self.wait_for(key)
         outs, root, done = [], [], []
         for t, p, q in zip(node.inputs, opt.inputs, mb_opt.inputs):
             if t not in self.has_grad:

@@ -11,6 +11,7 @@ per-task Python is left at run time. Every graph node carries its task's id
 (hidup.runtime.passes)."""
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +57,7 @@ class _TaskRunner:
         self.world, self.k = self.p.mesh[1], self.p.k
         self.machine, self.rank = divmod(spec.rank, self.world)
         self.mbs = microbatch_split(self.g, self.k, machines=self.p.machines)
-        self.backward_of = {(t.node, t.mb) for t in self.p.tasks if isinstance(t, Compute)
+        self.backward_of = {(t.node, t.mb): t for t in self.p.tasks if isinstance(t, Compute)
                             and t.phase == "bwd" and t.op != "hidup.ones"}
         # where micro-batches are joined, each one's part of the batch is a piece of every
         # rank's block (shard_of), so that joined they make this rank's shard
@@ -135,7 +136,7 @@ class _TaskRunner:
         differentiated = (task.node, task.mb) in self.backward_of
         leaves = [x.detach().requires_grad_(True) if differentiated and x.is_floating_point()
                   else x for x in (self.env[key] for key in task.inputs)]
-        with torch.enable_grad(), self.autocast():
+        with torch.enable_grad(), self.autocast(), self.regathered(task, leaves):
             out = self.callable(task, node)(leaves)
         if self.spec.autocast is not None and out.is_floating_point():
             out = out.float()  # values, collectives and gradients stay float32
@@ -146,6 +147,31 @@ class _TaskRunner:
             self.saved[(task.node, task.mb)] = (leaves, out)
             self.env.keep(*leaves, out)
         self.env[task.outputs[0]] = out.detach()
+
+    def regathered(self, task: Compute, leaves):
+        """Where the backward reads an input under another key than the forward (a weight freed
+        after the forward and gathered again), what autograd saves of that input (it, or a view
+        of it) is kept as its layout only and rebuilt from the value gathered again when the
+        backward unpacks it: the weight gathered for the forward is freed after its last use."""
+        bwd = self.backward_of.get((task.node, task.mb))
+        swapped = [i for i, (a, b) in enumerate(zip(task.inputs, bwd.inputs[1:])) if a != b] \
+            if bwd is not None else []
+        if not swapped:
+            return nullcontext()
+
+        def pack(x):
+            for i in swapped:
+                if x is leaves[i] or x._base is leaves[i]:
+                    return i, tuple(x.shape), x.stride(), x.storage_offset()
+            return x
+
+        def unpack(saved):
+            if not isinstance(saved, tuple):
+                return saved
+            i, size, stride, offset = saved
+            return self.env[bwd.inputs[1 + i]].as_strided(size, stride, offset)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     def autocast(self):
         if self.spec.autocast is None:

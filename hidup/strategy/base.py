@@ -22,6 +22,9 @@ class Strategy:
     options: dict[str, ShardingOption] = field(hash=False)  # op nodes
     notes: tuple[str, ...] = ()  # where it departs from what its name says, for the reports
     machines: int = 1  # mesh dim 0 (data parallel across); the placements are over mesh dim 1
+    # parameters stored sharded whose gathered weight is freed after the forward and gathered
+    # again for the backward (FSDP's reshard_after_forward), instead of held from one to the other
+    reshard: frozenset[str] = field(default=frozenset(), hash=False)
 
     def home(self, name: str) -> Placement:
         """Where a tensor lives after it is produced (before any conversion for a consumer)."""

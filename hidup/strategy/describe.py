@@ -65,10 +65,12 @@ def stored_sharded(graph: Graph, strategy: Strategy) -> list[str]:
 
 
 def storage(graph: Graph, strategy: Strategy) -> str:
-    """'; 9 of 9 parameters stored sharded (gathered before use)', or ''."""
+    """'; 9 of 9 parameters stored sharded (gathered before use)', with ', again for the
+    backward' where some are resharded after the forward; or ''."""
     sharded = stored_sharded(graph, strategy)
+    again = ", again for the backward" if strategy.reshard & set(sharded) else ""
     return f"; {len(sharded)} of {len(graph.params)} parameters stored sharded (gathered " \
-           f"before use)" if sharded else ""
+           f"before use{again})" if sharded else ""
 
 
 def uncovered(graph: Graph) -> str:

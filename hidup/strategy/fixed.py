@@ -50,7 +50,8 @@ def random_strategy(graph: Graph, world: int, rng, divide: int | None = None) ->
                                 if n.kind != "op"}, choices)
     # where each parameter kept whole lives: whole, or sharded (gathered before use)
     stored = {p.name for p in graph.params if rng.random() < 0.5}
-    return sharded_storage(graph, drawn, world, stored) if stored else drawn
+    return sharded_storage(graph, drawn, world, stored, reshard=rng.random() < 0.5) if stored \
+        else drawn
 
 
 def expert_parallel(graph: Graph, world: int, batch_dim: int = 0) -> Strategy:
@@ -95,19 +96,24 @@ def fully_sharded(graph: Graph, world: int, batch_dim: int = 0) -> Strategy:
     """FSDP (ZeRO-3), as torch.distributed.fsdp.fully_shard runs it: every op data parallel as
     in DDP, but each parameter kept sharded (sharded_storage): gathered once per step before its
     first use (an all-gather, whatever the number of micro-batches), its gradient
-    reduce-scattered into the shards, the optimizer's state and update on the shards."""
-    sharded = sharded_storage(graph, data_parallel(graph, world, batch_dim), world)
-    return Strategy("fsdp", sharded.placements, sharded.options, sharded.notes)
+    reduce-scattered into the shards, the optimizer's state and update on the shards; each
+    gathered weight freed after the forward and gathered again for the backward, as fully_shard
+    does by default."""
+    sharded = sharded_storage(graph, data_parallel(graph, world, batch_dim), world, reshard=True)
+    return Strategy("fsdp", sharded.placements, sharded.options, sharded.notes,
+                    reshard=sharded.reshard)
 
 
 def sharded_storage(graph: Graph, strategy: Strategy, world: int,
-                    params: set[str] | None = None) -> Strategy:
+                    params: set[str] | None = None, reshard: bool = False) -> Strategy:
     """`strategy` with every parameter it keeps whole on a machine's `world` ranks (of
     `params`, where given) stored sharded there instead (dim 0 where it divides by `world`, else its largest dim that does;
     whole where none does, with a note): the ops compute as before, the lowering gathers the
     parameter once per step before its first use and turns its gradient into the shard (a
     reduce-scatter of a partial sum, a slice of a whole one), and the optimizer's state and
-    update are on the shard. The same strategy where nothing changes."""
+    update are on the shard. With `reshard`, each such gathered weight is freed after its last
+    use in the forward and gathered again for the backward (FSDP's reshard_after_forward: less
+    memory, one more all-gather). The same strategy where nothing changes."""
     homes, whole, changed = dict(strategy.placements), [], False
     for param in graph.params:
         if homes.get(param.name, R) != R or params is not None and param.name not in params:
@@ -124,8 +130,9 @@ def sharded_storage(graph: Graph, strategy: Strategy, world: int,
     notes = (f"{len(whole)} of {len(graph.params)} parameters kept whole (no dim divides by "
              f"{world}): {', '.join(whole[:3])}{' ...' if len(whole) > 3 else ''}",) if whole \
         else ()
+    stored = {p.name for p in graph.params if homes.get(p.name) != strategy.placements.get(p.name)}
     return Strategy(strategy.name, homes, strategy.options, strategy.notes + notes,
-                    strategy.machines)
+                    strategy.machines, strategy.reshard | stored if reshard else strategy.reshard)
 
 
 FIXED = {"ddp": data_parallel, "fsdp": fully_sharded, "megatron": megatron,
@@ -199,7 +206,8 @@ def _as_named(name: str, graph: Graph, strategy: Strategy, world: int,
         more = f" and {len(whole) - 3} more" if len(whole) > 3 else ""
         note = (f"{len(whole)} of {len(weights)} linear weights replicated (no dim divides by "
                 f"{world}): {shapes}{more}")
-        strategy = Strategy(strategy.name, strategy.placements, strategy.options, (note,))
+        strategy = Strategy(strategy.name, strategy.placements, strategy.options, (note,),
+                            reshard=strategy.reshard)
     return strategy
 
 
