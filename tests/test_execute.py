@@ -154,3 +154,44 @@ def test_a_cuda_step_waits_for_nothing_on_the_host(tiny_graphs, mode):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(loss)
+
+
+_VIEWS = ("detach", "t", "transpose", "permute", "view", "_unsafe_view", "reshape", "expand",
+          "alias", "as_strided", "slice", "select", "unsqueeze", "squeeze")
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_a_weight_resharded_after_the_forward_is_not_read_by_the_backward(reshard):
+    """In the traced step of fsdp (reshard after forward), no backward task reads the weights
+    the forward gathered: what autograd saved of them is rebuilt from the weights gathered
+    again, so the forward's are freed after their last forward use. Kept to the backward
+    (sharded storage without reshard), the backward reads them."""
+    from hidup.runtime.step import trace_step
+    from hidup.strategy import sharded_storage
+
+    spec = get_model("gpt:tiny", gpus=2)
+    model = build_model(spec)
+    xs = list(spec.inputs(spec.batch, torch.Generator().manual_seed(0)))
+    graph = capture(model, xs)
+    strategy = fixed_strategy("fsdp", graph, 2) if reshard else \
+        sharded_storage(graph, fixed_strategy("ddp", graph, 2), 2)
+    program = lower(graph, strategy, 2, 2)
+    ex = Executor(graph, strategy, program, dict(model.named_parameters()), rank=0,
+                  local_collectives=True)
+    gm = trace_step(ex.spec, list(ex.params.values()), ex.buffers, xs, ex.lr, False)
+    fwd_gathers = {t.id for t in program.collectives if t.kind == "all_gather"
+                   and t.phase == "fwd"}
+    done = {t.id for t in program.tasks if isinstance(t, Wait) and t.collective in fwd_gathers}
+    backward = {t.id for t in program.tasks if getattr(t, "phase", "") == "bwd"
+                and not isinstance(t, Convert)}
+
+    def task(node):
+        return node.meta.get("custom", {}).get("task")
+    gathered = {n for n in gm.graph.nodes if task(n) in done}
+    for n in gm.graph.nodes:  # and what shares their storage (detached leaves, views of them)
+        if n.all_input_nodes and n.all_input_nodes[0] in gathered and \
+                str(n.target).split(".")[-2:-1] in [[v] for v in _VIEWS]:
+            gathered.add(n)
+    read = [n for n in gm.graph.nodes if task(n) in backward
+            and any(a in gathered for a in n.all_input_nodes)]
+    assert gathered and bool(read) != reshard, read[:3]
