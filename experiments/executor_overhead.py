@@ -119,7 +119,7 @@ def contestants(name: str, k: int, precision: str, modes, device, world: int, ra
     for plan_name in args.plans:
         plan, kk = _plan(plan_name, model, graph, example, world, k, args)
         program = lower(graph, plan, world, kk, name, optimizer=args.optimizer)
-        log.info("%s: lowered peak %s", plan_name, peak_memory(program))
+        log.info("%s, lowered: %s", plan_name, peak_memory(program))
         tag = "hidup" if plan_name == "ddp" else f"hidup {plan_name}"
         for mode in modes:
             if args.optimizer == "adamw":  # the user's torch.optim optimizer on the shards

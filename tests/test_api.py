@@ -101,8 +101,9 @@ def test_own_model_with_adamw_trains_as_on_one_device(world):
 
 
 def _plan_named(how: str, model, world: int):
-    """A searched plan, a 2-D one (dp-megatron: 2 machines), or a fixed strategy's name."""
-    if how == "dp-megatron":
+    """A searched plan, a 2-D one (dp-megatron, fsdp+tp: 2 machines), or a fixed strategy's
+    name."""
+    if how in ("dp-megatron", "fsdp+tp"):
         from hidup.api import Plan
         from hidup.graph.capture import capture
         from hidup.strategy import fixed_strategy
@@ -173,7 +174,8 @@ def _resume(rank, world, folder, steps, how):
 
 @pytest.mark.parametrize("saved, world_saved, resumed, world_resumed", [
     ("ddp", 2, "megatron", 4), ("megatron", 2, "searched", 4), ("searched", 4, "ddp", 2),
-    ("dp-megatron", 4, "megatron", 2), ("ddp", 2, "dp-megatron", 4), ("fsdp", 2, "megatron", 4)])
+    ("dp-megatron", 4, "megatron", 2), ("ddp", 2, "dp-megatron", 4), ("fsdp", 2, "megatron", 4),
+    ("fsdp+tp", 4, "ddp", 2), ("fsdp", 2, "fsdp+tp", 4)])
 def test_checkpoint_resumes_under_another_plan_and_world_size(tmp_path, saved, world_saved,
                                                               resumed, world_resumed):
     want_losses, want_weights = eager()

@@ -153,6 +153,9 @@ def test_bf16_autocast_matches_single_device_within_bf16_tolerance():
 MESH_CASES = [("gpt:tiny", "dp-megatron", 1), ("gpt:tiny", "dp-megatron", 2),
               ("bert-sgmoe:tiny", "dp-expert", 2), ("gpt:tiny", "search-2d", 2),
               ("bert-sgmoe:tiny", "search-2d", 1)]
+# FSDP across the machines and Megatron inside (parameters stored sharded over the mesh column)
+MESH_CASES += [("gpt:tiny", "fsdp+tp", 1), ("gpt:tiny", "fsdp+tp", 2),
+               ("bert-sgmoe:tiny", "fsdp+tp", 2)]
 MESH_CASES += [(m, f"random-{seed}", 1 + seed % 2) for m in ("gpt:tiny", "bert-sgmoe:tiny")
                for seed in range(4)]
 
@@ -177,8 +180,8 @@ def mesh_strategy(graph, name: str, world: int, k: int):
 
 @pytest.mark.slow
 def test_2d_mesh_plans_match_single_device():
-    """2 machines x 2 ranks: dp-megatron, dp-expert, plans searched on the mesh and random
-    strategies inside each machine, Duplex on and off, equal single-device training."""
+    """2 machines x 2 ranks: dp-megatron, dp-expert, fsdp+tp, plans searched on the mesh and
+    random strategies inside each machine, Duplex on and off, equal single-device training."""
     results = run_ranks(4, distributed_grads, MESH_CASES, mesh_strategy)
     assert sum(case[1].startswith("random") for case in results[0]) >= 4, results[0].keys()
     refs = {name: reference(name, 4) for name in {case[0] for case in MESH_CASES}}

@@ -133,7 +133,7 @@ def save_plan(path: Path, graph: Graph | None, strategy: Strategy, world: int, m
            "strategy": strategy.name,
            "placements": {n: str(p) for n, p in strategy.placements.items()},
            "options": {n: str(o) for n, o in strategy.options.items()},
-           "reshard": sorted(strategy.reshard)}
+           "reshard": sorted(strategy.reshard), "across": dict(strategy.across)}
     Path(path).write_text(json.dumps(doc, indent=1) + "\n")
 
 
@@ -179,10 +179,20 @@ def load_plan(path: Path, graph: Graph | None, world: int, cluster: str | None =
     strategy = Strategy(doc.get("strategy", Path(path).stem),
                         {n: parse_placement(p) for n, p in doc["placements"].items()},
                         {n: parse_option(o) for n, o in doc["options"].items()}, notes, machines,
-                        frozenset(doc.get("reshard", ())))
+                        frozenset(doc.get("reshard", ())), _across(path, doc))
     if graph is not None:
         check(graph, strategy)
     return strategy
+
+
+def _across(path, doc: dict) -> dict[str, int]:
+    """The plan's parameters stored sharded across the machines: {name: dim}."""
+    across = doc.get("across", {})
+    if not (isinstance(across, dict) and all(isinstance(d, int) and not isinstance(d, bool)
+                                             and d >= 0 for d in across.values())):
+        raise PlanError(f"plan file {path}: \"across\" {across!r} is not {{parameter: dim}}; "
+                        f"make the plan again with python -m hidup.planner --out")
+    return across
 
 
 def _machines(path, doc: dict, world: int) -> int:

@@ -24,7 +24,7 @@ from hidup.planning.exact import exact_plan
 from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import check
 from hidup.planning.programme import Search, SearchOptions, programme, replicated_plan
-from hidup.strategy import Strategy, sharded_storage
+from hidup.strategy import Strategy, sharded_storage, stored_across
 from hidup.program.lowering import lower
 from hidup.program.tasks import LoweringError
 
@@ -163,7 +163,8 @@ def _far_behind(price: float, least: float) -> bool:
 
 def _plan_key(strategy: Strategy) -> tuple:
     return (strategy.machines, tuple(strategy.placements.items()),
-            tuple(strategy.options.items()), tuple(sorted(strategy.reshard)))
+            tuple(strategy.options.items()), tuple(sorted(strategy.reshard)),
+            tuple(sorted(strategy.across.items())))
 
 
 def _orders(k: int, objective: str) -> list[tuple]:
@@ -213,18 +214,23 @@ class Ranking:
         parameter lives is the search's decision too, priced by the estimate (gathers before
         use, gradients reduce-scattered) and held to memory (state on the shards). Where that
         does not fit with some count, also with each gathered weight freed after the forward and
-        gathered again for the backward (NAME+resharded). Whether each count fits: any
-        variant's."""
+        gathered again for the backward (NAME+resharded). On a 2-D mesh, also with its
+        parameters stored sharded across the machines (NAME+across; hidup.strategy.
+        stored_across). Whether each count fits: any variant's."""
         tried = dict(self.add(strategy, name, dp_cost, counts))
         ranks = self.world // strategy.machines
+        variants = []
+        if strategy.machines > 1:  # stored sharded across the machines (NAME+across)
+            variants.append(self.add(stored_across(self.graph, strategy, ranks),
+                                     f"{name}+across", dp_cost, counts))
         sharded = sharded_storage(self.graph, strategy, ranks)
-        if sharded is strategy:
-            return tried
-        kept = self.add(sharded, f"{name}+sharded", dp_cost, counts)
-        variants = [kept]
-        if not all(kept.values()):
-            variants.append(self.add(sharded_storage(self.graph, strategy, ranks, reshard=True),
-                                     f"{name}+resharded", dp_cost, counts))
+        if sharded is not strategy:
+            kept = self.add(sharded, f"{name}+sharded", dp_cost, counts)
+            variants.append(kept)
+            if not all(kept.values()):
+                variants.append(self.add(
+                    sharded_storage(self.graph, strategy, ranks, reshard=True),
+                    f"{name}+resharded", dp_cost, counts))
         for fits in variants:
             for kk, ok in fits.items():
                 tried[kk] = tried.get(kk, False) or ok

@@ -8,13 +8,59 @@ from __future__ import annotations
 import math
 
 from hidup.graph.placement import Partial, Placement, R, Shard
-from hidup.program.tasks import FIRST_BUCKET_BYTES, Compute, Convert, Wait, gkey, vkey
+from hidup.program.tasks import (FIRST_BUCKET_BYTES, Compute, Convert, LoweringError, Wait,
+                                 gkey, stored_key, vkey)
+
+GATHER_BUCKETS = 8  # a step's gathers are split into about this many buckets or more
 
 
 class GradientBuckets:
     """Lowering's gradient reductions and update. It reads the Lowering's machines, buckets,
     bucket_bytes, flushed, final, scopes, optimizer, tasks, pending and waited, and calls its
     home, gplace, shape, nbytes, wait_for and add."""
+
+    # -- storage across the machines (a 2-D mesh's dim 0) ---------------------------------------
+    def gather_across(self) -> None:
+        """Parameters stored sharded across the machines: all-gathered over the mesh column at
+        the start of the step into their machine's piece, in buckets (one dim per bucket)."""
+        bucket: list[str] = []
+        for t in [p.name for p in self.g.params if p.name in self.across] + [None]:
+            if bucket and (t is None or self.across[t] != self.across[bucket[0]] or sum(
+                    self.nbytes(b, self.home(b)) for b in bucket) >= self.bucket_bytes):
+                self.emit_bucket("all_gather", bucket, Shard(self.across[bucket[0]]), R, "fwd",
+                                 [stored_key(b, self.home(b), True) for b in bucket],
+                                 [vkey(b, self.home(b), None) for b in bucket],
+                                 [self.stored_shape(b) for b in bucket], scope="column",
+                                 nbytes=sum(self.nbytes(b, self.home(b)) for b in bucket))
+                bucket = []
+            if t is not None:
+                bucket.append(t)
+
+    def check_across(self) -> None:
+        """Storage across the machines needs a 2-D mesh, a parameter, a dim of its machine's
+        piece that the machines divide, and a gradient whole on a machine (summed across)."""
+        params = {p.name for p in self.g.params}
+        for t, d in self.across.items():
+            shape = self.shape(t, self.home(t)) if t in params else ()
+            why = "the mesh has one machine" if self.machines == 1 else \
+                "it is not a parameter" if t not in params else \
+                f"dim {d} of its machine's piece {list(shape)} does not split into " \
+                f"{self.machines}" if d >= len(shape) or shape[d] % self.machines else \
+                f"its machine's ranks split dim {d} already (a checkpoint's DTensor would " \
+                f"read the two splits in the other order)" if self.home(t) == Shard(d) else \
+                "its gradient is a partial sum inside a machine" if isinstance(
+                    self.gplace(t, self.home(t)), Partial) else ""
+            if why:
+                raise LoweringError(f"strategy {self.s.name}: parameter {t} cannot be stored "
+                                    f"sharded across the machines: {why}; keep it whole there")
+
+    def stored_shape(self, t: str) -> tuple[int, ...]:
+        """The shape of parameter t's stored shard on a rank (of its machine's piece, stored
+        across the machines: that piece's part)."""
+        shape = list(self.shape(t, self.home(t)))
+        if t in self.across:
+            shape[self.across[t]] //= self.machines
+        return tuple(shape)
 
     def param_grad(self, t: str, home: Placement) -> None:
         """Parameter t's gradient is complete on this machine: a partial sum over its ranks goes
@@ -26,7 +72,10 @@ class GradientBuckets:
             self.final[t] = key
             return
         self.final[t] = "grad:" + t
-        scope = "world" if partial else "column"
+        scope = "world" if partial else "across" if t in self.across else "column"
+        if scope == "across" and self.buckets[scope] and \
+                self.across[self.buckets[scope][0]] != self.across[t]:
+            self.flush_bucket(scope)  # one dim per reduce-scatter bucket
         bucket = self.buckets[scope]
         bucket.append(t)
         # DDP's first bucket is small, so that communication starts early in the backward
@@ -42,6 +91,14 @@ class GradientBuckets:
         if not names:
             return
         homes = [self.home(p) for p in names]
+        if scope == "across":  # reduce-scattered over the column into the stored shards
+            return self.emit_bucket("reduce_scatter", names, Partial(),
+                                    Shard(self.across[names[0]]), "bwd",
+                                    [gkey(p, h, None) for p, h in zip(names, homes)],
+                                    ["grad:" + p for p in names],
+                                    [self.shape(p, h) for p, h in zip(names, homes)],
+                                    scope="column",
+                                    nbytes=sum(self.nbytes(p, h) for p, h in zip(names, homes)))
         for p, h in zip(names, homes):
             self.wait_for(gkey(p, h, None))
         group, groups = self.scopes[scope]
@@ -58,7 +115,9 @@ class GradientBuckets:
     # -- sharded storage: parameters gathered before use, gradients scattered into the shards --
     def plan_gathers(self) -> set[str]:
         """Split the parameters stored sharded that some op reads whole into buckets of about
-        `bucket_bytes` gathered, in the order of their first use (one placement per bucket);
+        `bucket_bytes` gathered, or an eighth of all (GATHER_BUCKETS; at least
+        FIRST_BUCKET_BYTES) where that is less, so that one bucket's gather runs while the
+        layers before compute; in the order of their first use (one placement per bucket);
         issue the first. Each later bucket is issued when the one before it is first needed
         (gather_for: one bucket prefetched, as FSDP does). Return their names."""
         first_use = {}
@@ -69,10 +128,12 @@ class GradientBuckets:
                         if isinstance(self.home(p.name), Shard) and R in self.converted(p.name)),
                        key=lambda t: first_use.get(t, -1))
         self.gather_buckets: list[list[str]] = []
+        cap = min(self.bucket_bytes, max(FIRST_BUCKET_BYTES, sum(
+            self.nbytes(t, R) for t in names) // GATHER_BUCKETS))
         for t in names:
             bucket = self.gather_buckets[-1] if self.gather_buckets else None
             if bucket is None or self.home(t) != self.home(bucket[0]) or sum(
-                    self.nbytes(b, R) for b in bucket) >= self.bucket_bytes:
+                    self.nbytes(b, R) for b in bucket) >= cap:
                 self.gather_buckets.append(bucket := [])
             bucket.append(t)
         self.bucket_of = {t: i for i, bucket in enumerate(self.gather_buckets) for t in bucket}
@@ -134,15 +195,18 @@ class GradientBuckets:
             self.contributed(t, home, None)
 
     def emit_bucket(self, kind: str, names: list[str], src: Placement, dst: Placement,
-                    phase: str, in_keys: list[str], out_keys: list[str], shapes) -> None:
-        """One collective over the tensors `names` (one of them: a plain conversion)."""
-        nbytes = sum(max(self.nbytes(t, R), self.nbytes(t, dst)) for t in names)
+                    phase: str, in_keys: list[str], out_keys: list[str], shapes,
+                    scope: str = "row", nbytes: int | None = None) -> None:
+        """One collective over the tensors `names` (one of them: a plain conversion) in the
+        scope's groups; `nbytes`: their whole size (default: each gathered on a machine)."""
+        if nbytes is None:
+            nbytes = sum(max(self.nbytes(t, R), self.nbytes(t, dst)) for t in names)
         if len(names) == 1:
             return self.emit_convert(kind, names[0], src, dst, phase, None, in_keys[0],
-                                     out_keys[0], shapes[0], nbytes)
+                                     out_keys[0], shapes[0], nbytes, scope=scope)
         for key in in_keys:
             self.wait_for(key)
-        group, groups = self.scopes["row"]
+        group, groups = self.scopes[scope]
         task = Convert(len(self.tasks), kind, f"bucket({names[0]}..{names[-1]})", src, dst,
                        phase, None, shapes[0], nbytes, group, tuple(in_keys), tuple(out_keys),
                        (), groups, in_shapes=tuple(shapes))
@@ -156,7 +220,7 @@ class GradientBuckets:
             self.flush_bucket(scope)
         for key in self.final.values():
             self.wait_for(key)
-        numel = sum(math.prod(self.shape(p, self.home(p))) for p in self.final)
+        numel = sum(math.prod(self.stored_shape(p)) for p in self.final)
         opt = self.optimizer  # one kernel over the local parameter shards, costed per element
         self.add(Compute(len(self.tasks), "", opt.op, "update", None, float(opt.flops * numel),
                          float(opt.bytes * numel), (), (), tuple(self.final.values()), ()))

@@ -36,7 +36,7 @@ class Lowering(MicroBatches, GradientBuckets):
         self.world = world // self.machines  # what the placements split over: a machine's ranks
         self.optimizer = optimizer_cost(optimizer)
         self.bucket_bytes, self.flushed = bucket_bytes, set()
-        self.buckets: dict[str, list[str]] = {"world": [], "column": []}
+        self.buckets: dict[str, list[str]] = {"world": [], "column": [], "across": []}
         self.scattered: list[tuple[str, Placement]] = []  # gradients awaiting a reduce-scatter
         self.mbs_split = microbatch_split(graph, k, machines=self.machines)
         self.parts = k * self.machines
@@ -84,6 +84,8 @@ class Lowering(MicroBatches, GradientBuckets):
         for _, t in graph.updates:  # the value written into a buffer: whole on every rank
             self.uses[t].append((None, 0, R))
         self._grad_analysis()
+        self.across = dict(strategy.across)
+        self.check_across()
 
     def add(self, task: Task) -> None:
         self.tasks.append(task)
@@ -195,6 +197,7 @@ class Lowering(MicroBatches, GradientBuckets):
                 for t, p, q in zip(node.inputs, opt.inputs, mb_opt.inputs)]
 
     def forward(self) -> list[str]:
+        self.gather_across()
         gathered = self.plan_gathers()  # in buckets, each issued before its first use
         for node in self.g.nodes:
             if node.kind != "op":

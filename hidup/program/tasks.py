@@ -213,6 +213,12 @@ def vkey(t: str, p: Placement, mb: int | None) -> str:
     return f"{t}@{p}/{'*' if mb is None else mb}"
 
 
+def stored_key(t: str, p: Placement, across: bool) -> str:
+    """The key of parameter t's stored shard: its machine's piece (home p), or, stored sharded
+    across the machines too, this machine's part of that piece."""
+    return f"{t}@{p}|across/*" if across else vkey(t, p, None)
+
+
 def gkey(t: str, p: Placement, mb: int | None) -> str:
     return "d" + vkey(t, p, mb)
 

@@ -15,7 +15,7 @@ from hidup.graph.placement import Partial, Placement, Shard
 from hidup.strategy import Strategy
 from hidup.program.tasks import MODES, Program, task_label
 from hidup.runtime.passes import inductor_segments, with_hooks
-from hidup.runtime.layout import shard_of
+from hidup.runtime.layout import param_shard
 from hidup.runtime.step import INPUT_TASK, StepSpec, trace_step
 
 log = logging.getLogger(__name__)
@@ -46,9 +46,8 @@ class Executor:
         self.params = {}  # param node name -> this rank's shard (updated in place by the step)
         for node in graph.params:  # `params` whole, or with `local` this rank's shards already
             given = params[node.source].detach().to(self.device)
-            self.params[node.name] = given if local else shard_of(
-                given, strategy.home(node.name), None, 1, None, self.rank % self.per_machine,
-                self.per_machine).clone()
+            self.params[node.name] = given if local else param_shard(
+                given, strategy, node.name, self.rank, self.per_machine).clone()
         buffers = {**graph.constants, **(buffers or {})}
         missing = [n.source for n in graph.nodes if n.kind == "buffer" and n.source not in buffers]
         if missing:
@@ -131,6 +130,9 @@ class Executor:
     def full(self, node: str, local: torch.Tensor) -> torch.Tensor:
         """Parameter `node`'s whole tensor from this rank's shard `local` (or its gradient's),
         gathered over the ranks that hold its pieces (for checks, outside the timed step)."""
+        if node in self.s.across and self.p.machines > 1:  # this machine's piece first
+            local = full_tensor(local, Shard(self.s.across[node]), self.p.machines,
+                                device_mesh(self.device, self.p.mesh).get_group(0))
         return full_tensor(local, self.s.home(node), self.per_machine, self.row_group)
 
 

@@ -22,6 +22,17 @@ def shard_of(full: torch.Tensor, placement: Placement, mb_placement: Placement, 
     return x.contiguous()
 
 
+def param_shard(full: torch.Tensor, strategy, node: str, rank: int, per_machine: int
+                ) -> torch.Tensor:
+    """World rank `rank`'s stored shard of parameter `node` (whole: `full`): its machine's piece
+    (the strategy's home over the machine's `per_machine` ranks), and where the strategy stores
+    it across the machines too, this machine's part of that piece."""
+    x = shard_of(full, strategy.home(node), None, 1, None, rank % per_machine, per_machine)
+    if node in strategy.across and strategy.machines > 1:
+        x = x.chunk(strategy.machines, dim=strategy.across[node])[rank // per_machine]
+    return x.contiguous()
+
+
 def mb_part(whole: torch.Tensor, dim: int, k: int, mb: int, blocks: int) -> torch.Tensor:
     """Micro-batch mb's part of `whole` along dim: the mb-th of k pieces of each of `blocks`
     blocks, one after another."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hidup.runtime.layout import shard_of
+from hidup.runtime.layout import param_shard
 
 
 def is_meta(model: torch.nn.Module) -> bool:
@@ -29,9 +29,8 @@ def local_weights(model: torch.nn.Module, graph, strategy, rank: int, per_machin
     wanted = {n.source: n.name for n in graph.params}  # module name -> graph node
 
     def cut(source: str, full: torch.Tensor) -> torch.Tensor:
-        home = strategy.home(wanted[source])
-        return shard_of(full.detach().to(device), home, None, 1, None, rank % per_machine,
-                        per_machine).clone()
+        return param_shard(full.detach().to(device), strategy, wanted[source], rank,
+                           per_machine).clone()
 
     params: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}

@@ -22,7 +22,8 @@ from hidup.graph import ops
 from hidup.graph.capture import Graph
 from hidup.graph.placement import Partial, R, Shard, ShardingOption
 from hidup.strategy import Strategy, microbatch_split
-from hidup.program.tasks import MB_CONVERSIONS, Compute, Convert, Program, Wait, vkey
+from hidup.program.tasks import (MB_CONVERSIONS, Compute, Convert, Program, Wait, stored_key,
+                                 vkey)
 from hidup.runtime.collectives import PACKING, issue, stand_in
 from hidup.runtime.layout import mb_join, mb_part, shard_of
 from hidup.runtime.passes import simplify
@@ -89,7 +90,8 @@ class _TaskRunner:
     def place_inputs(self, params, buffers, inputs) -> None:
         self.whole_values = {n.name: x for n, x in zip(self.g.user_inputs, inputs)}
         for node, p in zip(self.g.params, params):
-            self.env[vkey(node.name, self.s.home(node.name), None)] = p
+            across = node.name in self.s.across and self.p.machines > 1
+            self.env[stored_key(node.name, self.s.home(node.name), across)] = p
         given = {"buffer": iter(buffers), "input": iter(inputs)}
         for node in self.g.nodes:
             if node.kind not in given:

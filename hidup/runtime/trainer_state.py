@@ -14,7 +14,7 @@ import torch
 
 from hidup.graph.placement import R, Shard
 from hidup.runtime.execute import device_mesh
-from hidup.runtime.layout import shard_of
+from hidup.runtime.layout import param_shard
 
 
 class TrainerState:
@@ -152,6 +152,8 @@ class TrainerState:
         home = self.strategy.home(node)
         if isinstance(home, Shard) and self.world > 1:
             shape[home.dim] *= self.executor.per_machine  # split over a machine's ranks
+        if node in self.strategy.across and self.program.machines > 1:
+            shape[self.strategy.across[node]] *= self.program.machines  # and across machines
         return tuple(shape)
 
     def _distributed(self, node: str, local: torch.Tensor):
@@ -168,9 +170,12 @@ class TrainerState:
 
     def _placements(self, node: str) -> list:
         """The DTensor placements of a parameter (and its optimizer states) in this plan, one
-        per mesh dimension: replicated across machines on a 2-D mesh."""
+        per mesh dimension: on a 2-D mesh, replicated across machines or stored sharded there."""
         inside = self._placement(node)
-        return [R, inside] if self.program.machines > 1 else [inside]
+        if self.program.machines == 1:
+            return [inside]
+        across = self.strategy.across.get(node)
+        return [R if across is None else Shard(across), inside]
 
     def _placement(self, node: str):
         """The DTensor placement of a parameter (and its optimizer states) inside a machine."""
@@ -189,8 +194,7 @@ class TrainerState:
             if list(value.placements) == self._placements(node):
                 return value.to_local()
             value = value.full_tensor()  # written under another plan
-        per = self.executor.per_machine
-        return shard_of(value, self.strategy.home(node), None, 1, None, self.rank % per, per)
+        return param_shard(value, self.strategy, node, self.rank, self.executor.per_machine)
 
 
 @contextlib.contextmanager

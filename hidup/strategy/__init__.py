@@ -7,11 +7,11 @@ from hidup.strategy.base import (NoMicroBatches, Strategy, Unreachable, conversi
 from hidup.strategy.describe import describe, mesh_option, op_style, summarize, uncovered
 from hidup.strategy.fixed import (ACROSS, FIXED, data_parallel, expert_parallel, fixed_strategies,
                                   fixed_strategy, fully_sharded, megatron, random_strategy,
-                                  sharded_storage)
+                                  sharded_storage, stored_across)
 from hidup.strategy.microbatch import microbatch_split
 
 __all__ = ["ACROSS", "FIXED", "NoMicroBatches", "Strategy", "Unreachable", "conversion",
            "conversion_cost", "data_parallel", "describe", "expert_parallel", "fitting_options",
            "fixed_strategies", "fixed_strategy", "fully_sharded", "megatron", "mesh_option",
            "microbatch_split", "op_style", "propagate", "random_strategy", "sharded_storage",
-           "splits_evenly", "summarize", "uncovered"]
+           "splits_evenly", "stored_across", "summarize", "uncovered"]

@@ -25,6 +25,10 @@ class Strategy:
     # parameters stored sharded whose gathered weight is freed after the forward and gathered
     # again for the backward (FSDP's reshard_after_forward), instead of held from one to the other
     reshard: frozenset[str] = field(default=frozenset(), hash=False)
+    # on a 2-D mesh, parameters stored sharded across the machines too (mesh dim 0), each on a
+    # dim of its machine's piece: gathered over the mesh column before the step uses it, its
+    # gradient reduce-scattered there instead of all-reduced (FSDP across machines)
+    across: dict[str, int] = field(default_factory=dict, hash=False)
 
     def home(self, name: str) -> Placement:
         """Where a tensor lives after it is produced (before any conversion for a consumer)."""

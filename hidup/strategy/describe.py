@@ -48,7 +48,7 @@ def describe(graph: Graph, strategy: Strategy) -> str:
     mesh: 'data parallel across 8 machines; inside each: ...')."""
     counts = sorted(summarize(graph, strategy).items(), key=lambda kv: -kv[1])
     across = f"data parallel across {strategy.machines} machines; inside each: " \
-        if strategy.machines > 1 else ""
+        if strategy.machines > 1 else ""  # (parameters may be stored sharded across: storage)
     if not counts:
         return f"{across}no key ops" + storage(graph, strategy) + uncovered(graph)
     (style, n), rest = counts[0], counts[1:]
@@ -69,8 +69,11 @@ def storage(graph: Graph, strategy: Strategy) -> str:
     backward' where some are resharded after the forward; or ''."""
     sharded = stored_sharded(graph, strategy)
     again = ", again for the backward" if strategy.reshard & set(sharded) else ""
-    return f"; {len(sharded)} of {len(graph.params)} parameters stored sharded (gathered " \
-           f"before use{again})" if sharded else ""
+    inside = f"; {len(sharded)} of {len(graph.params)} parameters stored sharded (gathered " \
+             f"before use{again})" if sharded else ""
+    across = f"; {len(strategy.across)} of {len(graph.params)} stored sharded across the " \
+             f"machines" if strategy.across and strategy.machines > 1 else ""
+    return inside + across
 
 
 def uncovered(graph: Graph) -> str:

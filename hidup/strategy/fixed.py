@@ -132,13 +132,16 @@ def sharded_storage(graph: Graph, strategy: Strategy, world: int,
         else ()
     stored = {p.name for p in graph.params if homes.get(p.name) != strategy.placements.get(p.name)}
     return Strategy(strategy.name, homes, strategy.options, strategy.notes + notes,
-                    strategy.machines, strategy.reshard | stored if reshard else strategy.reshard)
+                    strategy.machines, strategy.reshard | stored if reshard else strategy.reshard,
+                    strategy.across)
 
 
 FIXED = {"ddp": data_parallel, "fsdp": fully_sharded, "megatron": megatron,
          "expert": expert_parallel}
-# on a 2-D mesh: the strategy inside each machine, data parallel across the machines
-ACROSS = {"dp-megatron": "megatron", "dp-expert": "expert"}
+# on a 2-D mesh: the strategy inside each machine, data parallel across the machines (fsdp+tp:
+# with every parameter that can be stored sharded across the machines, as torchtitan's 2-D
+# FSDP + tensor parallelism)
+ACROSS = {"dp-megatron": "megatron", "dp-expert": "expert", "fsdp+tp": "megatron"}
 
 
 def fixed_strategies(graph: Graph, world: int, machines: int = 1) -> dict[str, Strategy]:
@@ -173,7 +176,34 @@ def fixed_strategy(name: str, graph: Graph, world: int, machines: int = 1) -> St
     inner = world // machines
     strategy = FIXED[ACROSS[name]](graph, inner)
     strategy = _as_named(name, graph, strategy, inner, machines)
-    return Strategy(name, strategy.placements, strategy.options, strategy.notes, machines)
+    strategy = Strategy(name, strategy.placements, strategy.options, strategy.notes, machines)
+    return stored_across(graph, strategy, inner) if name == "fsdp+tp" else strategy
+
+
+def stored_across(graph: Graph, strategy: Strategy, inner: int) -> Strategy:
+    """`strategy` (on a 2-D mesh of `inner` ranks per machine) with every parameter that can
+    be stored sharded across the machines so: on the first dim of its machine's piece that the
+    machines divide and that the machine's ranks do not split already, where its gradient is
+    whole on a machine (no op reads it whole to make a split or Partial output). The others
+    stay whole across the machines, with a note."""
+    machines, across, kept = strategy.machines, {}, []
+    partial = {t for node in graph.ops for t, p in zip(node.inputs, strategy.options[node.name]
+                                                       .inputs)
+               if strategy.options[node.name].partial_gradient(p)}
+    for param in graph.params:
+        home = strategy.home(param.name)
+        shape = list(param.out.shape)
+        if isinstance(home, Shard):
+            shape[home.dim] //= inner
+        dims = [d for d, n in enumerate(shape) if n % machines == 0 and home != Shard(d)]
+        if not dims or home == R and param.name in partial:
+            kept.append(param.name)
+            continue
+        across[param.name] = dims[0]
+    notes = (f"{len(kept)} of {len(graph.params)} parameters kept whole across the machines: "
+             f"{', '.join(kept[:3])}{' ...' if len(kept) > 3 else ''}",) if kept else ()
+    return Strategy(strategy.name, strategy.placements, strategy.options,
+                    strategy.notes + notes, machines, strategy.reshard, across)
 
 
 def _as_named(name: str, graph: Graph, strategy: Strategy, world: int,
