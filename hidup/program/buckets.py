@@ -14,6 +14,25 @@ from hidup.program.tasks import (FIRST_BUCKET_BYTES, Compute, Convert, LoweringE
 GATHER_BUCKETS = 8  # a step's gathers are split into about this many buckets or more
 
 
+def runs_under_cap(items: list, key, nbytes, cap: int) -> tuple[list[list], list]:
+    """Split `items`, in order, into consecutive runs (buckets) whose items share `key(item)`.
+    A run closes where the key changes, and as soon as its bytes (the sum of `nbytes(item)`)
+    reach `cap`: only its last item takes it to the cap or past it. Return the closed runs and
+    the last run if it is still open (under the cap; else []). Items that come one at a time
+    are added as `runs_under_cap(open_run + [item], ...)`: the open run (one key, under the
+    cap) is not split again, so the runs close where one pass over all the items closes them."""
+    runs, run = [], []
+    for item in items:
+        if run and key(item) != key(run[0]):
+            runs.append(run)
+            run = []
+        run.append(item)
+        if sum(nbytes(x) for x in run) >= cap:
+            runs.append(run)
+            run = []
+    return runs, run
+
+
 class GradientBuckets:
     """Lowering's gradient reductions and update. It reads the Lowering's machines, buckets,
     bucket_bytes, flushed, final, scopes, optimizer, tasks, pending and waited, and calls its
@@ -23,18 +42,15 @@ class GradientBuckets:
     def gather_across(self) -> None:
         """Parameters stored sharded across the machines: all-gathered over the mesh column at
         the start of the step into their machine's piece, in buckets (one dim per bucket)."""
-        bucket: list[str] = []
-        for t in [p.name for p in self.g.params if p.name in self.across] + [None]:
-            if bucket and (t is None or self.across[t] != self.across[bucket[0]] or sum(
-                    self.nbytes(b, self.home(b)) for b in bucket) >= self.bucket_bytes):
-                self.emit_bucket("all_gather", bucket, Shard(self.across[bucket[0]]), R, "fwd",
-                                 [stored_key(b, self.home(b), True) for b in bucket],
-                                 [vkey(b, self.home(b), None) for b in bucket],
-                                 [self.stored_shape(b) for b in bucket], scope="column",
-                                 nbytes=sum(self.nbytes(b, self.home(b)) for b in bucket))
-                bucket = []
-            if t is not None:
-                bucket.append(t)
+        closed, last = runs_under_cap([p.name for p in self.g.params if p.name in self.across],
+                                      lambda t: self.across[t],
+                                      lambda t: self.nbytes(t, self.home(t)), self.bucket_bytes)
+        for bucket in closed + ([last] if last else []):
+            self.emit_bucket("all_gather", bucket, Shard(self.across[bucket[0]]), R, "fwd",
+                             [stored_key(b, self.home(b), True) for b in bucket],
+                             [vkey(b, self.home(b), None) for b in bucket],
+                             [self.stored_shape(b) for b in bucket], scope="column",
+                             nbytes=sum(self.nbytes(b, self.home(b)) for b in bucket))
 
     def check_across(self) -> None:
         """Storage across the machines needs a 2-D mesh, a parameter, a dim of its machine's
@@ -73,21 +89,20 @@ class GradientBuckets:
             return
         self.final[t] = "grad:" + t
         scope = "world" if partial else "across" if t in self.across else "column"
-        if scope == "across" and self.buckets[scope] and \
-                self.across[self.buckets[scope][0]] != self.across[t]:
-            self.flush_bucket(scope)  # one dim per reduce-scatter bucket
-        bucket = self.buckets[scope]
-        bucket.append(t)
         # DDP's first bucket is small, so that communication starts early in the backward
         cap = self.bucket_bytes if scope in self.flushed else \
             min(self.bucket_bytes, FIRST_BUCKET_BYTES)
-        if sum(self.nbytes(p, self.home(p)) for p in bucket) >= cap:
-            self.flush_bucket(scope)
+        one_dim = scope == "across"  # one dim per reduce-scatter bucket
+        closed, self.buckets[scope] = runs_under_cap(
+            self.buckets[scope] + [t], lambda p: self.across[p] if one_dim else None,
+            lambda p: self.nbytes(p, self.home(p)), cap)
+        for names in closed:
+            self.flush_bucket(scope, names)
+        if not self.buckets[scope]:  # t's bucket reached the cap
             self.flushed.add(scope)
 
-    def flush_bucket(self, scope: str) -> None:
-        """One all-reduce for the gradients gathered so far (flattened together, as DDP does)."""
-        names, self.buckets[scope] = self.buckets[scope], []
+    def flush_bucket(self, scope: str, names: list[str]) -> None:
+        """One all-reduce for these gradients (flattened together, as DDP does)."""
         if not names:
             return
         homes = [self.home(p) for p in names]
@@ -127,15 +142,10 @@ class GradientBuckets:
         names = sorted((p.name for p in self.g.params
                         if isinstance(self.home(p.name), Shard) and R in self.converted(p.name)),
                        key=lambda t: first_use.get(t, -1))
-        self.gather_buckets: list[list[str]] = []
         cap = min(self.bucket_bytes, max(FIRST_BUCKET_BYTES, sum(
             self.nbytes(t, R) for t in names) // GATHER_BUCKETS))
-        for t in names:
-            bucket = self.gather_buckets[-1] if self.gather_buckets else None
-            if bucket is None or self.home(t) != self.home(bucket[0]) or sum(
-                    self.nbytes(b, R) for b in bucket) >= cap:
-                self.gather_buckets.append(bucket := [])
-            bucket.append(t)
+        closed, last = runs_under_cap(names, self.home, lambda t: self.nbytes(t, R), cap)
+        self.gather_buckets: list[list[str]] = closed + ([last] if last else [])
         self.bucket_of = {t: i for i, bucket in enumerate(self.gather_buckets) for t in bucket}
         self.regather = {t for t in names if t in self.s.reshard}
         self.issued: set[tuple[str, int]] = set()
@@ -171,19 +181,18 @@ class GradientBuckets:
     def scatter_grad(self, t: str, p: Placement, home: Placement) -> None:
         """Parameter t's gradient, complete as a partial sum of its whole (read as p), joins the
         reduce-scatter bucket into its shards (home)."""
-        bucket = self.scattered
-        if bucket and self.home(bucket[0][0]) != home:
-            self.flush_scatter()
-        bucket.append((t, p))
         cap = self.bucket_bytes if "scatter" in self.flushed else \
             min(self.bucket_bytes, FIRST_BUCKET_BYTES)
-        if sum(self.nbytes(b, q) for b, q in bucket) >= cap:
-            self.flush_scatter()
+        closed, self.scattered = runs_under_cap(self.scattered + [(t, p)],
+                                                lambda b: self.home(b[0]),
+                                                lambda b: self.nbytes(b[0], b[1]), cap)
+        for bucket in closed:
+            self.flush_scatter(bucket)
+        if not self.scattered:  # t's bucket reached the cap
             self.flushed.add("scatter")
 
-    def flush_scatter(self) -> None:
-        """One reduce-scatter of the gradients in the bucket; each is then complete in its shard."""
-        bucket, self.scattered = self.scattered, []
+    def flush_scatter(self, bucket: list[tuple[str, Placement]]) -> None:
+        """One reduce-scatter of these gradients; each is then complete in its shard."""
         if not bucket:
             return
         home = self.home(bucket[0][0])
@@ -215,9 +224,11 @@ class GradientBuckets:
             self.pending.setdefault(key, []).append(task.id)
 
     def update(self) -> None:
-        self.flush_scatter()
+        rest, self.scattered = self.scattered, []
+        self.flush_scatter(rest)
         for scope in self.buckets:
-            self.flush_bucket(scope)
+            rest, self.buckets[scope] = self.buckets[scope], []
+            self.flush_bucket(scope, rest)
         for key in self.final.values():
             self.wait_for(key)
         numel = sum(math.prod(self.stored_shape(p)) for p in self.final)
