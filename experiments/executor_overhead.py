@@ -29,6 +29,7 @@ import torch.distributed as dist
 import hidup
 from hidup.cli import Parser
 from hidup.graph.capture import capture
+from hidup.planning.costs import issues
 from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import Plan
 from hidup.models import get_model
@@ -51,6 +52,8 @@ class Row:
     median_ms: float
     ratio: float = 1.0  # median over rounds of (step / the baseline's step in that round)
     busy_ms: float | None = None  # GPU busy time of one step (--busy)
+    host_ms: float | None = None  # host time to issue one step on an idle GPU (--busy)
+    tasks: int | None = None  # hidup: the tasks the host issues in one step (costs.issues)
 
 
 def parse_args(argv=None):
@@ -87,7 +90,7 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="intra-op CPU threads (default: 1)")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                     help="auto: CUDA where there is one")
-    ap.add_argument("--busy", action="store_true", help="CUDA: also read GPU busy time per step")
+    ap.add_argument("--busy", action="store_true", help="CUDA: also read GPU busy time per step, and the host's time to issue one")
     ap.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
     args = ap.parse_args(argv)
     for flag in ("rounds", "steps", "threads", "batch"):
@@ -102,8 +105,9 @@ def parse_args(argv=None):
 
 
 def contestants(name: str, k: int, precision: str, modes, device, world: int, rank: int,
-                args) -> dict:
-    """name -> (one training step, no sync) on the same model, weights, optimizer and batch."""
+                args) -> tuple[dict, dict]:
+    """name -> (one training step, no sync) on the same model, weights, optimizer and batch;
+    and for hidup's contestants, name -> the tasks the host issues in a step."""
     spec = get_model(name, gpus=world)
     batch = args.batch or spec.batch
     data = [x.to(device) for x in spec.inputs(batch, torch.Generator().manual_seed(1))]
@@ -115,13 +119,14 @@ def contestants(name: str, k: int, precision: str, modes, device, world: int, ra
     sharded = copy.deepcopy(model).to(device) if args.fully_shard and world > 1 else None
     model.to(device)
     inputs = dict(zip([n.source for n in graph.user_inputs], data))
-    out = {}
+    out, tasks = {}, {}
     for plan_name in args.plans:
         plan, kk = _plan(plan_name, model, graph, example, world, k, args)
         program = lower(graph, plan, world, kk, name, optimizer=args.optimizer)
         log.info("%s, lowered: %s", plan_name, peak_memory(program))
         tag = "hidup" if plan_name == "ddp" else f"hidup {plan_name}"
         for mode in modes:
+            tasks[f"{tag} {mode}"] = sum(map(issues, program.tasks))
             if args.optimizer == "adamw":  # the user's torch.optim optimizer on the shards
                 trainer = hidup.parallelize(
                     copy.deepcopy(model), Plan.of(graph, plan, world, kk), optimizer=_adamw,
@@ -141,7 +146,7 @@ def contestants(name: str, k: int, precision: str, modes, device, world: int, ra
                                              dtype, device, None, args.optimizer)
     else:
         out["eager"] = _eager_step(model, data, k, dtype, device, None, args.optimizer)
-    return out
+    return out, tasks
 
 
 def _plan(name: str, model, graph, example, world: int, k: int, args):
@@ -242,6 +247,19 @@ def busy_seconds(fn, device) -> float:
     return busy * 1e-6
 
 
+def host_seconds(fn, device, repeats: int = 5) -> float:
+    """Median host time to issue one step with the GPU idle when it starts (the call returns
+    once the host has queued the step's work; a CUDA graph's replay is one call)."""
+    spans = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        spans.append(time.perf_counter() - start)
+    sync(device)
+    return statistics.median(spans)
+
+
 def measure(args, device, world: int, rank: int) -> list[Row]:
     modes = args.modes or (["graph", "compile"] + (["cuda-graphs"] if device.type == "cuda"
                                                    else []))
@@ -249,16 +267,19 @@ def measure(args, device, world: int, rank: int) -> list[Row]:
     for name in args.models:
         for precision in args.precision:
             for k in args.micro_batches:
-                runs = contestants(name, k, precision, modes, device, world, rank, args)
+                runs, tasks = contestants(name, k, precision, modes, device, world, rank,
+                                          args)
                 base = "eager" if world == 1 else "fully_shard" if args.fully_shard else "ddp"
                 times = race(runs, args.rounds, args.steps, device)
                 for who, mine in times.items():
-                    busy = busy_seconds(runs[who], device) if args.busy and \
-                        device.type == "cuda" else None
+                    gpu = args.busy and device.type == "cuda"
+                    busy = busy_seconds(runs[who], device) if gpu else None
+                    host = host_seconds(runs[who], device) if gpu else None
                     # the ratio within each round (this machine's speed drifts between rounds)
                     ratio = statistics.median(a / b for a, b in zip(mine, times[base]))
                     rows.append(Row(name, precision, k, who, base, 1e3 * statistics.median(mine),
-                                    ratio, None if busy is None else 1e3 * busy))
+                                    ratio, None if busy is None else 1e3 * busy,
+                                    None if host is None else 1e3 * host, tasks.get(who)))
                     if rank == 0:
                         log.info("%s", _line(rows[-1]))
     return rows
@@ -267,6 +288,9 @@ def measure(args, device, world: int, rank: int) -> list[Row]:
 def _line(row: Row) -> str:
     busy = "" if row.busy_ms is None else \
         f"  busy {row.busy_ms:.2f} ms (step / busy {row.median_ms / row.busy_ms:.2f})"
+    if row.host_ms is not None:
+        busy += f"  host {row.host_ms:.2f} ms" + (
+            "" if not row.tasks else f" ({1e3 * row.host_ms / row.tasks:.1f} us x {row.tasks})")
     return (f"{row.model:16s} {row.precision} k={row.k} {row.contestant:24s} "
             f"{row.median_ms:8.2f} ms  {row.ratio:.3f}x {row.baseline}{busy}")
 

@@ -124,3 +124,44 @@ def test_index_by_aranges_is_a_view(flip):
         fn = local_callable(node, replicated(len(node.inputs)), ctx)
         values[node.name] = fn([values[t] for t in node.inputs])
     assert torch.allclose(values[graph.loss], model(x).detach())
+
+
+class Blocks(torch.nn.Module):
+    """A no_grad block that reads a parameter, an autocast-off block and an ordinary op: what
+    torch.export writes as wrap_with_set_grad_enabled / wrap_with_autocast submodules."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+        self.register_buffer("freq", torch.arange(8.0))
+
+    def forward(self, x):
+        with torch.no_grad():
+            scale = torch.cos(self.freq) + self.w.sum(0)  # no gradient reaches w from here
+        with torch.autocast("cpu", enabled=False):
+            exact = (x.float() @ self.w).relu()
+        return (exact * scale + x @ self.w).sum()
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_no_grad_and_autocast_blocks_are_inlined_and_run_as_eager(dtype):
+    """The blocks' ops are ops of the graph; the no_grad block passes no gradient back and the
+    autocast-off block runs in float32 under a bf16 run, as in eager."""
+    import hidup
+
+    torch.manual_seed(0)
+    model, x = Blocks(), torch.randn(4, 8)
+    graph = capture(model, (x,))
+    assert not any("wrap" in n.op for n in graph.ops)
+    assert {n.op for n in graph.ops if n.autocast == "off"} >= {"aten.matmul.default",
+                                                              "aten.relu.default"}
+    assert any(n.op == "aten.detach.default" for n in graph.ops)
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+        loss = model(x)
+    loss.backward()
+    trainer = hidup.parallelize(model, "ddp", optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
+                                device="cpu", autocast=dtype)
+    got = trainer.step(x)
+    grad = next(g for g in trainer.executor.grads.values() if g is not None)
+    assert torch.allclose(got, loss, rtol=1e-6), (float(got), float(loss))
+    assert torch.allclose(grad.reshape(8, 8), model.w.grad, rtol=1e-5, atol=1e-6)

@@ -115,9 +115,10 @@ def test_options_come_from_the_overlay_then_dtensor_then_replication():
 def test_dtensor_adapter_refuses_an_untested_torch_in_one_line():
     with pytest.raises(dtensor.UnsupportedTorchError,
                        match=r"torch 2\.9\.1\+cu126 is installed, but HiDup reads DTensor's "
-                             r"sharding strategies only on torch 2\.13; install"):
+                             r"sharding strategies only on torch 2\.11 / 2\.13; install"):
         dtensor.check_torch("2.9.1+cu126")
     dtensor.check_torch("2.13.0+cpu")
+    dtensor.check_torch("2.11.0+cu130")
 
 
 def test_in_place_ops_are_captured_as_their_functional_twins():

@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from hidup.graph.decompose import decompose
 from hidup.graph.flops import forward_flops
+from hidup.graph.regions import inline_regions
 
 
 class CaptureError(ValueError):
@@ -72,6 +73,8 @@ class Node:
     kwargs: dict = field(default_factory=dict, compare=False, repr=False)
     source: str = ""  # parameter / buffer fully-qualified name, or the user input's name
     out_index: int | None = None  # which output of a multi-output op this node is
+    autocast: str | None = None  # inside a model's autocast block: "off" or its dtype
+    #   ("bfloat16"), run so whatever the run's autocast (hidup.graph.regions); None: the run's
 
     def in_metas(self, graph: Graph) -> tuple[TensorMeta, ...]:
         return tuple(graph.node(i).out for i in self.inputs)
@@ -118,10 +121,11 @@ class Graph:
     @cached_property
     def gradients(self) -> frozenset[str]:
         """The tensors that get a gradient in training: float ones that depend on a parameter
-        and that the loss depends on."""
+        (other than through a detach) and that the loss depends on."""
         needs = {n.name for n in self.params if n.out.is_float}
         for node in self.ops:
-            if node.out.is_float and any(t in needs for t in node.inputs):
+            if node.out.is_float and node.op != "aten.detach.default" and \
+                    any(t in needs for t in node.inputs):
                 needs.add(node.name)
         grads = {self.loss} & needs
         for node in reversed(self.ops):
@@ -151,6 +155,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Graph:
     nodes: list[Node] = []
     loss = None
     try:
+        inline_regions(exported.graph_module)
         written = decompose(exported.graph)
     except ValueError as exc:
         raise CaptureError(str(exc)) from exc
@@ -265,7 +270,7 @@ def _op_node(fx_node, latest: dict[str, str], item=None, index: int | None = Non
     flops = forward_flops(op, [m.shape for m in in_metas], out.shape, args)
     nbytes = sum(m.nbytes for m in in_metas) + out.nbytes
     return Node((item or fx_node).name, "op", op, tuple(inputs), out, flops, nbytes,
-                target, args, kwargs, out_index=index)
+                target, args, kwargs, out_index=index, autocast=fx_node.meta.get("autocast"))
 
 
 def _is_broadcast(fx_node) -> bool:
@@ -333,5 +338,5 @@ def _loss_name(fx_node) -> str:
 
 def _fingerprint(nodes: list[Node]) -> str:
     text = "\n".join(f"{n.name}|{n.kind}|{n.op}|{n.inputs}|{n.out}|{n.source}|{n.out_index}"
-                     for n in nodes)
+                     + ("" if n.autocast is None else f"|{n.autocast}") for n in nodes)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -20,7 +20,8 @@ from torch.utils import _pytree as pytree
 from hidup.graph.capture import Node, Ref, TensorMeta
 from hidup.graph.placement import P, R, Placement, Shard, ShardingOption
 
-TESTED_TORCH = ("2.13",)  # the torch versions this adapter is tested with (major.minor)
+TESTED_TORCH = ("2.11", "2.13")  # the torch versions this adapter is tested with (major.minor):
+#   2.13 in CI (CPU), 2.11 on the GPU machine (tests/test_ops.py there, experiments/gpu_table.sh)
 MAX_COMBINATIONS = 64  # input placements tried for an op known only by rules or decomposition
 
 
@@ -113,7 +114,8 @@ def _options(node: Node, in_metas: tuple[TensorMeta, ...]) -> list[ShardingOptio
             found = _propagated(api, node, in_metas)
     except Exception:  # a strategy that cannot handle these arguments: as if it had none
         return None
-    if op in api.prop.op_to_scalar_shape_adjuster:  # global sizes in scalar arguments
+    # global sizes in scalar arguments (torch 2.11 has no such ops: no table)
+    if op in getattr(api.prop, "op_to_scalar_shape_adjuster", ()):
         found = [o for o in found if o.output == R and all(p == R for p in o.inputs)]
     replicated = ShardingOption((R,) * len(in_metas), R)
     return list(dict.fromkeys([replicated] + found))

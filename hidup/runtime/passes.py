@@ -142,8 +142,7 @@ def inductor_segments(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             segment += 1
         else:
             marks[node] = segment
-    top = split_module(gm, None, lambda node: marks[node], keep_original_order=True,
-                       tuple_return=True)
+    top = split_module(gm, None, lambda node: marks[node], keep_original_order=True)
     for name, sub in list(top.named_children()):
         if not any(_is_communication(n) for n in sub.graph.nodes):
             setattr(top, name, _Inductor(sub))
@@ -151,10 +150,17 @@ def inductor_segments(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 class _Inductor(torch.nn.Module):
-    """One stretch of the step, compiled by Inductor on its first call (from its real inputs)."""
+    """One stretch of the step, compiled by Inductor on its first call (from its real inputs).
+    Inductor compiles graphs that return a tuple: a stretch with one output returns it in one
+    (split_module returns it bare; torch 2.13's tuple_return does the same, 2.11 has none)."""
 
     def __init__(self, gm: torch.fx.GraphModule):
         super().__init__()
+        out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        self.bare = not isinstance(out.args[0], (tuple, list))
+        if self.bare:
+            out.args = ((out.args[0],),)
+            gm.recompile()
         self.gm, self.run = gm, None
 
     def forward(self, *args):
@@ -162,4 +168,5 @@ class _Inductor(torch.nn.Module):
             from torch._inductor.compile_fx import compile_fx  # seconds to import: on use
 
             self.run = compile_fx(self.gm, list(args))
-        return self.run(*args)
+        result = self.run(*args)
+        return result[0] if self.bare else result

@@ -138,7 +138,7 @@ class _TaskRunner:
         differentiated = (task.node, task.mb) in self.backward_of
         leaves = [x.detach().requires_grad_(True) if differentiated and x.is_floating_point()
                   else x for x in (self.env[key] for key in task.inputs)]
-        with torch.enable_grad(), self.autocast(), self.regathered(task, leaves):
+        with torch.enable_grad(), self.autocast(node), self.regathered(task, leaves):
             out = self.callable(task, node)(leaves)
         if self.spec.autocast is not None and out.is_floating_point():
             out = out.float()  # values, collectives and gradients stay float32
@@ -175,10 +175,11 @@ class _TaskRunner:
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
-    def autocast(self):
-        if self.spec.autocast is None:
-            return torch.autocast(self.spec.device_type, enabled=False)
-        return torch.autocast(self.spec.device_type, dtype=self.spec.autocast)
+    def autocast(self, node):
+        """The run's autocast, or for an op of the model's own autocast block, the block's."""
+        dtype = self.spec.autocast if node.autocast is None else \
+            None if node.autocast == "off" else getattr(torch, node.autocast)
+        return torch.autocast(self.spec.device_type, dtype=dtype, enabled=dtype is not None)
 
     def callable(self, task: Compute, node):
         """The node's local function (each task is traced once: nothing to keep)."""

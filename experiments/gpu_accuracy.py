@@ -1,0 +1,129 @@
+"""The simulator against real single-GPU steps: `python -m experiments.gpu_accuracy
+experiments/results/gpu/*.json` reads the rows `experiments.executor_overhead --busy --out` wrote
+on a GPU (hidup's ddp plan on one device, SGD in the step; experiments/gpu_table.sh makes them),
+takes each executor mode's host seconds per task from the rows with --fit-k micro-batches (the
+host's time to issue one step, at most the step itself, over the tasks it issues), and predicts every hidup row with the
+shipped profile of its precision (h100 for fp32, h100-bf16 for bf16) and those host figures.
+Rows of other k are out of sample. With --write, the host figures go into the profiles' files.
+
+Each row prints measured and predicted step, the error, and the GPU's busy time (the union of
+the step's kernels), which the profile predicts as its kernel time."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from hidup.graph.capture import capture
+from hidup.models import get_model
+from hidup.planning.profile_file import load_profile
+from hidup.program import lower
+from hidup.strategy import fixed_strategy
+from simulator.engine import simulate
+
+PROG = "python -m experiments.gpu_accuracy"
+PROFILES = {"fp32": "h100", "bf16": "h100-bf16"}
+PROFILE_DIR = Path(__file__).resolve().parent.parent / "hidup" / "profiles"
+
+
+def host_figures(rows: list[dict], fit_k: int) -> dict[str, dict[str, float]]:
+    """precision -> executor mode -> median host seconds per task over the rows with fit_k. A
+    step's host time counts at most the step's own: in a run of steps the host issues one step
+    per step. (Issued alone, right after a sync, a step's host time reads up to 1.7x the step in
+    host-bound runs on an H100, eager's too.)"""
+    per: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        if r["k"] == fit_k and r.get("tasks") and r.get("host_ms") is not None:
+            mode = r["contestant"].removeprefix("hidup ")
+            host = 1e-3 * min(r["host_ms"], r["median_ms"])
+            per.setdefault((r["precision"], mode), []).append(host / r["tasks"])
+    out: dict[str, dict[str, float]] = {}
+    for (precision, mode), values in sorted(per.items()):
+        out.setdefault(precision, {})[mode] = statistics.median(values)
+    return out
+
+
+def predict(row: dict, host: dict[str, float], batch: int | None) -> tuple[float, float]:
+    """Predicted step and kernel seconds of one hidup row (ddp on one device, SGD)."""
+    spec = get_model(row["model"], gpus=1)
+    graph = capture(spec.build(), spec.inputs(batch or spec.batch, torch.Generator().manual_seed(0)))
+    profile = replace(load_profile(PROFILES[row["precision"]]), host=host)
+    program = lower(graph, fixed_strategy("ddp", graph, 1), 1, row["k"], spec.name,
+                    optimizer="sgd")
+    result = simulate(program, profile, mode=row["contestant"].removeprefix("hidup "))
+    return result.step_time, result.computation
+
+
+def write_host(precision: str, host: dict[str, float], source: str) -> Path:
+    """The host figures into the shipped profile of `precision`, with where they came from."""
+    path = PROFILE_DIR / f"{PROFILES[precision]}.json"
+    doc = json.loads(path.read_text())
+    doc["host"] = host
+    doc.setdefault("provenance", {})["host_figures"] = source
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", nargs="+", type=Path, help="JSON files of executor_overhead --out")
+    ap.add_argument("--fit-k", type=int, default=1,
+                    help="the micro-batch count whose rows give the host figures (default 1)")
+    ap.add_argument("--batch", type=int, default=None, help="the runs' global batch (default: "
+                    "the model's, as executor_overhead's)")
+    ap.add_argument("--write", action="store_true",
+                    help="write the host figures into hidup/profiles/h100*.json")
+    args = ap.parse_args(argv)
+    rows, setups = [], set()
+    for path in args.results:
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            ap.error(f"{path}: not a JSON file of executor_overhead --out ({exc})")
+        setups.add(doc.get("setup", "?"))
+        rows += doc.get("rows", [])
+    hosts = host_figures(rows, args.fit_k)
+    if not hosts:
+        ap.error(f"no hidup row with k={args.fit_k} and host figures (run executor_overhead "
+                 f"with --busy on a GPU)")
+    print(f"{PROG} {' '.join(map(str, argv if argv is not None else sys.argv[1:]))}")
+    print("runs: " + "; ".join(sorted(setups)))
+    for precision, host in hosts.items():
+        figures = ", ".join(f"{m} {1e6 * s:.1f} us" for m, s in host.items())
+        print(f"host per task ({precision}, from k={args.fit_k}): {figures}")
+        if args.write:
+            source = (f"host seconds per task per executor mode, by `{PROG}` (--fit-k "
+                      f"{args.fit_k}): the median over its rows of the host's time to issue one "
+                      f"step (at most the step) over the tasks issued, in runs of `bash "
+                      f"experiments/gpu_table.sh` ({'; '.join(sorted(setups))})")
+            path = write_host(precision, host, source)
+            print(f"  written into hidup/profiles/{path.name}")
+    print(f"{'model':18s} {'prec':4s} k  {'mode':11s} {'measured':>9s} {'predicted':>9s} "
+          f"{'error':>7s} {'busy':>7s} {'kernels':>8s}")
+    errors = []
+    for r in rows:
+        if not r["contestant"].startswith("hidup ") or r["precision"] not in hosts:
+            continue
+        step, kernels = predict(r, hosts[r["precision"]], args.batch)
+        err = 1e3 * step / r["median_ms"] - 1
+        sample = "in " if r["k"] == args.fit_k else "out"
+        if sample == "out":
+            errors.append(abs(err))
+        busy = "" if r.get("busy_ms") is None else f"{r['busy_ms']:7.2f}"
+        print(f"{r['model']:18s} {r['precision']:4s} {r['k']}  "
+              f"{r['contestant'].removeprefix('hidup '):11s} {r['median_ms']:9.2f} "
+              f"{1e3 * step:9.2f} {100 * err:+6.1f}% {busy} {1e3 * kernels:8.2f}  {sample}")
+    if errors:
+        print(f"out of sample ({len(errors)} rows): median |error| "
+              f"{100 * statistics.median(errors):.1f}%, max {100 * max(errors):.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
