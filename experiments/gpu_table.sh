@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The GPU table's runs, on one CUDA machine, in the repository's root:
 #   bash experiments/gpu_table.sh OUT [PART ...]
-# OUT: a folder for the log and the JSON rows; PARTS: some of smoke sync bert-sgmoe-bf16
-# others-bf16 third-party bert-sgmoe-fp32 (default: all, in that order). Each part has its own
+# OUT: a folder for the log and the JSON rows; PARTS: some of smoke sync third-party others-bf16
+# bert-sgmoe-bf16 bert-sgmoe-fp32 bert-sgmoe-b128-bf16 (default: all, in that order). Each part has its own
 # time limit and the parts after a failed one still run, except that nothing runs when the
 # smallest CUDA step (smoke) fails. Needs torch with CUDA, pytest and `transformers` (for the
 # third-party checks).
 set -u
 out=${1:?give a folder for the results}
 shift
-parts=" ${*:-smoke sync bert-sgmoe-bf16 others-bf16 third-party bert-sgmoe-fp32} "
+parts=" ${*:-smoke sync third-party others-bf16 bert-sgmoe-bf16 bert-sgmoe-fp32 bert-sgmoe-b128-bf16} "
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 log="$out/log.txt"
@@ -30,15 +30,16 @@ part smoke 90 python3 -m experiments.executor_overhead --models gpt:tiny --micro
 # a step waits for nothing on the host; DTensor's strategies read as the tests expect on this torch
 part sync 90 python3 -m pytest -q -p no:cacheprovider tests/test_ops.py \
     tests/test_execute.py::test_a_cuda_step_waits_for_nothing_on_the_host
-bert() {
-    part "bert-sgmoe-$1" 200 python3 -m experiments.executor_overhead \
-        --models bert-sgmoe:paper --batch 32 --precision "$1" --micro-batches 1 2 \
-        --rounds 5 --steps 5 --busy --out "$out/bert-sgmoe-paper-b32-$1.json"
+bert() {  # bert PART PRECISION BATCH
+    part "$1" 200 python3 -m experiments.executor_overhead \
+        --models bert-sgmoe:paper --batch "$3" --precision "$2" --micro-batches 1 2 \
+        --rounds 5 --steps 5 --busy --out "$out/bert-sgmoe-paper-b$3-$2.json"
 }
-bert bf16
-part others-bf16 150 python3 -m experiments.executor_overhead --models gpt:paper switch-trace:paper \
+part third-party 150 python3 -m experiments.gpu_checks --models gpt2,llama,mixtral,resnet \
+    --cases fp32:graph:2 bf16:cuda-graphs:2 bf16:compile:2
+part others-bf16 300 python3 -m experiments.executor_overhead --models gpt:paper switch-trace:paper \
     --precision bf16 --micro-batches 1 2 --rounds 5 --steps 5 --busy \
     --out "$out/gpt-switch-paper-bf16.json"
-part third-party 120 python3 -m experiments.gpu_checks --models gpt2,llama,mixtral \
-    --cases fp32:graph:2 bf16:cuda-graphs:2 bf16:compile:2
-bert fp32
+bert bert-sgmoe-bf16 bf16 32
+bert bert-sgmoe-fp32 fp32 32
+bert bert-sgmoe-b128-bf16 bf16 128
