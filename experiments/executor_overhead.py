@@ -90,7 +90,9 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="intra-op CPU threads (default: 1)")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                     help="auto: CUDA where there is one")
-    ap.add_argument("--busy", action="store_true", help="CUDA: also read GPU busy time per step, and the host's time to issue one")
+    ap.add_argument("--busy", action="store_true",
+                    help="CUDA: also read GPU busy time per step, and the host's time to issue "
+                         "one")
     ap.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
     args = ap.parse_args(argv)
     for flag in ("rounds", "steps", "threads", "batch"):

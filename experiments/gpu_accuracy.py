@@ -2,8 +2,9 @@
 experiments/results/gpu/*.json` reads the rows `experiments.executor_overhead --busy --out` wrote
 on a GPU (hidup's ddp plan on one device, SGD in the step; experiments/gpu_table.sh makes them),
 takes each executor mode's host seconds per task from the rows with --fit-k micro-batches (the
-host's time to issue one step, at most the step itself, over the tasks it issues), and predicts every hidup row with the
-shipped profile of its precision (h100 for fp32, h100-bf16 for bf16) and those host figures.
+host's time to issue one step, at most the step itself, over the tasks it issues), and
+predicts every hidup row with the shipped profile of its precision (h100 for fp32, h100-bf16
+for bf16) and those host figures.
 Rows of other k are out of sample. With --write, the host figures go into the profiles' files.
 
 Each row prints measured and predicted step, the error, and the GPU's busy time (the union of
@@ -51,7 +52,8 @@ def host_figures(rows: list[dict], fit_k: int) -> dict[str, dict[str, float]]:
 def predict(row: dict, host: dict[str, float], batch: int | None) -> tuple[float, float]:
     """Predicted step and kernel seconds of one hidup row (ddp on one device, SGD)."""
     spec = get_model(row["model"], gpus=1)
-    graph = capture(spec.build(), spec.inputs(batch or spec.batch, torch.Generator().manual_seed(0)))
+    example = spec.inputs(batch or spec.batch, torch.Generator().manual_seed(0))
+    graph = capture(spec.build(), example)
     profile = replace(load_profile(PROFILES[row["precision"]]), host=host)
     program = lower(graph, fixed_strategy("ddp", graph, 1), 1, row["k"], spec.name,
                     optimizer="sgd")

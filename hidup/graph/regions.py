@@ -34,7 +34,8 @@ def inline_regions(gm: torch.fx.GraphModule) -> int:
         kind = _kind(node)
         if kind is None:
             continue
-        at = 1 if kind == SET_GRAD else 4  # (enabled, sub, *ops) / (device, dtype, enabled, cache, sub, *ops)
+        # args: (enabled, sub, *operands) / (device, dtype, enabled, cache, sub, *operands)
+        at = 1 if kind == SET_GRAD else 4
         getter, operands = node.args[at], node.args[at + 1:]
         sub = getattr(gm, getter.target)
         count += inline_regions(sub) + 1
@@ -63,7 +64,8 @@ def inline_regions(gm: torch.fx.GraphModule) -> int:
         gm.graph.erase_node(node)
         if not getter.users:
             gm.graph.erase_node(getter)
-            delattr(gm, getter.target)
+            if all(n.target != getter.target for n in gm.graph.nodes if n.op == "get_attr"):
+                delattr(gm, getter.target)  # no other block calls the same submodule
     if count:
         gm.graph.lint()
         gm.recompile()
