@@ -21,15 +21,16 @@ def runs_under_cap(items: list, key, nbytes, cap: int) -> tuple[list[list], list
     the last run if it is still open (under the cap; else []). Items that come one at a time
     are added as `runs_under_cap(open_run + [item], ...)`: the open run (one key, under the
     cap) is not split again, so the runs close where one pass over all the items closes them."""
-    runs, run = [], []
+    runs, run, total = [], [], 0
     for item in items:
         if run and key(item) != key(run[0]):
             runs.append(run)
-            run = []
+            run, total = [], 0
         run.append(item)
-        if sum(nbytes(x) for x in run) >= cap:
+        total += nbytes(item)
+        if total >= cap:
             runs.append(run)
-            run = []
+            run, total = [], 0
     return runs, run
 
 
