@@ -167,11 +167,27 @@ def kernel_times(program, seconds: dict[tuple[int, bool], list[float]], steps: i
     return out
 
 
+STALL = 10.0  # a run over this many times its kernel's median ...
+STALL_SECONDS = 1e-3  # ... and over it by more than this is a stall of the machine
+
+
+def without_stalls(seconds: list[float]) -> tuple[list[float], list[float]]:
+    """One kernel's runs, and apart the stalls among them: runs over STALL x the median and
+    more than STALL_SECONDS over it (the machine stopped the process: a page-in, another
+    process), which one step in a calibration may meet and the runs it predicts do not. Slower
+    runs short of that stay (a slow run in fifty counts, as it does in a real step)."""
+    if not seconds:
+        return [], []
+    median = statistics.median(seconds)
+    limit = max(STALL * median, median + STALL_SECONDS)
+    return [t for t in seconds if t <= limit], [t for t in seconds if t > limit]
+
+
 def quantiles(seconds: list[float], points: int = 16) -> list[float]:
     """A kernel's timings reduced to `points` equally likely values (fewer if fewer runs): the
     mean of each `points`-th of the sorted runs, so that drawing one of them at random keeps the
     measured mean (up to bins one run apart in size: a slow run in fifty still counts, as it does
-    in a real step)."""
+    in a real step; stalls are left out before, by without_stalls)."""
     ordered = sorted(seconds)
     m = min(points, len(ordered))
     cuts = [round(i * len(ordered) / m) for i in range(m + 1)]
@@ -267,6 +283,16 @@ def main(argv=None) -> int:
     if rank != 0:
         return 0
     keys = sorted({key for r in runs for key in r})
+    for r in runs:
+        for key in keys:
+            if key in r:
+                r[key], stalls = without_stalls(r[key])
+                if stalls:
+                    log.warning("kernel %s: %d of %d runs left out as stalls (%s ms; the "
+                                "median is %.3g ms); if the machine is busy, calibrate again "
+                                "on an idle one", key, len(stalls), len(stalls) + len(r[key]),
+                                ", ".join(f"{1e3 * t:.3g}" for t in stalls),
+                                1e3 * statistics.median(r[key]))
     kernels = dict(base.kernels or {})
     kernels.update({key: max(statistics.fmean(r[key]) for r in runs if key in r) for key in keys})
     spreads = dict(base.kernel_quantiles or {})
@@ -274,8 +300,9 @@ def main(argv=None) -> int:
     command = "calibration.ops " + " ".join(sys.argv[1:] if argv is None else argv)
     source = (f"{base.source} Kernels of {args.model} measured by `{command}` on {world} "
               f"rank(s) ({'in real steps' if in_situ else 'collectives stood in locally'}), "
-              f"mean of {args.steps} steps on the slowest rank, and their spread over all "
-              f"ranks.")
+              f"mean of {args.steps} steps on the slowest rank (stalls left out: runs over "
+              f"{STALL:g}x their kernel's median and {1e3 * STALL_SECONDS:g} ms over it), and "
+              f"their spread over all ranks.")
     profile = replace(base, name=args.out.stem, source=source, kernels=kernels,
                       kernel_quantiles=spreads, kernels_in_situ=in_situ)
     args.out.write_text(json.dumps(profile.to_dict(), indent=1) + "\n")

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import calibration.ops
-from calibration.ops import main as ops_main, measure_in_turns, measure_kernels, quantiles
+from calibration.ops import (main as ops_main, measure_in_turns, measure_kernels, quantiles,
+                             without_stalls)
 from hidup.models import capture_model, get_model
 from hidup.planning.costs import kernel_coverage, kernel_key
 from hidup.planning.estimate import estimate
@@ -239,6 +240,33 @@ def test_spread_keeps_the_mean_of_rare_slow_runs():
     assert sum(spread) / len(spread) == pytest.approx(2.0, rel=0.05)  # a draw keeps the mean
     assert spread[0] == 1.0 and spread[-1] > 10.0  # the stall is in the top value
     assert quantiles([3.0, 1.0, 2.0]) == [1.0, 2.0, 3.0]  # fewer runs than values: each run
+
+
+def test_a_stall_is_left_out_and_named(tmp_path, caplog, monkeypatch):
+    """A run 50x its kernel's median and a second over it is a stall: left out of the kernel's
+    mean and spread, with a warning that names the kernel; jitter of microseconds stays."""
+    kept, stalls = without_stalls([1e-3] * 9 + [0.15])
+    assert kept == [1e-3] * 9 and stalls == [0.15]
+    tiny = [2e-6] * 9 + [4e-5]  # 20x the median but 38 us over it: jitter, kept
+    assert without_stalls(tiny) == (tiny, [])
+    assert without_stalls([1e-3] * 9 + [1.9e-3]) == ([1e-3] * 9 + [1.9e-3], [])
+    real = calibration.ops.KernelTimer.times
+
+    def stalled(self):
+        times = real(self)
+        key = max(times, key=lambda k: sum(times[k]))
+        times[key] = times[key][:-1] + [times[key][-1] + 0.5]  # the machine stops 0.5 s
+        return times
+    monkeypatch.setattr(calibration.ops.KernelTimer, "times", stalled)
+    out = tmp_path / "p.json"
+    with caplog.at_level(logging.INFO, logger="calibration.ops"):
+        assert ops_main(["--model", "mlp:tiny", "--strategy", "ddp", "--micro-batches", "1",
+                         "--steps", "3", "--warmup", "1", "--optimizer", "sgd",
+                         "--base", "cpu-gloo-loopback", "--out", str(out)]) == 0
+    assert "runs left out as stalls" in caplog.text
+    profile = load_profile(out)
+    assert max(profile.kernels.values()) < 0.1  # the stall moved no kernel's mean
+    assert max(max(q) for q in profile.kernel_quantiles.values()) < 0.1
 
 
 class _Logged:
