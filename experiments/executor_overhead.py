@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 import hidup
+from calibration.traced_run import issued_tasks
 from hidup.cli import Parser
 from hidup.graph.capture import capture
-from hidup.planning.costs import issues
 from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import Plan
 from hidup.models import get_model
@@ -128,7 +128,7 @@ def contestants(name: str, k: int, precision: str, modes, device, world: int, ra
         log.info("%s, lowered: %s", plan_name, peak_memory(program))
         tag = "hidup" if plan_name == "ddp" else f"hidup {plan_name}"
         for mode in modes:
-            tasks[f"{tag} {mode}"] = sum(map(issues, program.tasks))
+            tasks[f"{tag} {mode}"] = issued_tasks(program)
             if args.optimizer == "adamw":  # the user's torch.optim optimizer on the shards
                 trainer = hidup.parallelize(
                     copy.deepcopy(model), Plan.of(graph, plan, world, kk), optimizer=_adamw,

@@ -12,6 +12,7 @@ the step's kernels), which the profile predicts as its kernel time."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -49,11 +50,17 @@ def host_figures(rows: list[dict], fit_k: int) -> dict[str, dict[str, float]]:
     return out
 
 
+@functools.cache
+def _captured(model: str, batch: int | None):
+    """The model's spec and graph at the runs' batch (once per model: rows share it)."""
+    spec = get_model(model, gpus=1)
+    example = spec.inputs(batch or spec.batch, torch.Generator().manual_seed(0))
+    return spec, capture(spec.build(), example)
+
+
 def predict(row: dict, host: dict[str, float], batch: int | None) -> tuple[float, float]:
     """Predicted step and kernel seconds of one hidup row (ddp on one device, SGD)."""
-    spec = get_model(row["model"], gpus=1)
-    example = spec.inputs(batch or spec.batch, torch.Generator().manual_seed(0))
-    graph = capture(spec.build(), example)
+    spec, graph = _captured(row["model"], batch)
     profile = replace(load_profile(PROFILES[row["precision"]]), host=host)
     program = lower(graph, fixed_strategy("ddp", graph, 1), 1, row["k"], spec.name,
                     optimizer="sgd")

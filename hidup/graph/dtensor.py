@@ -21,7 +21,8 @@ from hidup.graph.capture import Node, Ref, TensorMeta
 from hidup.graph.placement import P, R, Placement, Shard, ShardingOption
 
 TESTED_TORCH = ("2.11", "2.13")  # the torch versions this adapter is tested with (major.minor):
-#   2.13 in CI (CPU), 2.11 on the GPU machine (tests/test_ops.py there, experiments/gpu_table.sh)
+#   2.13 in CI (CPU); 2.11 on the GPU machine (tests/test_ops.py there, experiments/gpu_table.sh;
+#   its private names read in 2.11's sources)
 MAX_COMBINATIONS = 64  # input placements tried for an op known only by rules or decomposition
 
 
