@@ -14,7 +14,8 @@ from hidup.models import get_model
 from hidup.planning.profile_file import load_profile
 from hidup.planning.programme import Search, SearchOptions, replicated_plan
 from hidup.planning.search import search
-from hidup.strategy import fixed_strategy, random_strategy, sharded_storage
+from hidup.strategy import (fixed_strategy, layers, random_strategy, recomputing,
+                            sharded_storage)
 from hidup.program import LoweringError, lower
 from hidup.program.tasks import BUCKET_BYTES
 from hidup.runtime.execute import Executor, full_tensor
@@ -29,6 +30,11 @@ CASES += [(m, "fsdp", k) for m in ("gpt:tiny", "bert-sgmoe:tiny") for k in (1, 2
 # backward (no reshard)
 CASES += [("gpt:tiny", "fsdp-small-buckets", 2), ("bert-sgmoe:tiny", "fsdp-kept", 2)]
 BUCKETS = {"fsdp-small-buckets": 4096}  # bucket_bytes by strategy name (default: DDP's)
+# activation checkpointing: every layer's activations recomputed in the backward (NAME+recompute),
+# with tensor parallel's collectives run again, weights gathered again (fsdp), Duplex on and off
+RECOMPUTE = "+recompute"
+CASES += [("gpt:tiny", "megatron+recompute", 2), ("gpt:tiny", "fsdp+recompute", 1),
+          ("bert-sgmoe:tiny", "fsdp+recompute", 2), ("bert-sgmoe:tiny", "search+recompute", 2)]
 
 
 def batch_of(spec, seed=1):
@@ -46,7 +52,10 @@ def reference(name: str, world: int):
 
 def one_d_strategy(graph, name: str, world: int, k: int):
     """A strategy over every rank: searched, every op replicated (as the search ranks it), or
-    fixed by name."""
+    fixed by name; NAME+recompute: NAME with every layer recomputed."""
+    if name.endswith(RECOMPUTE):
+        return recomputing(graph, one_d_strategy(graph, name.removesuffix(RECOMPUTE), world, k),
+                           layers(graph))
     if name.startswith("fsdp-"):
         return fixed_strategy("fsdp", graph, world) if name == "fsdp-small-buckets" else \
             sharded_storage(graph, fixed_strategy("ddp", graph, world), world)
@@ -155,14 +164,17 @@ MESH_CASES = [("gpt:tiny", "dp-megatron", 1), ("gpt:tiny", "dp-megatron", 2),
               ("bert-sgmoe:tiny", "search-2d", 1)]
 # FSDP across the machines and Megatron inside (parameters stored sharded over the mesh column)
 MESH_CASES += [("gpt:tiny", "fsdp+tp", 1), ("gpt:tiny", "fsdp+tp", 2),
-               ("bert-sgmoe:tiny", "fsdp+tp", 2)]
+               ("bert-sgmoe:tiny", "fsdp+tp", 2), ("gpt:tiny", "fsdp+tp+recompute", 2)]
 MESH_CASES += [(m, f"random-{seed}", 1 + seed % 2) for m in ("gpt:tiny", "bert-sgmoe:tiny")
                for seed in range(4)]
 
 
 def mesh_strategy(graph, name: str, world: int, k: int):
     """A 2-D strategy on 2 machines: fixed, searched on the mesh, or random inside (None where
-    a random split does not divide the model's sizes)."""
+    a random split does not divide the model's sizes); NAME+recompute: every layer recomputed."""
+    if name.endswith(RECOMPUTE):
+        return recomputing(graph, mesh_strategy(graph, name.removesuffix(RECOMPUTE), world, k),
+                           layers(graph))
     if name == "search-2d":
         dp = Search(graph, world, load_profile("v100-8x8-10gbps"), SearchOptions(k=k, machines=2))
         return dp.strategy(dp.run()[0], "hidup")

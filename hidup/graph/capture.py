@@ -75,6 +75,8 @@ class Node:
     out_index: int | None = None  # which output of a multi-output op this node is
     autocast: str | None = None  # inside a model's autocast block: "off" or its dtype
     #   ("bfloat16"), run so whatever the run's autocast (hidup.graph.regions); None: the run's
+    layer: str = field(default="", compare=False)  # the repeated block it belongs to: the module
+    #   path up to its first number ("blocks.3" of "blocks.3.fc1"); "" outside any (layer_of)
 
     def in_metas(self, graph: Graph) -> tuple[TensorMeta, ...]:
         return tuple(graph.node(i).out for i in self.inputs)
@@ -270,7 +272,24 @@ def _op_node(fx_node, latest: dict[str, str], item=None, index: int | None = Non
     flops = forward_flops(op, [m.shape for m in in_metas], out.shape, args)
     nbytes = sum(m.nbytes for m in in_metas) + out.nbytes
     return Node((item or fx_node).name, "op", op, tuple(inputs), out, flops, nbytes,
-                target, args, kwargs, out_index=index, autocast=fx_node.meta.get("autocast"))
+                target, args, kwargs, out_index=index, autocast=fx_node.meta.get("autocast"),
+                layer=layer_of(fx_node))
+
+
+def layer_of(fx_node) -> str:
+    """The repeated block (a child of an nn.ModuleList or nn.Sequential) whose forward called
+    the op: the innermost module's path up to its first number, 'layers.3' of
+    'layers.3.mlp.experts.2' ("" for an op outside any such block, or with no module
+    recorded). Activation checkpointing is decided per such block."""
+    stack = fx_node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return ""
 
 
 def _is_broadcast(fx_node) -> bool:
@@ -285,7 +304,7 @@ def _broadcast_item(fx_node) -> Node | None:
     out = _meta(fx_node)
     return Node(fx_node.name, "op", "aten.expand.default", (source.name,), out, float(out.numel),
                 float(_meta(source).nbytes + out.nbytes), torch.ops.aten.expand.default,
-                (Ref(0), list(out.shape)))
+                (Ref(0), list(out.shape)), layer=layer_of(fx_node))
 
 
 _VIEWS = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default")

@@ -28,6 +28,8 @@ class _Builder:
         with self.graph.inserting_before(self.before):
             node = self.graph.call_function(op, tuple(args))
         node.meta["val"] = val
+        if "nn_module_stack" in self.before.meta:  # the module it came from (capture.layer_of)
+            node.meta["nn_module_stack"] = self.before.meta["nn_module_stack"]
         return node
 
 

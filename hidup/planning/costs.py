@@ -340,7 +340,8 @@ def kernel_key(task: Compute | Convert) -> str:
     if task.phase == "update":
         return f"update {task.op} {task.flops:.0f}"
     shapes = ",".join(str(list(s)) for s in task.in_shapes)
-    key = f"{task.phase} {task.op} {shapes}->{list(task.out_shape)}"
+    phase = "fwd" if task.phase == "recompute" else task.phase  # the same kernel again
+    key = f"{phase} {task.op} {shapes}->{list(task.out_shape)}"
     if task.phase == "bwd":
         key += " grads " + "".join("1" if out else "0" for out in task.outputs)
     return key

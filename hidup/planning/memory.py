@@ -88,34 +88,49 @@ def peak_memory(program: Program, itemsize: int = 4,
 def _scan(program: Program) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     """Per value key: its elements, the index of its first write and of its last use. A forward's
     inputs and output are used again by its backward for the same micro-batch (autograd holds
-    them until then); the seed gradient 'hidup.ones' is no node's backward."""
+    them until then); the seed gradient 'hidup.ones' is no node's backward. A value written again
+    by a recomputation (activation checkpointing) is a new one ('KEY~i', i its task), which the
+    later tasks read; the forward's value is freed after its last read before."""
     numel: dict[str, int] = {}
     first: dict[str, int] = {}
     last: dict[str, int] = {}
-    saved: dict[tuple[str, int | None], Compute] = {}  # forwards awaiting their backward
+    saved: dict[tuple[str, int | None], tuple[tuple[str, ...], str]] = {}  # forwards awaiting
+    #   their backward: the keys it read and wrote
+    now: dict[str, str] = {}  # a key written again -> its value's key now
     for i, t in enumerate(program.tasks):
         if type(t) is Wait:
             continue
-        for key in t.inputs:
+        ins = tuple(now.get(key, key) for key in t.inputs)
+        for key in ins:
             last[key] = i
+        outs = t.outputs
+        if t.phase == "recompute":
+            outs = tuple(_again(numel, now, key, i) if key in first else key for key in outs)
         if type(t) is Convert:
-            _convert_sizes(numel, first, t, i, program.world, program.k)
-        elif t.phase == "fwd":
-            saved[(t.node, t.mb)] = t
-            for key, shape in zip(t.inputs, t.in_shapes):
+            _convert_sizes(numel, first, t, ins, outs, i, program.world, program.k)
+        elif t.phase in ("fwd", "recompute"):
+            saved[(t.node, t.mb)] = ins, outs[0]
+            for key, shape in zip(ins, t.in_shapes):
                 if key not in numel:  # a parameter or an input: no task writes it
                     numel[key] = math.prod(shape)
-            _written(numel, first, ((t.outputs[0], t.out_shape),), i)
+            _written(numel, first, ((outs[0], t.out_shape),), i)
         elif t.op == "hidup.ones":
-            _written(numel, first, ((t.outputs[0], t.out_shape),), i)
+            _written(numel, first, ((outs[0], t.out_shape),), i)
         elif t.phase == "bwd":
-            _written(numel, first, zip(t.outputs, t.in_shapes), i)
+            _written(numel, first, zip(outs, t.in_shapes), i)
             fwd = saved.pop((t.node, t.mb), None)
             if fwd is not None:  # what the forward read, as the backward reads it (a weight
-                for key in t.inputs[1:]:  # freed after the forward: gathered again)
+                for key in ins[1:]:  # freed after the forward: gathered again), and its output
                     last[key] = i
-                last[fwd.outputs[0]] = i
+                last[fwd[1]] = i
     return numel, first, last
+
+
+def _again(numel: dict[str, int], now: dict[str, str], key: str, i: int) -> str:
+    """Task i (a recomputation) writes `key` again: a new value, read under the key returned."""
+    now[key] = f"{key}~{i}"
+    numel[now[key]] = numel[key]
+    return now[key]
 
 
 def _written(numel: dict[str, int], first: dict[str, int], outputs, i: int) -> None:
@@ -126,13 +141,14 @@ def _written(numel: dict[str, int], first: dict[str, int], outputs, i: int) -> N
             numel[key] = math.prod(shape)
 
 
-def _convert_sizes(numel, first, t: Convert, i: int, world: int, k: int) -> None:
-    """A conversion reads `shape`; several inputs and outputs are a bucket, converted pairwise."""
-    if t.inputs[0] not in numel:
-        numel[t.inputs[0]] = math.prod(t.shape)
-    for key, shape in zip(t.inputs, t.in_shapes):  # a bucket's inputs
+def _convert_sizes(numel, first, t: Convert, ins, outs, i: int, world: int, k: int) -> None:
+    """A conversion reads `shape`; several inputs and outputs are a bucket, converted pairwise.
+    ins, outs: the keys of its inputs' and outputs' values (_scan)."""
+    if ins[0] not in numel:
+        numel[ins[0]] = math.prod(t.shape)
+    for key, shape in zip(ins, t.in_shapes):  # a bucket's inputs
         numel.setdefault(key, math.prod(shape))
-    for src, dst in zip(t.inputs, t.outputs):
+    for src, dst in zip(ins, outs):
         if dst not in first:
             first[dst] = i
             numel[dst] = _converted_numel(t, _known(numel, src, t), world, k)

@@ -14,7 +14,7 @@ import torch
 from hidup.graph.capture import Graph, TensorMeta, capture
 from hidup.graph.ops import node_options
 from hidup.graph.placement import Partial, parse_option, parse_placement
-from hidup.strategy import Strategy, describe, fixed_strategy
+from hidup.strategy import Strategy, describe, fixed_strategy, layers
 
 PLAN_FORMAT, PLAN_VERSION = "hidup-plan", 1
 
@@ -112,6 +112,11 @@ def check(graph: Graph, strategy: Strategy) -> None:
     for name, p in strategy.placements.items():
         if isinstance(p, Partial):
             raise PlanError(f"{name}: parameters and inputs cannot be Partial")
+    unknown = sorted(strategy.recompute - set(layers(graph)))
+    if unknown:
+        raise PlanError(f"recompute: {', '.join(unknown[:3])} is not a layer of this model "
+                        f"(its layers: {', '.join(layers(graph)[:4]) or 'none'}); make the plan "
+                        f"for this model")
 
 
 def save_plan(path: Path, graph: Graph | None, strategy: Strategy, world: int, model: str,
@@ -133,7 +138,8 @@ def save_plan(path: Path, graph: Graph | None, strategy: Strategy, world: int, m
            "strategy": strategy.name,
            "placements": {n: str(p) for n, p in strategy.placements.items()},
            "options": {n: str(o) for n, o in strategy.options.items()},
-           "reshard": sorted(strategy.reshard), "across": dict(strategy.across)}
+           "reshard": sorted(strategy.reshard), "across": dict(strategy.across),
+           "recompute": sorted(strategy.recompute)}
     Path(path).write_text(json.dumps(doc, indent=1) + "\n")
 
 
@@ -179,7 +185,8 @@ def load_plan(path: Path, graph: Graph | None, world: int, cluster: str | None =
     strategy = Strategy(doc.get("strategy", Path(path).stem),
                         {n: parse_placement(p) for n, p in doc["placements"].items()},
                         {n: parse_option(o) for n, o in doc["options"].items()}, notes, machines,
-                        frozenset(doc.get("reshard", ())), _across(path, doc))
+                        frozenset(doc.get("reshard", ())), _across(path, doc),
+                        frozenset(doc.get("recompute", ())))
     if graph is not None:
         check(graph, strategy)
     return strategy

@@ -164,7 +164,7 @@ def _far_behind(price: float, least: float) -> bool:
 def _plan_key(strategy: Strategy) -> tuple:
     return (strategy.machines, tuple(strategy.placements.items()),
             tuple(strategy.options.items()), tuple(sorted(strategy.reshard)),
-            tuple(sorted(strategy.across.items())))
+            tuple(sorted(strategy.across.items())), tuple(sorted(strategy.recompute)))
 
 
 def _orders(k: int, objective: str) -> list[tuple]:

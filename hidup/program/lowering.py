@@ -18,12 +18,13 @@ from hidup.graph.placement import Partial, Placement, R, Replicate, Shard
 from hidup.strategy import Strategy, conversion, microbatch_split
 from hidup.program.buckets import GradientBuckets
 from hidup.program.microbatches import MicroBatches
+from hidup.program.recompute import Recomputation
 from hidup.program.tasks import (BUCKET_BYTES, COLLECTIVES, Compute, Convert,
                                  LoweringError, Program, Task, Wait, gkey, mesh_groups,
                                  optimizer_cost, Shapes, vkey)
 
 
-class Lowering(MicroBatches, GradientBuckets):
+class Lowering(MicroBatches, GradientBuckets, Recomputation):
     """Forward: node-major, micro-batch-minor; each conversion is issued right after its producer
     and waited for right before its consumer, so with k >= 2 one micro-batch's communication runs
     while the next one computes. Backward: the same in reverse, each gradient conversion issued as
@@ -84,6 +85,7 @@ class Lowering(MicroBatches, GradientBuckets):
         for _, t in graph.updates:  # the value written into a buffer: whole on every rank
             self.uses[t].append((None, 0, R))
         self._grad_analysis()
+        self.plan_recompute()
         self.across = dict(strategy.across)
         self.check_across()
 
@@ -293,6 +295,7 @@ class Lowering(MicroBatches, GradientBuckets):
     def backward_node(self, node, m) -> None:
         opt, mb_opt = self.s.options[node.name], self.mbs_split.options[node.name]
         grad_in = self.out_grad(node.name, m)
+        self.recompute_before(node, m)  # its layer's forward again, where it is recomputed
         self.wait_for(grad_in)
         self.gather_for(node.inputs, "bwd")
         fwd_keys = tuple(  # what the forward read: a parameter resharded after it, gathered again

@@ -60,6 +60,10 @@ class _TaskRunner:
         self.mbs = microbatch_split(self.g, self.k, machines=self.p.machines)
         self.backward_of = {(t.node, t.mb): t for t in self.p.tasks if isinstance(t, Compute)
                             and t.phase == "bwd" and t.op != "hidup.ones"}
+        # forwards run again before their backward (activation checkpointing): the first run
+        # keeps nothing for the backward, the recomputation does
+        self.recomputed = {(t.node, t.mb) for t in self.p.tasks if isinstance(t, Compute)
+                           and t.phase == "recompute"}
         # where micro-batches are joined, each one's part of the batch is a piece of every
         # rank's block (shard_of), so that joined they make this rank's shard
         self.rank_blocks = any(isinstance(t, Convert) and t.kind in MB_CONVERSIONS
@@ -111,7 +115,7 @@ class _TaskRunner:
                 issued()
         elif isinstance(task, Convert):
             self.convert(task)
-        elif task.phase == "fwd":
+        elif task.phase in ("fwd", "recompute"):
             self.forward(task)
         elif task.phase == "bwd":
             self.backward(task)
@@ -135,18 +139,21 @@ class _TaskRunner:
     # -- compute ----------------------------------------------------------------------------
     def forward(self, task: Compute) -> None:
         node = self.g.node(task.node)
-        differentiated = (task.node, task.mb) in self.backward_of
+        at = task.node, task.mb
+        differentiated = at in self.backward_of and (
+            task.phase == "recompute" or at not in self.recomputed)
         leaves = [x.detach().requires_grad_(True) if differentiated and x.is_floating_point()
                   else x for x in (self.env[key] for key in task.inputs)]
-        with torch.enable_grad(), self.autocast(node), self.regathered(task, leaves):
+        saving = self.regathered(task, leaves) if differentiated else nullcontext()
+        with torch.enable_grad(), self.autocast(node), saving:
             out = self.callable(task, node)(leaves)
         if self.spec.autocast is not None and out.is_floating_point():
             out = out.float()  # values, collectives and gradients stay float32
         if tuple(out.shape) != task.out_shape:
             raise RuntimeError(f"node {task.node} ({task.op}) mb {task.mb}: local output shape "
                                f"{tuple(out.shape)}, the Program expects {task.out_shape}")
-        if (task.node, task.mb) in self.backward_of:  # its backward differentiates this graph
-            self.saved[(task.node, task.mb)] = (leaves, out)
+        if differentiated:  # its backward differentiates this graph
+            self.saved[at] = (leaves, out)
             self.env.keep(*leaves, out)
         self.env[task.outputs[0]] = out.detach()
 
@@ -236,6 +243,8 @@ class _TaskRunner:
     # -- conversions ------------------------------------------------------------------------
     def convert(self, task: Convert) -> None:
         root = bool(task.root_only)
+        for key in task.outputs if task.phase == "recompute" else ():  # made again, not added to
+            del self.env[key]
         if task.kind in MB_CONVERSIONS:
             return self.mb_conversion(task)
         if len(task.inputs) > 1:

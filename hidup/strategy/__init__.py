@@ -9,9 +9,13 @@ from hidup.strategy.fixed import (ACROSS, FIXED, data_parallel, expert_parallel,
                                   fixed_strategy, fully_sharded, megatron, random_strategy,
                                   sharded_storage, stored_across)
 from hidup.strategy.microbatch import microbatch_split
+from hidup.strategy.recompute import (describe_recompute, first_layers, layers, parse_recompute,
+                                      recomputing)
 
 __all__ = ["ACROSS", "FIXED", "NoMicroBatches", "Strategy", "Unreachable", "conversion",
-           "conversion_cost", "data_parallel", "describe", "expert_parallel", "fitting_options",
-           "fixed_strategies", "fixed_strategy", "fully_sharded", "megatron", "mesh_option",
-           "microbatch_split", "op_style", "propagate", "random_strategy", "sharded_storage",
-           "splits_evenly", "stored_across", "summarize", "uncovered"]
+           "conversion_cost", "data_parallel", "describe", "describe_recompute",
+           "expert_parallel", "first_layers", "fitting_options", "fixed_strategies",
+           "fixed_strategy", "fully_sharded", "layers", "megatron", "mesh_option",
+           "microbatch_split", "op_style", "parse_recompute", "propagate", "random_strategy",
+           "recomputing", "sharded_storage", "splits_evenly", "stored_across", "summarize",
+           "uncovered"]

@@ -29,6 +29,9 @@ class Strategy:
     # dim of its machine's piece: gathered over the mesh column before the step uses it, its
     # gradient reduce-scattered there instead of all-reduced (FSDP across machines)
     across: dict[str, int] = field(default_factory=dict, hash=False)
+    # layers (Node.layer) whose activations are not kept for the backward but recomputed in it,
+    # right before the layer's backward (activation checkpointing; hidup.strategy.recompute)
+    recompute: frozenset[str] = field(default=frozenset(), hash=False)
 
     def home(self, name: str) -> Placement:
         """Where a tensor lives after it is produced (before any conversion for a consumer)."""

@@ -9,6 +9,7 @@ from hidup.graph.capture import Graph, Node
 from hidup.graph.placement import R, Shard, ShardingOption
 from hidup.strategy.base import Strategy
 from hidup.strategy.microbatch import microbatch_split
+from hidup.strategy.recompute import describe_recompute
 
 
 KEY_OPS = ("linear", "einsum", "embedding", "conv", "scaled_dot_product_attention",
@@ -50,11 +51,13 @@ def describe(graph: Graph, strategy: Strategy) -> str:
     across = f"data parallel across {strategy.machines} machines; inside each: " \
         if strategy.machines > 1 else ""  # (parameters may be stored sharded across: storage)
     if not counts:
-        return f"{across}no key ops" + storage(graph, strategy) + uncovered(graph)
+        return f"{across}no key ops" + storage(graph, strategy) + \
+            describe_recompute(graph, strategy) + uncovered(graph)
     (style, n), rest = counts[0], counts[1:]
     what = f"all {n} key ops {style}" if not rest else \
         ", ".join([f"{n} key ops {style}"] + [f"{m} {s}" for s, m in rest])
-    return across + what + storage(graph, strategy) + uncovered(graph)
+    return across + what + storage(graph, strategy) + describe_recompute(graph, strategy) + \
+        uncovered(graph)
 
 
 def stored_sharded(graph: Graph, strategy: Strategy) -> list[str]:

@@ -4,6 +4,7 @@ across), and random valid strategies for tests."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from hidup.graph.capture import Graph, Node
 from hidup.graph.flops import GROUPED_MM
@@ -131,9 +132,8 @@ def sharded_storage(graph: Graph, strategy: Strategy, world: int,
              f"{world}): {', '.join(whole[:3])}{' ...' if len(whole) > 3 else ''}",) if whole \
         else ()
     stored = {p.name for p in graph.params if homes.get(p.name) != strategy.placements.get(p.name)}
-    return Strategy(strategy.name, homes, strategy.options, strategy.notes + notes,
-                    strategy.machines, strategy.reshard | stored if reshard else strategy.reshard,
-                    strategy.across)
+    return replace(strategy, placements=homes, notes=strategy.notes + notes,
+                   reshard=strategy.reshard | stored if reshard else strategy.reshard)
 
 
 FIXED = {"ddp": data_parallel, "fsdp": fully_sharded, "megatron": megatron,
@@ -202,8 +202,7 @@ def stored_across(graph: Graph, strategy: Strategy, inner: int) -> Strategy:
         across[param.name] = dims[0]
     notes = (f"{len(kept)} of {len(graph.params)} parameters kept whole across the machines: "
              f"{', '.join(kept[:3])}{' ...' if len(kept) > 3 else ''}",) if kept else ()
-    return Strategy(strategy.name, strategy.placements, strategy.options,
-                    strategy.notes + notes, machines, strategy.reshard, across)
+    return replace(strategy, notes=strategy.notes + notes, machines=machines, across=across)
 
 
 def _as_named(name: str, graph: Graph, strategy: Strategy, world: int,

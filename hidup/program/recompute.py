@@ -1,0 +1,87 @@
+"""Activation checkpointing in the Program, for hidup.program.lowering.Lowering: in a layer of
+Strategy.recompute, the forward of each op recomputed keeps nothing for the backward, and right
+before the layer's first backward task of a micro-batch its ops run again ('recompute' tasks, in
+forward order, with the conversions the layer's own ops read), writing the same value keys; the
+backward reads those. A weight freed after the forward is read as gathered again for the backward.
+
+The executor runs a forward task whose (node, micro-batch) has a recompute task without autograd
+(hidup.runtime.step); the memory model frees its output after its last read in the forward and
+counts the recomputed value as a new one (hidup.planning.memory); the estimate and the simulator
+time a recompute task as its forward (hidup.planning.costs.kernel_key)."""
+from __future__ import annotations
+
+import torch
+
+from hidup.graph.capture import Node
+from hidup.graph.placement import R
+from hidup.strategy import conversion
+from hidup.program.tasks import Compute, vkey
+
+RECOMPUTE = "recompute"  # the phase of a recomputed forward task and of its conversions
+
+
+def nondeterministic(node: Node) -> bool:
+    """Does the op draw random numbers (dropout)? Run again, it would draw others. An op that
+    may (its schema is tagged so) but whose dropout probability is 0 or whose `train` is False
+    (eval-mode dropout, attention without dropout) draws none."""
+    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    given = dict(zip((a.name for a in schema.arguments), node.args)) if schema else {}
+    given.update(node.kwargs)
+    chance = [given[name] for name in ("p", "dropout_p") if name in given]
+    return not (given.get("train") is False or chance and all(
+        isinstance(c, (int, float)) and c == 0 for c in chance))
+
+
+class Recomputation:
+    """Lowering's activation-checkpointing part. It reads the Lowering's g, s, has_grad, once,
+    mbs_split, regather and uses, and calls its add, wait_for, in_keys, kernel, gather_for,
+    gathered_key, mb_converted, home, shape, nbytes, converted and emit_convert."""
+
+    def plan_recompute(self) -> None:
+        """Which ops each recomputed layer runs again: {layer: [nodes in forward order]}."""
+        self.recomputed: dict[str, list[Node]] = {}
+        for node in self.g.ops:
+            if node.layer in self.s.recompute and self.recomputable(node):
+                self.recomputed.setdefault(node.layer, []).append(node)
+        self.layer_of = {n.name: layer for layer, nodes in self.recomputed.items()
+                         for n in nodes}
+        self.recomputed_at: set[tuple[str, int | None]] = set()
+
+    def recomputable(self, node: Node) -> bool:
+        """An op whose backward runs, per micro-batch, reading no micro-batches joined or sliced,
+        drawing no random numbers, and not the loss."""
+        mb_in = self.mbs_split.options[node.name].inputs
+        return (node.name in self.has_grad and node.name != self.g.loss
+                and node.name not in self.once and not nondeterministic(node)
+                and not any(self.mb_converted(t, q) for t, q in zip(node.inputs, mb_in)))
+
+    def recompute_before(self, node: Node, m: int | None) -> None:
+        """Before node's backward for micro-batch m: its layer's forward again, once."""
+        layer = self.layer_of.get(node.name)
+        if layer is None or (layer, m) in self.recomputed_at:
+            return
+        self.recomputed_at.add((layer, m))
+        for n in self.recomputed[layer]:
+            self.recompute_node(n, m, layer)
+
+    def recompute_node(self, node: Node, m: int | None, layer: str) -> None:
+        opt = self.s.options[node.name]
+        self.gather_for(node.inputs, "bwd")
+        keys = tuple(self.gathered_key(t, "bwd") if t in self.regather and p == R else key
+                     for t, p, key in zip(node.inputs, opt.inputs, self.in_keys(node, m)))
+        for key in keys:
+            self.wait_for(key)
+        ins, out, flops, nbytes, partial = self.kernel(node)
+        self.add(Compute(len(self.tasks), node.name, node.op, RECOMPUTE, m, flops, nbytes, ins,
+                         out, keys, (vkey(node.name, opt.output, m),), opt, partial))
+        home = self.home(node.name)
+        inside = {p for consumer, _, p in self.uses[node.name]
+                  if consumer is not None and self.layer_of.get(consumer.name) == layer}
+        for p in self.converted(node.name):  # what the layer's recomputed ops read converted
+            if p in inside:
+                self.emit_convert(conversion(home, p), node.name, home, p, RECOMPUTE, m,
+                                  vkey(node.name, home, m), vkey(node.name, p, m),
+                                  self.shape(node.name, home),
+                                  max(self.nbytes(node.name, home), self.nbytes(node.name, p)))

@@ -1,0 +1,71 @@
+"""Activation checkpointing as a plan decision: the layers whose activations are not kept from
+the forward for the backward but recomputed in it (Strategy.recompute).
+
+A layer is a repeated block of the model, a child of an nn.ModuleList or nn.Sequential
+(Node.layer: 'blocks.3'). In a recomputed layer every op the backward differentiates runs twice:
+in the forward without keeping anything for the backward, and again right before the layer's
+backward for the same micro-batch, whose values the backward then reads (torch.utils.checkpoint
+per layer). What the layer reads from outside it (its input, the weights) is kept, as a checkpoint
+keeps its inputs. Left out of the recomputation, their outputs kept: random ops (dropout: the
+recomputed mask would differ), ops computed once per step rather than per micro-batch, and ops
+that read the micro-batches joined (hidup.program.recompute)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hidup.graph.capture import Graph
+from hidup.strategy.base import Strategy
+
+
+def layers(graph: Graph) -> list[str]:
+    """The model's layers in forward order (Node.layer of its ops)."""
+    return list(dict.fromkeys(n.layer for n in graph.ops if n.layer))
+
+
+def recomputing(graph: Graph, strategy: Strategy, chosen) -> Strategy:
+    """`strategy` with the activations of the layers `chosen` recomputed in the backward (and
+    of no others). An unknown layer is a one-line ValueError that names the model's."""
+    known = layers(graph)
+    unknown = sorted(set(chosen) - set(known))
+    if unknown:
+        have = f"its layers are {_span(known)}" if known else \
+            "it has none (no op runs inside a child of an nn.ModuleList or nn.Sequential)"
+        raise ValueError(f"recompute: {', '.join(unknown[:3])} is not a layer of this model; "
+                         f"{have}; give layers it has, 'all' or a count")
+    return replace(strategy, recompute=frozenset(chosen))
+
+
+def parse_recompute(text: str, graph: Graph) -> frozenset[str]:
+    """A --recompute value: 'none', 'all', N (the first N layers) or layer names joined by
+    commas."""
+    known = layers(graph)
+    text = text.strip()
+    if text in ("", "none"):
+        return frozenset()
+    if text == "all":
+        return frozenset(known)
+    if text.isdigit():
+        if int(text) > len(known):
+            raise ValueError(f"recompute: {text} layers, the model has {len(known)}; give at "
+                             f"most {len(known)}, 'all' or 'none'")
+        return frozenset(known[:int(text)])
+    return frozenset(name.strip() for name in text.split(",") if name.strip())
+
+
+def first_layers(graph: Graph, n: int) -> frozenset[str]:
+    """The model's first n layers (whose activations are kept longest: they are freed last)."""
+    return frozenset(layers(graph)[:n])
+
+
+def describe_recompute(graph: Graph, strategy: Strategy) -> str:
+    """'; activations of 4 of 8 layers recomputed in the backward (blocks.0 .. blocks.3)', or ''."""
+    if not strategy.recompute:
+        return ""
+    known = layers(graph)
+    chosen = [name for name in known if name in strategy.recompute]
+    return f"; activations of {len(chosen)} of {len(known)} layers recomputed in the backward " \
+           f"({_span(chosen)})"
+
+
+def _span(names: list[str]) -> str:
+    return ", ".join(names) if len(names) <= 3 else f"{names[0]} .. {names[-1]}"
