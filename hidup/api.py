@@ -29,7 +29,7 @@ __all__ = ["Plan", "plan", "parallelize", "Trainer"]
 def plan(model: torch.nn.Module, example_inputs: tuple | list, *, cluster: str, gpus: int,
          micro_batches: int | None = None, memory: float | None = None,
          optimizer: str = "adamw", strategy: str = SEARCH, mesh: tuple[int, int] | None = None,
-         name: str | None = None) -> Plan:
+         name: str | None = None, recompute: str = "auto") -> Plan:
     """Plan `model` (whose `model(*example_inputs)` returns the loss; the inputs are one global
     batch) for `gpus` ranks of `cluster` (a shipped profile's name or a profile file).
 
@@ -39,13 +39,15 @@ def plan(model: torch.nn.Module, example_inputs: tuple | list, *, cluster: str, 
     plan that fits; "ddp", "fsdp", "megatron" or "expert" takes that fixed strategy.
     micro_batches None lets the planner choose between plain SPMD and Duplex (k=2); a number fixes it. `optimizer`
     is the one training will use ("sgd", "adamw", ...: its state counts in memory and its
-    update in the step). The same arguments give the plan `python -m hidup.planner` and
+    update in the step). `recompute` is activation checkpointing: "auto" recomputes the fewest
+    first layers that make a plan fit where it does not fit otherwise; "none", "all", a count
+    of first layers as text ("4") or layer names joined by commas ("layers.0,layers.1"). The same arguments give the plan `python -m hidup.planner` and
     `python -m simulator.predict` choose."""
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     profile = load_profile(cluster)
     goal = Goal(gpus, micro_batches, None if memory is None else float(memory), optimizer,
-                None if mesh is None else tuple(mesh), strategy)
+                None if mesh is None else tuple(mesh), strategy, recompute=recompute)
     graph = capture(model, tuple(example_inputs))
     chosen = select_plan(graph, profile, goal)
     where = str(cluster) if Path(str(cluster)).is_file() else profile.name

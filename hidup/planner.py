@@ -12,7 +12,7 @@ import math
 import sys
 from pathlib import Path
 
-from hidup.cli import Parser, parse_mesh
+from hidup.cli import RECOMPUTE_HELP, Parser, parse_mesh
 from hidup.models import capture_model, get_model, names
 from hidup.planning.estimate import estimate
 from hidup.planning.memory import peak_memory
@@ -52,6 +52,8 @@ def parse_args(argv=None):
                     help="time for the integer programme that proves the k=1 cost model's best "
                          "plan on each mesh (the beam can miss it; hidup.plan() and "
                          "simulator.predict do not run it); 0 skips it (default: 0)")
+    ap.add_argument("--recompute", default="auto", metavar="auto|none|all|N|LAYERS",
+                    help=RECOMPUTE_HELP)
     ap.add_argument("--out", type=Path, default=None, help="write the chosen plan to this file")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("-v", "--verbose", action="store_true", help="log the search's progress")
@@ -75,7 +77,7 @@ def plan(args) -> dict:
     graph = capture_model(spec, batch)
     memory = args.memory * 2**30 if args.memory is not None else None
     goal = Goal(args.gpus, args.micro_batches, memory, args.optimizer, args.mesh,
-                beam=args.beam, exact=args.exact)
+                beam=args.beam, exact=args.exact, recompute=args.recompute)
     chosen = select_plan(graph, profile, goal)
     found, k = chosen.search, chosen.duplex_k
     rows = {name: _times(graph, s, args.gpus, k, chosen.profile, args.optimizer)

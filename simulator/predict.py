@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hidup import models
-from hidup.cli import Parser, parse_mesh
+from hidup.cli import RECOMPUTE_HELP, Parser, parse_mesh
 from hidup.graph.capture import Graph
 from hidup.models import capture_model
 from hidup.planning.costs import Profile
@@ -22,7 +22,7 @@ from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import Plan, resolve_strategy, save_plan
 from hidup.planning.profile_file import load_profile
 from hidup.planning.select import DUPLEX_K, SEARCH, Goal, select_plan
-from hidup.strategy import Strategy
+from hidup.strategy import Strategy, parse_recompute, recomputing
 from hidup.program import HOST_MODES, OPTIMIZERS, lower
 from simulator.montecarlo import expected_step, step_time_interval
 from simulator.report import Comparison, Prediction
@@ -40,6 +40,8 @@ class SimOptions:
     samples: int = 0  # Monte-Carlo runs with perturbed profile figures (0: none)
     noise: float = 0.1  # their log-normal spread
     show_plan: bool = False  # the report lists every op's placements
+    recompute: str = "auto"  # predict()'s strategy with these layers recomputed (parse_recompute;
+    #   'auto' and 'none': as it is)
 
 
 def _setup(model: str, cluster: str, gpus: int, batch: int | None):
@@ -84,6 +86,8 @@ def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | Non
     spec, profile, batch, graph = _setup(model, cluster, gpus, batch)
     profile.check_world(gpus)
     plan = resolve_strategy(strategy, graph, gpus, profile.name)
+    if options.recompute != "auto":
+        plan = recomputing(graph, plan, parse_recompute(options.recompute, graph))
     return simulate(graph, plan, profile, gpus, k, options, spec.name)
 
 
@@ -168,6 +172,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw",
                    help="the optimizer training runs (hidup.train's default: adamw): its update "
                         "time and its state's memory count (default: %(default)s)")
+    p.add_argument("--recompute", default="auto", metavar="auto|none|all|N|LAYERS",
+                   help=RECOMPUTE_HELP + "; with --strategy NAME|PLAN, auto is none")
     p.add_argument("--show-plan", action="store_true",
                    help="list every op's placements instead of the plan's one-line summary")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a report")
@@ -212,12 +218,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.strategy == SEARCH:
             goal = Goal(args.gpus, args.micro_batches,
                         None if args.memory is None else args.memory * 2**30, args.optimizer,
-                        mesh)
+                        mesh, recompute=args.recompute)
             report = compare(args.model, args.cluster, goal, args.batch, options)
             shown = report.predictions[report.chosen]
         else:
             report = shown = predict(args.model, args.cluster, args.gpus, args.strategy,
-                                     args.batch, args.micro_batches or DUPLEX_K, options)
+                                     args.batch, args.micro_batches or DUPLEX_K,
+                                     replace(options, recompute=args.recompute))
     except ValueError as exc:
         parser.exit(2, f"{PROG}: error: {' '.join(str(exc).split())}\n")
     if args.trace is not None:

@@ -160,3 +160,9 @@ def parse_mesh(text: str, gpus: int, error) -> tuple[int, int]:
         error(f"--mesh {text}: {machines} x {per} is not the {gpus} GPUs of --gpus; give a "
               f"mesh whose product is {gpus} (e.g. {max(1, gpus // 8)}x{min(gpus, 8)})")
     return machines, per
+
+
+RECOMPUTE_HELP = ("activation checkpointing: 'auto' recomputes in the backward the fewest first "
+                  "layers that make a plan fit the device's memory, where it does not fit "
+                  "otherwise; 'none' never; 'all', N (the first N layers) or layer names joined "
+                  "by commas (e.g. blocks.0,blocks.1) in every plan (default: auto)")

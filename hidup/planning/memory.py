@@ -16,6 +16,9 @@ tensors are counted at `itemsize` too: bool masks and int32 over, int64 indices 
   is issued), is freed after its last read; autograd also keeps a forward node's inputs (as its backward reads them: a weight freed
   after the forward is the one gathered again) and output
   until that node's backward task for the same micro-batch has run. Loss values live all step.
+- recomputation (activation checkpointing): a recomputed layer's first forward keeps nothing for
+  the backward (its values are freed after their last forward read); its 'recompute' tasks
+  write the values again, new ones that the backward holds as it holds a forward's.
 Not modelled: tensors autograd saves inside one op (softmax outputs, dropout masks), transient
 buffers of a task (an accumulation's sum, a gather's staging copy, the optimizer's temporaries:
 foreach Adam's sqrt(exp_avg_sq) of every shard at once), views sharing storage with

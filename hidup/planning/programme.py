@@ -63,6 +63,9 @@ class SearchOptions:
     keep: int = 3  # plans of the programme lowered and estimated per order
     exact: float = 0.0  # seconds for the integer programme's proof of the k = 1 plan (0: none)
     objective: str = "time"  # 'time', or 'comm': the fewest bytes communicated
+    # layers whose activations every plan recomputes in the backward; None: a plan that does not
+    # fit is also tried with the fewest first layers recomputed that make it fit
+    recompute: frozenset[str] | None = None
 
 
 class Search(Pricing, Beam):

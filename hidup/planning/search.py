@@ -24,7 +24,8 @@ from hidup.planning.exact import exact_plan
 from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import check
 from hidup.planning.programme import Search, SearchOptions, programme, replicated_plan
-from hidup.strategy import Strategy, sharded_storage, stored_across
+from hidup.strategy import (Strategy, first_layers, layers, recomputing, sharded_storage,
+                            stored_across)
 from hidup.program.lowering import lower
 from hidup.program.tasks import LoweringError
 
@@ -241,6 +242,8 @@ class Ranking:
         """Estimate the plan with each micro-batch count of `counts` (default: 1 and k) not
         tried yet (`seen`: remember it, so that a plan reached twice is lowered once); return
         whether it fits, per count."""
+        if self.options.recompute is not None and strategy.recompute != self.options.recompute:
+            strategy = recomputing(self.graph, strategy, self.options.recompute)
         tried = self.seen.setdefault(_plan_key(strategy), {}) if seen else {}
         counts = counts or sorted({1, self.options.k})
         for kk in counts:
@@ -258,6 +261,9 @@ class Ranking:
                 self.least = min(self.least, memory.peak)
                 log.info("plan %s with k=%d needs %.3g GiB per device: over the limit", name, kk,
                          memory.peak / 2**30)
+                if self.add_recomputed(strategy, name, dp_cost, kk, memory):
+                    tried[kk] = True
+                    continue
                 # no larger count can fit where what any count holds (parameters and optimizer
                 # state) is over the limit, or where 1/k of every part would still be (each of
                 # the k micro-batches keeps its whole forward's activations for its backward)
@@ -270,6 +276,33 @@ class Ranking:
             self.ranked.append(Ranked(est.step_time, name, strategy, dp_cost, est, kk))
             tried[kk] = True
         return tried
+
+
+    def add_recomputed(self, strategy: Strategy, name: str, dp_cost: float, kk: int,
+                       memory) -> bool:
+        """Where the plan does not fit with kk micro-batches but its parameters and optimizer
+        state do: rank the same plan with the activations of the fewest first layers recomputed
+        in the backward that make it fit (NAME+recompute; hidup.strategy.recompute), priced by
+        the estimate (the layers' forward again) and held to memory. The count is guessed from
+        what recomputing every layer saves, as if each layer saved as much. Whether one fits."""
+        names = layers(self.graph)
+        if strategy.recompute or self.options.recompute is not None or not names or \
+                memory.params + memory.optimizer > self.memory:
+            return False
+        try:
+            least = peak_memory(lower(self.graph, recomputing(self.graph, strategy, names),
+                                      self.world, kk, optimizer=self.options.optimizer)).peak
+        except (LoweringError, ValueError):
+            return False
+        if least > self.memory:
+            self.least = min(self.least, least)
+            return False
+        n = math.ceil(len(names) * (memory.peak - self.memory) / (memory.peak - least))
+        for count in sorted({min(n, len(names)), min(n + 1, len(names)), len(names)}):
+            plan = recomputing(self.graph, strategy, first_layers(self.graph, count))
+            if self.add(plan, f"{name}+recompute", dp_cost, [kk])[kk]:
+                return True
+        return False
 
 
 def rank_plans(graph: Graph, world: int, profile: Profile, plans: dict[str, Strategy],

@@ -75,7 +75,8 @@ class Compute:
     id: int
     node: str
     op: str
-    phase: str  # 'fwd' | 'bwd' | 'update'
+    phase: str  # 'fwd' | 'bwd' | 'update' | 'recompute' (a forward again, right before its
+    #             backward: activation checkpointing, hidup.program.recompute)
     mb: int | None  # micro-batch; None: once per step
     flops: float
     bytes: float

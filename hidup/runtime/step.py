@@ -2,11 +2,12 @@
 (forward, backward, gradient reductions, SGD update) as generated code.
 
 `trace_step` runs the Program's tasks once under make_fx on fake tensors: a forward task records
-its node's ATen ops under autograd, a backward task calls autograd.grad on that node alone, a
-collective is a functional collective (torch.ops._c10d_functional) issued at its Convert and waited
-for (`wait_tensor`) at its Wait. What is recorded is the graph: its node order is the Program's,
-so Duplex's interleaving is the order of the code that runs, and no autograd graph, detach or
-per-task Python is left at run time. Every graph node carries its task's id
+its node's ATen ops under autograd, a backward task calls autograd.grad on that node alone (the
+first forward of a recomputed layer records nothing; its 'recompute' tasks do, right before its
+backward), a collective is a functional collective (torch.ops._c10d_functional) issued at its
+Convert and waited for (`wait_tensor`) at its Wait. What is recorded is the graph: its node order
+is the Program's, so Duplex's interleaving is the order of the code that runs, and no autograd
+graph, detach or per-task Python is left at run time. Every graph node carries its task's id
 (`node.meta['custom']['task']`), which the profiler labels and calibration.ops use
 (hidup.runtime.passes)."""
 from __future__ import annotations
@@ -27,6 +28,7 @@ from hidup.program.tasks import (MB_CONVERSIONS, Compute, Convert, Program, Wait
 from hidup.runtime.collectives import PACKING, issue, stand_in
 from hidup.runtime.layout import mb_join, mb_part, shard_of
 from hidup.runtime.passes import simplify
+from hidup.runtime.values import Values
 
 _C = torch.ops._c10d_functional
 INPUT_TASK = -1  # the graph nodes that cut the global batch into this rank's shards
@@ -73,7 +75,7 @@ class _TaskRunner:
         """params, buffers, inputs: lists in the graph's order (this rank's parameter shards, the
         whole buffers and the whole global batch); lr a 0-d tensor. Returns [loss] (update) or
         [loss, *gradients] (no update)."""
-        self.env, self.saved, self.pending = _Values(), {}, {}
+        self.env, self.saved, self.pending = Values(), {}, {}
         with fx_traceback.annotate({"task": INPUT_TASK}):
             self.place_inputs(params, buffers, inputs)
         for task in self.p.tasks:
@@ -361,35 +363,6 @@ class _TaskRunner:
             return x
         with fx_traceback.annotate({"standin": True}):
             return _C.wait_tensor(x)
-
-
-class _Values(dict):
-    """The step's values by key, and which memory (storage) more than one of them uses."""
-
-    def __init__(self):
-        super().__init__()
-        self.storages: set[int] = set()
-        self.shared: set[int] = set()
-
-    def __setitem__(self, key: str, value: torch.Tensor) -> None:
-        super().__setitem__(key, value)
-        self.keep(value)
-
-    def keep(self, *tensors: torch.Tensor) -> None:
-        """Note the memory of tensors the step holds on to (values, or kept for a backward)."""
-        for t in tensors:
-            storage = _storage(t)
-            if storage in self.storages:
-                self.shared.add(storage)
-            self.storages.add(storage)
-
-    def alone(self, key: str) -> bool:
-        """Is the value of `key` the only holder of its memory (so it may be updated in place)?"""
-        return _storage(self[key]) not in self.shared
-
-
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
 
 
 def trace_step(spec: StepSpec, params, buffers, inputs, lr, update: bool = True

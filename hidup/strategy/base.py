@@ -42,6 +42,8 @@ class Strategy:
         lines = [f"strategy {self.name}{mesh}"]
         lines += [f"  {n}: {p}" for n, p in self.placements.items()]
         lines += [f"  {n}: {o}" for n, o in self.options.items()]
+        lines += [f"  recomputed in the backward: {', '.join(sorted(self.recompute))}"] \
+            if self.recompute else []
         return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ from hidup.graph.capture import Graph, Node
 from hidup.graph.flops import GROUPED_MM
 from hidup.graph.placement import R, Partial, Placement, Shard, ShardingOption
 from hidup.strategy.base import Strategy, fitting_options, placed, propagate, splits_evenly
+from hidup.strategy.recompute import layers
 
 
 def data_parallel(graph: Graph, world: int, batch_dim: int = 0) -> Strategy:
@@ -32,7 +33,8 @@ def random_strategy(graph: Graph, world: int, rng, divide: int | None = None) ->
     """A random valid strategy (for tests): each op takes a random option whose Partial inputs come
     from Partial producers and whose splits divide by `divide` (default: world); each input is
     placed at random; a parameter goes where its first consumer wants it, and one kept whole
-    there is stored sharded or not at random. rng: a random.Random."""
+    there is stored sharded or not at random, and each layer recomputed in the backward or not.
+    rng: a random.Random."""
     divide = divide or world
     placements: dict[str, Placement] = {n.name: R for n in graph.nodes if n.kind == "buffer"}
     for n in graph.user_inputs:
@@ -51,8 +53,10 @@ def random_strategy(graph: Graph, world: int, rng, divide: int | None = None) ->
                                 if n.kind != "op"}, choices)
     # where each parameter kept whole lives: whole, or sharded (gathered before use)
     stored = {p.name for p in graph.params if rng.random() < 0.5}
-    return sharded_storage(graph, drawn, world, stored, reshard=rng.random() < 0.5) if stored \
-        else drawn
+    if stored:
+        drawn = sharded_storage(graph, drawn, world, stored, reshard=rng.random() < 0.5)
+    # which layers' activations are recomputed in the backward
+    return replace(drawn, recompute=frozenset(n for n in layers(graph) if rng.random() < 0.5))
 
 
 def expert_parallel(graph: Graph, world: int, batch_dim: int = 0) -> Strategy:

@@ -1,0 +1,170 @@
+"""Activation checkpointing (hidup.strategy.recompute, hidup.program.recompute): the layers come
+from the module path, a recomputed layer runs again right before its backward, keeps nothing from
+its forward, holds less memory, costs its forward again, is chosen where a plan would not fit
+otherwise, and survives a plan file. Equality with single-device training:
+tests/test_equivalence.py (NAME+recompute cases) and tests/test_random_strategies.py."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import build_model
+from torch import nn
+
+from hidup.graph.capture import capture
+from hidup.models import capture_model, get_model
+from hidup.planning.estimate import estimate
+from hidup.planning.memory import peak_memory
+from hidup.planning.planfile import PlanError, check, load_plan, save_plan
+from hidup.planning.profile_file import load_profile
+from hidup.planning.select import Goal, select_plan
+from hidup.program import Compute, Convert, lower
+from hidup.program.recompute import nondeterministic
+from hidup.runtime.execute import Executor
+from hidup.runtime.step import trace_step
+from hidup.strategy import (data_parallel, describe, fixed_strategy, layers, parse_recompute,
+                            recomputing)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return capture_model(get_model("gpt:tiny", gpus=2), 8)
+
+
+def test_layers_are_the_numbered_children_of_the_module_path(gpt):
+    assert layers(gpt) == ["blocks.0", "blocks.1"]
+    by_op = {n.name: n.layer for n in gpt.ops}
+    assert by_op["linear"] == "blocks.0" and by_op["linear_6"] == "blocks.1"
+    assert by_op["embedding"] == "" and by_op["cross_entropy_loss"] == ""
+    assert parse_recompute("1", gpt) == {"blocks.0"} and parse_recompute("none", gpt) == set()
+    assert parse_recompute("all", gpt) == {"blocks.0", "blocks.1"}
+    with pytest.raises(ValueError, match=r"recompute: 3 layers, the model has 2"):
+        parse_recompute("3", gpt)
+    with pytest.raises(ValueError, match=r"blocks\.7 is not a layer of this model; its layers "
+                                         r"are blocks\.0, blocks\.1"):
+        recomputing(gpt, data_parallel(gpt, 2), {"blocks.7"})
+
+
+def test_a_recomputed_layer_runs_again_right_before_its_backward(gpt):
+    strategy = recomputing(gpt, data_parallel(gpt, 2), {"blocks.1"})
+    program = lower(gpt, strategy, 2, 2)
+    computes = [t for t in program.tasks if isinstance(t, Compute)]
+    layer = {n.name for n in gpt.ops if n.layer == "blocks.1"}
+    for m in (0, 1):
+        again = [i for i, t in enumerate(computes) if t.phase == "recompute" and t.mb == m]
+        # all 22 ops of the layer (its dropouts draw nothing: p = 0), in forward order, at once
+        assert len(again) == 22 and again == list(range(again[0], again[0] + 22))
+        fwd = [t.node for t in computes if t.phase == "fwd" and t.mb == m and t.node in layer]
+        assert [computes[i].node for i in again] == fwd
+        first_bwd = min(i for i, t in enumerate(computes) if t.phase == "bwd" and t.mb == m
+                        and t.node in layer)
+        assert again[-1] < first_bwd
+        assert all(t.phase != "bwd" or t.node not in layer
+                   for t in computes[:again[0]] if t.mb == m)
+    assert "activations of 1 of 2 layers recomputed in the backward (blocks.1)" in \
+        describe(gpt, strategy)
+
+
+def test_random_ops_are_kept_not_recomputed():
+    class Block(nn.Module):
+        def __init__(self, p):
+            super().__init__()
+            self.fc, self.drop = nn.Linear(8, 8), nn.Dropout(p)
+
+        def forward(self, x):
+            return x + self.drop(torch.relu(self.fc(x)))
+
+    for p, kept in ((0.1, 1), (0.0, 0)):
+        model = nn.Sequential(Block(p), Block(p))
+        graph = capture(_Loss(model), (torch.randn(4, 8),))
+        dropouts = [n for n in graph.ops if "dropout" in n.op]
+        assert len(dropouts) == 2 and sum(map(nondeterministic, dropouts)) == 2 * kept
+        program = lower(graph, recomputing(graph, data_parallel(graph, 1), layers(graph)), 1)
+        again = {t.node for t in program.tasks if isinstance(t, Compute)
+                 and t.phase == "recompute"}
+        assert len(again & {n.name for n in dropouts}) == 2 * (1 - kept)
+
+
+class _Loss(nn.Module):
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+
+    def forward(self, x):
+        return self.body(x).square().mean()
+
+
+_VIEWS = ("detach", "t", "transpose", "view", "_unsafe_view", "reshape", "expand", "alias")
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_the_traced_backward_reads_nothing_a_recomputed_forward_made(recompute):
+    """In the traced step, no backward task reads a value a recomputed layer's first forward
+    made (nor a view of it): those are freed in the forward. Without recomputation the
+    backward reads them (autograd keeps them)."""
+    spec = get_model("gpt:tiny", gpus=2)
+    model = build_model(spec)
+    xs = list(spec.inputs(spec.batch, torch.Generator().manual_seed(0)))
+    graph = capture(model, xs)
+    strategy = recomputing(graph, data_parallel(graph, 2), layers(graph) if recompute else ())
+    program = lower(graph, strategy, 2, 2)
+    ex = Executor(graph, strategy, program, dict(model.named_parameters()), rank=0,
+                  local_collectives=True)
+    gm = trace_step(ex.spec, list(ex.params.values()), ex.buffers, xs, ex.lr, False)
+    inside = {n.name for n in graph.ops if n.layer  # read only inside its layer (a layer's
+              and all(c.layer == n.layer for c in graph.consumers(n.name))}  # output is kept)
+    first = {t.id for t in program.tasks if isinstance(t, Compute) and t.phase == "fwd"
+             and t.node in inside}
+    backward = {t.id for t in program.tasks if getattr(t, "phase", "") == "bwd"
+                and not isinstance(t, Convert)}
+
+    def task(node):
+        return node.meta.get("custom", {}).get("task")
+    made = {n for n in gm.graph.nodes if task(n) in first}
+    for n in gm.graph.nodes:
+        if n.all_input_nodes and n.all_input_nodes[0] in made and \
+                str(n.target).split(".")[-2:-1] in [[v] for v in _VIEWS]:
+            made.add(n)
+    read = [n for n in gm.graph.nodes if task(n) in backward
+            and any(a in made for a in n.all_input_nodes)]
+    assert made and bool(read) != recompute, read[:3]
+
+
+def test_recomputation_holds_less_and_costs_the_forward_again(gpt):
+    profile = load_profile("v100-2x4")
+    plain = lower(gpt, data_parallel(gpt, 2), 2, 1)
+    again = {n: lower(gpt, recomputing(gpt, data_parallel(gpt, 2), layers(gpt)[:n]), 2, 1)
+             for n in (1, 2)}
+    peaks = [peak_memory(p).activations_peak for p in (plain, again[1], again[2])]
+    # the first layer's activations are freed in the forward; the last layer's too, but it is
+    # recomputed as soon as the backward starts, where the peak is: it saves little more
+    assert peaks == [516360, 295176, 253956]
+    extra = [t for t in again[2].tasks if isinstance(t, Compute) and t.phase == "recompute"]
+    times = [estimate(p, profile).step_time for p in (plain, again[2])]
+    forward = sum(profile.compute_time(t) for t in extra)
+    assert forward > 0 and times[1] - times[0] == pytest.approx(forward, rel=0.02)
+
+
+def test_the_planner_recomputes_the_fewest_layers_that_make_a_plan_fit(gpt):
+    profile = load_profile("v100-2x4")
+    plain = select_plan(gpt, profile, Goal(2, micro_batches=1))
+    assert not plain.strategy.recompute
+    limit = 0.97 * min(peak_memory(lower(gpt, r.strategy, 2, 1)).peak for r in plain.ranked)
+    tight = select_plan(gpt, profile, Goal(2, micro_batches=1, memory=limit))
+    assert tight.strategy.recompute and peak_memory(
+        lower(gpt, tight.strategy, 2, 1)).peak <= limit
+    fewer = recomputing(gpt, tight.strategy, sorted(tight.strategy.recompute)[:-1])
+    assert len(tight.strategy.recompute) == 2 or peak_memory(lower(gpt, fewer, 2, 1)).peak > limit
+    with pytest.raises(ValueError, match=r"no plan with 1 micro-batches lowers and fits"):
+        select_plan(gpt, profile, Goal(2, micro_batches=1, memory=limit, recompute="none"))
+    every = select_plan(gpt, profile, Goal(2, micro_batches=1, recompute="all"))
+    assert all(s.recompute == {"blocks.0", "blocks.1"} for s in every.candidates.values())
+
+
+def test_a_plan_file_keeps_its_recomputed_layers(gpt, tmp_path):
+    strategy = recomputing(gpt, fixed_strategy("fsdp", gpt, 2), {"blocks.0"})
+    save_plan(tmp_path / "plan.json", gpt, strategy, 2, "gpt:tiny")
+    assert load_plan(tmp_path / "plan.json", gpt, 2).recompute == {"blocks.0"}
+    with pytest.raises(PlanError, match=r"recompute: layers\.9 is not a layer of this model"):
+        check(gpt, replace(strategy, recompute=frozenset({"layers.9"})))
