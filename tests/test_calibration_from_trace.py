@@ -93,6 +93,37 @@ def test_derive_scales_the_inter_node_link():
         derive.with_inter_link(load_profile("v100-1x4-nvlink"), 1e9)
 
 
+HARDWARE = Path(derive.__file__).parent / "hardware" / "h100-sxm-8x-ndr400.json"
+
+
+def test_the_h100_cluster_is_the_one_gpu_profile_with_the_hardware_figures(tmp_path, capsys):
+    """The shipped H100 cluster profiles are what calibration.derive --hardware makes from the
+    one-GPU profiles and the hardware file: the kernels' efficiency kept, the memory bandwidth
+    scaled by 2.4 / 3.35, NVLink's and the network's figures from the file, each source named."""
+    for base, name in (("h100", "h100-8x-ib"), ("h100-bf16", "h100-8x-ib-bf16")):
+        out = tmp_path / f"{name}.json"
+        assert derive.main(["--base", base, "--hardware", str(HARDWARE), "--name", name,
+                            "--out", str(out)]) == 0
+        made, one, shipped = load_profile(str(out)), load_profile(base), load_profile(name)
+        assert made.to_dict() | {"provenance": None} == shipped.to_dict() | {"provenance": None}
+        assert made.flops == one.flops and made.host == one.host
+        assert made.mem_bandwidth == pytest.approx(one.mem_bandwidth * 2.4 / 3.35)
+        assert made.gpus_per_node == 8 and made.device_memory == 96 * 2**30
+        assert made.collectives["all_reduce"].beta == 480e9
+        assert made.collectives["all_gather"].alpha == 3.4e-6
+        assert made.inter_node["reduce_scatter"].beta == 376e9
+        for cited in ("nccl-tests/issues/212", "nccl-tests/issues/290", "tuning.cc",
+                      "2.4 TB/s"):
+            assert cited in made.source, cited
+    bad = json.loads(HARDWARE.read_text())
+    del bad["intra_node"]["all_to_all"]["latency"]
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    assert derive.main(["--base", "h100", "--hardware", str(tmp_path / "bad.json"), "--name",
+                        "x", "--out", str(tmp_path / "x.json")]) == 2
+    assert "intra_node all_to_all's 'latency' is None; give a positive number" in \
+        capsys.readouterr().err
+
+
 def test_bad_traces_are_one_line_errors(tmp_path, capsys):
     bad = tmp_path / "bad.json.gz"
     bad.write_bytes(b"\x1f\x8b not gzip")
