@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from hidup.graph.capture import CaptureError, Graph, capture
-from hidup.models import basic, bert, switch_trace, vit
+from hidup.models import basic, bert, llama, switch_trace, vit
 from hidup.models.moe import capacity
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,11 @@ TRACE = {"tiny": dict(dim=32, heads=4, hidden=64, layers=2, seq=16, per_gpu=2, d
 GPT = {"tiny": dict(vocab=64, dim=32, heads=4, layers=2, seq=16, batch=8),
        "small": dict(vocab=4096, dim=256, heads=8, layers=4, seq=64, batch=16),
        "paper": dict(vocab=50257, dim=768, heads=12, layers=12, seq=1024, batch=8)}
+# Llama 3.1 8B's sizes (8b), local batch per_gpu sequences of seq tokens per GPU
+LLAMA = {"tiny": dict(vocab=64, dim=32, heads=4, kv_heads=2, hidden=64, layers=2, seq=16,
+                      per_gpu=4),
+         "8b": dict(vocab=128256, dim=4096, heads=32, kv_heads=8, hidden=14336, layers=32,
+                    seq=8192, per_gpu=2)}
 MLP = {"tiny": dict(dim=16, hidden=64, layers=2, batch=8),
        "small": dict(dim=512, hidden=2048, layers=4, batch=64)}
 AUX_WEIGHT = 0.0  # the load-balancing loss needs whole-batch statistics: off for Duplex
@@ -81,6 +86,13 @@ def _gpt(c, gpus, top_k, vocab):
     return build, basic.lm_inputs(c["vocab"], c["seq"]), c["batch"], "lm", c
 
 
+def _llama(c, gpus, top_k, vocab):
+    c = dict(c, vocab=vocab or c["vocab"])
+    build = lambda: llama.Llama(c["vocab"], c["dim"], c["heads"], c["kv_heads"], c["hidden"],  # noqa: E731
+                                c["layers"], c["seq"])
+    return build, basic.lm_inputs(c["vocab"], c["seq"]), c["per_gpu"] * gpus, "lm", c
+
+
 def _mlp(c, gpus, top_k, vocab):
     build = lambda: basic.MLP(c["dim"], c["hidden"], c["layers"])  # noqa: E731
     return build, basic.regression_inputs(c["dim"]), c["batch"], "regression", {}
@@ -88,7 +100,8 @@ def _mlp(c, gpus, top_k, vocab):
 
 _ZOO = {"bert-sgmoe": (_bert, BERT, 2), "bert-switch": (_bert, BERT, 1),
         "vit-sgmoe": (_vit, VIT, 2), "vit-switch": (_vit, VIT, 1),
-        "switch-trace": (_trace, TRACE, 1), "gpt": (_gpt, GPT, 0), "mlp": (_mlp, MLP, 0)}
+        "switch-trace": (_trace, TRACE, 1), "gpt": (_gpt, GPT, 0), "llama": (_llama, LLAMA, 0),
+        "mlp": (_mlp, MLP, 0)}
 
 
 def names() -> list[str]:

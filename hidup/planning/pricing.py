@@ -103,7 +103,7 @@ class Pricing:
             kind = self._node_kinds[node.name] = (
                 node.op, repr(node.args), self.alike[node.name],
                 tuple((self.alike[t], self.g.node(t).kind, self.first[t] == here)
-                      for t in node.inputs))
+                      for t in node.inputs), self.kept_share.get(node.name, 1.0))
         key = kind, opt
         if key not in self._node_costs:
             self._node_costs[key] = self._node_cost(node, opt)
@@ -120,7 +120,8 @@ class Pricing:
         if self.mbs.home(node.name) == R:
             compute /= self.k  # runs once per step
         grads = 0.0
-        memory, update, numel = math.prod(out) * node.out.itemsize * self.k, 0.0, 0
+        memory, update, numel = math.prod(out) * node.out.itemsize * self.k * \
+            self.kept_share.get(node.name, 1.0), 0.0, 0
         for t, p in zip(node.inputs, opt.inputs):
             param = self.g.node(t)
             if param.kind == "param":

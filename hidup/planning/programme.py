@@ -68,6 +68,25 @@ class SearchOptions:
     recompute: frozenset[str] | None = None
 
 
+def recomputable_share(graph: Graph, recompute: frozenset[str] | None) -> dict[str, float]:
+    """Per op whose output may be recomputed in the backward (read only inside its layer, a
+    layer the search may recompute: any where `recompute` is None, else those named), the share
+    of its output the programme counts as held: 1 / layers, as if every layer were recomputed and
+    one layer's activations were held at a time (the ranking lowers each plan and checks its
+    memory, recomputing only what it needs: Ranking.add_recomputed)."""
+    names = {n.layer for n in graph.ops if n.layer}
+    if recompute is not None:
+        names &= recompute
+    if not names:
+        return {}
+    inside: dict[str, bool] = {}
+    for node in graph.ops:
+        for t in node.inputs:
+            inside[t] = inside.get(t, True) and node.layer == graph.node(t).layer
+    return {n.name: 1 / len(names) for n in graph.ops
+            if n.layer in names and inside.get(n.name, False) and n.name != graph.loss}
+
+
 class Search(Pricing, Beam):
     """One search: a graph, a world size, a profile, k micro-batches, an objective, the
     optimizer that will run (its update time and its state's memory)."""
@@ -95,6 +114,7 @@ class Search(Pricing, Beam):
                 self.last[t] = max(self.last.get(t, -1), self.position[node.name])
                 self.first.setdefault(t, self.position[node.name])
         self.placeholders = {n.name for n in graph.nodes if n.kind != "op"}
+        self.kept_share = recomputable_share(graph, options.recompute)
         self.grads = graph.gradients  # the tensors with a gradient
         self.reduced = self.grads - {p.name for p in graph.params}  # whose replicated value's
         #   Partial gradient a conversion's dual or an all-reduce makes whole (parameters':
