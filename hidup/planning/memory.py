@@ -21,16 +21,20 @@ tensors are counted at `itemsize` too: bool masks and int32 over, int64 indices 
   write the values again, new ones that the backward holds as it holds a forward's.
 Not modelled: tensors autograd saves inside one op (softmax outputs, dropout masks), transient
 buffers of a task (an accumulation's sum, a gather's staging copy, the optimizer's temporaries:
-foreach Adam's sqrt(exp_avg_sq) of every shard at once), views sharing storage with
-their base (a view / transpose output is counted as a new tensor: an over-estimate), allocator
-caching and fragmentation.
+foreach Adam's sqrt(exp_avg_sq) of every shard at once), allocator caching and fragmentation.
+A view (an op whose schema says its output aliases its input: view, transpose, expand, slice;
+not reshape or contiguous, which copy where they cannot view) holds no memory of its own: its
+base lives until the view's last use.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import accumulate
 from operator import add, sub
+
+import torch
 
 from hidup.graph.placement import Shard
 from hidup.program.tasks import Compute, Convert, Program, Wait, optimizer_cost
@@ -100,6 +104,7 @@ def _scan(program: Program) -> tuple[dict[str, int], dict[str, int], dict[str, i
     saved: dict[tuple[str, int | None], tuple[tuple[str, ...], str]] = {}  # forwards awaiting
     #   their backward: the keys it read and wrote
     now: dict[str, str] = {}  # a key written again -> its value's key now
+    views: list[tuple[str, str]] = []  # (a view's key, the key of the value it views)
     for i, t in enumerate(program.tasks):
         if type(t) is Wait:
             continue
@@ -117,6 +122,8 @@ def _scan(program: Program) -> tuple[dict[str, int], dict[str, int], dict[str, i
                 if key not in numel:  # a parameter or an input: no task writes it
                     numel[key] = math.prod(shape)
             _written(numel, first, ((outs[0], t.out_shape),), i)
+            if ins and is_view(t.op):
+                views.append((outs[0], ins[0]))
         elif t.op == "hidup.ones":
             _written(numel, first, ((outs[0], t.out_shape),), i)
         elif t.phase == "bwd":
@@ -126,7 +133,26 @@ def _scan(program: Program) -> tuple[dict[str, int], dict[str, int], dict[str, i
                 for key in ins[1:]:  # freed after the forward: gathered again), and its output
                     last[key] = i
                 last[fwd[1]] = i
+    for view, base in reversed(views):  # a view holds its base's memory, no memory of its own
+        last[base] = max(last.get(base, 0), last.get(view, 0))
+        numel[view] = 0
     return numel, first, last
+
+
+@lru_cache(maxsize=None)
+def is_view(op: str) -> bool:
+    """Does ATen op 'aten.NAME.OVERLOAD' return a view of its first input (its schema says its
+    output aliases it: view, transpose, expand, slice...)?"""
+    namespace, _, rest = op.partition(".")
+    name, _, overload = rest.rpartition(".")
+    target = getattr(getattr(getattr(torch.ops, namespace, None), name, None), overload, None)
+    schema = getattr(target, "_schema", None)
+    if not (schema and schema.returns and schema.returns[0].alias_info is not None
+            and not schema.returns[0].alias_info.is_write):
+        return False
+    # reshape, contiguous, flatten: composites that view where they can and copy where they
+    # cannot (an expanded or transposed input): counted as a copy
+    return not target.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd)
 
 
 def _again(numel: dict[str, int], now: dict[str, str], key: str, i: int) -> str:
