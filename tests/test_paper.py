@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import json
 
 import pytest
 
@@ -139,3 +140,24 @@ def test_whatif_bad_flags(argv, message, capsys):
         whatif.main(argv)
     assert stop.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_llama_table_sets_the_published_rows_beside_the_predictions(tmp_path, capsys):
+    """experiments.llama_table on 8 GPUs: torchtitan's two published rows, each beside HiDup's
+    fsdp predicted with no layer and every layer recomputed (recomputing costs time, saves
+    memory), and the planner's choice, which fits the H100's 96 GiB."""
+    from experiments import llama_table
+    assert llama_table.main(["--gpus", "8", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "llama_table.json").read_text())
+    published = rows["published"]
+    assert [(r["torchtitan"], r["published_tokens_per_gpu"], r["recompute"]) for r in published] \
+        == [("eager", 5762, "none"), ("eager", 5762, "all"), ("torch.compile", 6667, "none"),
+            ("torch.compile", 6667, "all")]
+    none, every = published[0], published[1]
+    assert every["step_ms"] > none["step_ms"] and every["peak_gib"] < none["peak_gib"]
+    assert none["error"] == pytest.approx(none["tokens_per_gpu"] / 5762 - 1)
+    chosen = [r for r in rows["plans"] if r["chosen"]]
+    assert len(chosen) == 1 and chosen[0]["fits"] and chosen[0]["peak_gib"] <= 96
+    assert "| eager | 5,762 | 82.4 | none |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        llama_table.main(["--gpus", "12"])

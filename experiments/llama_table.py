@@ -1,0 +1,147 @@
+"""Llama 3.1 8B on clusters of 8-GPU H100 machines, simulated on the profile built from hardware
+figures (`h100-8x-ib-bf16`; docs/profiles.md).
+
+1. torchtitan's published rows beside HiDup's prediction of the same run: Llama 3.1 8B on 8 H100s
+   (96 GB HBM2e), FSDP, local batch 2 x 8192 tokens, bf16, selective activation checkpointing:
+   5,762 tokens/s per GPU and 82.4 GiB in eager mode, 6,667 and 77.0 GiB with torch.compile (the
+   torchtitan paper, arXiv 2410.06511, its 8-GPU FSDP table). HiDup's `fsdp` is predicted with no
+   layer recomputed and with every layer recomputed (HiDup recomputes whole layers; torchtitan's
+   selective policy recomputes the cheap ops and keeps the matmuls' outputs, which costs less
+   time than whole layers and more than none), the eager row with the `graph` mode's host cost
+   and the compile row with `compile`'s. The profile was built without these rows.
+2. HiDup's chosen plan beside `fsdp` (and `fsdp+tp` on a 2-D mesh) on each --gpus, each with the
+   layers it recomputes to fit the device (the planner's choice: hidup.planning.select).
+
+`python -m experiments.llama_table [--gpus 8 64] [--out DIR]` prints both tables and writes them
+(Markdown) and the rows (JSON) to --out."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from hidup.cli import Parser
+from hidup.models import capture_model, get_model
+from hidup.planning.profile_file import load_profile
+from hidup.planning.select import Goal, select_plan
+from hidup.strategy import fixed_strategy, layers, recomputing
+from simulator.predict import SimOptions, simulate
+
+MODEL, SEQ, PER_GPU = "llama:8b", 8192, 2
+PUBLISHED = (("eager", "graph", 5762, 82.4), ("torch.compile", "compile", 6667, 77.0))
+
+
+def tokens_per_gpu(step_s: float) -> float:
+    return PER_GPU * SEQ / step_s
+
+
+def published_rows(cluster: str, log) -> list[dict]:
+    """torchtitan's two rows and HiDup's fsdp predictions of them, recomputing no layer / all."""
+    spec = get_model(MODEL, gpus=8)
+    graph = capture_model(spec, PER_GPU * 8)
+    profile = load_profile(cluster)
+    base = fixed_strategy("fsdp", graph, 8)
+    rows = []
+    for label, mode, tokens, gib in PUBLISHED:
+        for recompute in ("none", "all"):
+            plan = recomputing(graph, base, layers(graph) if recompute == "all" else ())
+            started = time.perf_counter()
+            run = simulate(graph, plan, profile, 8, 1, SimOptions("adamw", mode), MODEL)
+            step = run.spmd.step_time
+            rows.append({"torchtitan": label, "published_tokens_per_gpu": tokens,
+                         "published_gib": gib, "mode": mode, "recompute": recompute,
+                         "step_ms": step * 1e3, "tokens_per_gpu": tokens_per_gpu(step),
+                         "error": tokens_per_gpu(step) / tokens - 1,
+                         "peak_gib": run.memory[0].peak / 2**30})
+            log(f"{label} ({mode}), recompute {recompute}: {step * 1e3:.0f} ms a step, "
+                f"simulated in {time.perf_counter() - started:.1f} s")
+    return rows
+
+
+def plan_rows(cluster: str, gpus: int, log) -> list[dict]:
+    """HiDup's chosen plan and the fixed strategies it was chosen from, on `gpus` GPUs."""
+    spec = get_model(MODEL, gpus=gpus)
+    graph = capture_model(spec, PER_GPU * gpus)
+    started = time.perf_counter()
+    chosen = select_plan(graph, load_profile(cluster), Goal(gpus))
+    log(f"{gpus} GPUs: planned in {time.perf_counter() - started:.1f} s, chose "
+        f"{chosen.strategy.name} with k={chosen.k}")
+    wanted = {"hidup", "fsdp", "fsdp+tp", chosen.strategy.name}
+    rows = []
+    for name, strategy in chosen.candidates.items():
+        if name not in wanted:
+            continue
+        run = simulate(graph, strategy, chosen.profile, gpus, chosen.duplex_k,
+                       SimOptions("adamw"), MODEL)
+        best = run.best()
+        k, result = best if best is not None else (1, run.spmd)
+        memory = run.memory[0] if k == 1 else run.memory[1]
+        rows.append({"gpus": gpus, "plan": name, "chosen": name == chosen.strategy.name,
+                     "k": k, "fits": best is not None, "step_ms": result.step_time * 1e3,
+                     "tokens_per_gpu": tokens_per_gpu(result.step_time),
+                     "peak_gib": memory.peak / 2**30,
+                     "recomputed_layers": len(strategy.recompute),
+                     "mesh": f"{strategy.machines}x{gpus // strategy.machines}"})
+    return rows
+
+
+def published_table(rows: list[dict]) -> str:
+    lines = ["| torchtitan (published) | tokens/s per GPU | GiB | HiDup fsdp, layers recomputed "
+             "| mode | step (ms) | tokens/s per GPU | error | peak (GiB, fp32 values) |",
+             "|---|---:|---:|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['torchtitan']} | {r['published_tokens_per_gpu']:,} | "
+                     f"{r['published_gib']} | {r['recompute']} | {r['mode']} | "
+                     f"{r['step_ms']:.0f} | {r['tokens_per_gpu']:,.0f} | {r['error']:+.1%} | "
+                     f"{r['peak_gib']:.1f} |")
+    return "\n".join(lines)
+
+
+def plans_table(rows: list[dict]) -> str:
+    lines = ["| GPUs | plan | mesh | micro-batches | layers recomputed | step (ms) | "
+             "tokens/s per GPU | peak (GiB) | fits |", "|---:|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        name = r["plan"] + (" (chosen)" if r["chosen"] else "")
+        lines.append(f"| {r['gpus']} | {name} | {r['mesh']} | {r['k']} | "
+                     f"{r['recomputed_layers']} | {r['step_ms']:.0f} | "
+                     f"{r['tokens_per_gpu']:,.0f} | {r['peak_gib']:.1f} | "
+                     f"{'yes' if r['fits'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = Parser(prog="python -m experiments.llama_table", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cluster", default="h100-8x-ib-bf16",
+                    help="profile of a cluster of 8-GPU machines (default: %(default)s)")
+    ap.add_argument("--gpus", type=int, nargs="+", default=[8, 64],
+                    help="GPU counts of the plan table, multiples of 8 (default: 8 64)")
+    ap.add_argument("--out", type=Path, default=Path("out/llama_table"),
+                    help="folder for the tables (Markdown) and rows (JSON) "
+                         "(default: %(default)s)")
+    args = ap.parse_args(argv)
+    if any(g < 8 or g % 8 for g in args.gpus):
+        ap.error(f"--gpus {args.gpus}: give multiples of 8 (whole machines), 8 or more")
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+        published = published_rows(args.cluster, log)
+        plans = [row for gpus in args.gpus for row in plan_rows(args.cluster, gpus, log)]
+    except (ValueError, OSError) as exc:
+        print(f"python -m experiments.llama_table: error: {exc}", file=sys.stderr)
+        return 2
+    text = (f"Llama 3.1 8B (llama:8b), local batch {PER_GPU} x {SEQ} tokens, AdamW, cluster "
+            f"{args.cluster}\n\n" + published_table(published) + "\n\n" + plans_table(plans))
+    print(text)
+    (args.out / "llama_table.md").write_text(text + "\n")
+    (args.out / "llama_table.json").write_text(
+        json.dumps({"published": published, "plans": plans}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
