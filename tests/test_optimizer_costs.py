@@ -136,19 +136,28 @@ def test_search_memory_limit_sees_the_optimizer_state():
 
 
 def test_search_refuses_where_only_sgd_fits_unless_the_state_is_sharded(gpt):
-    """gpt:tiny has no plan with parameters stored where they are computed that is leaner than
-    ddp: under ddp's AdamW peak, only SGD fits. fsdp, which keeps parameters, gradients and
-    AdamW's state sharded, fits there with AdamW."""
+    """The search finds no plan of its own for gpt:tiny that is leaner than ddp: under ddp's
+    AdamW peak, with ddp as the only baseline, only SGD fits, unless the search may recompute
+    layers (its programme then keeps plans whose activations fit recomputed, and finds one that
+    fits).
+    fsdp, which keeps parameters, gradients and AdamW's state sharded, fits there with AdamW
+    (and megatron, which splits the weights and the activations between them)."""
     profile, every = load_profile(PROFILE), fixed_strategies(gpt, 2)
-    base = {name: s for name, s in every.items() if name != "fsdp"}
+    base = {"ddp": every["ddp"]}
     limit = _ddp_peaks(gpt, base)["adamw"] - 1
+    kept = frozenset()  # no layer recomputed
     assert search(gpt, 2, profile, SearchOptions(k=2, memory=limit, optimizer="sgd"),
                   baselines=base).strategy.options == base["ddp"].options
     with pytest.raises(ValueError, match=r"search: no (plan|option of node \w+ .*) fits in"):
-        search(gpt, 2, profile, SearchOptions(k=2, memory=limit, optimizer="adamw"), baselines=base)
-    found = search(gpt, 2, profile, SearchOptions(k=2, memory=limit, optimizer="adamw"),
-                   baselines=every)
-    assert found.strategy.name == "fsdp"
+        search(gpt, 2, profile, SearchOptions(k=2, memory=limit, optimizer="adamw",
+                                              recompute=kept), baselines=base)
+    found = search(gpt, 2, profile, SearchOptions(k=2, memory=limit, optimizer="adamw",
+                                                  recompute=kept), baselines=every)
+    assert {"fsdp", "megatron"} <= {r.name for r in found.ranked}
+    recomputing = search(gpt, 2, profile, SearchOptions(k=2, memory=limit, optimizer="adamw"),
+                         baselines=base)
+    assert peak_memory(lower(gpt, recomputing.strategy, 2, recomputing.k,
+                             optimizer="adamw")).peak <= limit
 
 
 def test_search_estimate_includes_the_update(gpt):

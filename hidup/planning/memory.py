@@ -13,9 +13,10 @@ tensors are counted at `itemsize` too: bool masks and int32 over, int64 indices 
   its first write and freed after its last read; a final parameter gradient lives until the
   'update' task has run.
 - activations: a forward Compute's output, or a forward Convert's (allocated when the collective
-  is issued), is freed after its last read; autograd also keeps a forward node's inputs (as its backward reads them: a weight freed
-  after the forward is the one gathered again) and output
-  until that node's backward task for the same micro-batch has run. Loss values live all step.
+  is issued), is freed after its last read; autograd also keeps what the node's derivative reads
+  of its inputs (as its backward reads them: a weight freed after the forward is the one
+  gathered again) and of its output (Compute.reads; hidup.graph.saved) until that node's
+  backward task for the same micro-batch has run. Loss values live all step.
 - recomputation (activation checkpointing): a recomputed layer's first forward keeps nothing for
   the backward (its values are freed after their last forward read); its 'recompute' tasks
   write the values again, new ones that the backward holds as it holds a forward's.
@@ -93,31 +94,39 @@ def peak_memory(program: Program, itemsize: int = 4,
 
 
 def _scan(program: Program) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
-    """Per value key: its elements, the index of its first write and of its last use. A forward's
-    inputs and output are used again by its backward for the same micro-batch (autograd holds
-    them until then); the seed gradient 'hidup.ones' is no node's backward. A value written again
-    by a recomputation (activation checkpointing) is a new one ('KEY~i', i its task), which the
-    later tasks read; the forward's value is freed after its last read before."""
+    """Per value key: its elements, the index of its first write and of its last use. What a
+    forward's derivative reads of its inputs and output (Compute.reads) is used again by its
+    backward for the same micro-batch (autograd holds it until then); the seed gradient
+    'hidup.ones' is no node's backward. A value written again by a recomputation (activation
+    checkpointing) is a new one ('KEY~i', i its task), which the later tasks read; the forward's
+    value is freed after its last read before."""
     numel: dict[str, int] = {}
     first: dict[str, int] = {}
     last: dict[str, int] = {}
-    saved: dict[tuple[str, int | None], tuple[tuple[str, ...], str]] = {}  # forwards awaiting
-    #   their backward: the keys it read and wrote
+    saved: dict[tuple[str, int | None], tuple] = {}  # forwards awaiting their backward: what
+    #   their derivative reads, and their output's key
     now: dict[str, str] = {}  # a key written again -> its value's key now
     views: list[tuple[str, str]] = []  # (a view's key, the key of the value it views)
     for i, t in enumerate(program.tasks):
         if type(t) is Wait:
             continue
         ins = tuple(now.get(key, key) for key in t.inputs)
-        for key in ins:
-            last[key] = i
         outs = t.outputs
         if t.phase == "recompute":
             outs = tuple(_again(numel, now, key, i) if key in first else key for key in outs)
+        used = ins
+        if type(t) is Compute and t.phase == "bwd" and ins:
+            reads, out = saved.pop((t.node, t.mb), (None, None))
+            reads = reads or (True,) * len(ins)
+            used = ins[:1] + tuple(key for key, read in zip(ins[1:], reads) if read)
+            if out is not None and reads[-1]:
+                last[out] = i
+        for key in used:
+            last[key] = i
         if type(t) is Convert:
             _convert_sizes(numel, first, t, ins, outs, i, program.world, program.k)
         elif t.phase in ("fwd", "recompute"):
-            saved[(t.node, t.mb)] = ins, outs[0]
+            saved[(t.node, t.mb)] = t.reads, outs[0]
             for key, shape in zip(ins, t.in_shapes):
                 if key not in numel:  # a parameter or an input: no task writes it
                     numel[key] = math.prod(shape)
@@ -128,15 +137,19 @@ def _scan(program: Program) -> tuple[dict[str, int], dict[str, int], dict[str, i
             _written(numel, first, ((outs[0], t.out_shape),), i)
         elif t.phase == "bwd":
             _written(numel, first, zip(outs, t.in_shapes), i)
-            fwd = saved.pop((t.node, t.mb), None)
-            if fwd is not None:  # what the forward read, as the backward reads it (a weight
-                for key in ins[1:]:  # freed after the forward: gathered again), and its output
-                    last[key] = i
-                last[fwd[1]] = i
+            for key, shape in zip(ins[1:], t.in_shapes):  # a forward input read only here
+                numel.setdefault(key, math.prod(shape))
     for view, base in reversed(views):  # a view holds its base's memory, no memory of its own
         last[base] = max(last.get(base, 0), last.get(view, 0))
         numel[view] = 0
     return numel, first, last
+
+
+def _again(numel: dict[str, int], now: dict[str, str], key: str, i: int) -> str:
+    """Task i (a recomputation) writes `key` again: a new value, read under the key returned."""
+    now[key] = f"{key}~{i}"
+    numel[now[key]] = numel[key]
+    return now[key]
 
 
 @lru_cache(maxsize=None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from hidup.graph.capture import Graph
 from hidup.graph.flops import backward_flops, forward_flops
 from hidup.graph.placement import Partial, Placement, R, Replicate, Shard
+from hidup.graph.saved import backward_reads
 from hidup.strategy import Strategy, conversion, microbatch_split
 from hidup.program.buckets import GradientBuckets
 from hidup.program.microbatches import MicroBatches
@@ -231,10 +232,14 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation):
         ins, out, flops, nbytes, partial = self.kernel(node)
         self.add(Compute(
             len(self.tasks), node.name, node.op, "fwd", m, flops, nbytes, ins, out, tuple(keys),
-            (vkey(node.name, opt.output, m),), opt, partial))
+            (vkey(node.name, opt.output, m),), opt, partial, reads=self.reads(node)))
         self.convert_for_consumers(node.name, m)
         if node.name == self.g.loss:
             self.loss_keys.append(self._report_loss(m))
+
+    def reads(self, node) -> tuple[bool, ...] | None:
+        """What the node's derivative reads of its inputs and output, where it has a backward."""
+        return backward_reads(self.g, node) if node.name in self.has_grad else None
 
     def kernel(self, node) -> tuple:
         """The node's forward kernel, the same for every micro-batch: (input shapes, output

@@ -75,7 +75,8 @@ class Recomputation:
             self.wait_for(key)
         ins, out, flops, nbytes, partial = self.kernel(node)
         self.add(Compute(len(self.tasks), node.name, node.op, RECOMPUTE, m, flops, nbytes, ins,
-                         out, keys, (vkey(node.name, opt.output, m),), opt, partial))
+                         out, keys, (vkey(node.name, opt.output, m),), opt, partial,
+                         reads=self.reads(node)))
         home = self.home(node.name)
         inside = {p for consumer, _, p in self.uses[node.name]
                   if consumer is not None and self.layer_of.get(consumer.name) == layer}

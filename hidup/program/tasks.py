@@ -88,6 +88,9 @@ class Compute:
     option: ShardingOption | None = None
     mb_partial: bool = False  # the micro-batches' outputs are summed (a loss over the batch)
     root_only: tuple[str, ...] = ()  # outputs added on rank 0 only (replicated into Partial)
+    # a forward's: per input, then for the output, whether its derivative reads it (autograd
+    # keeps it for the backward; hidup.graph.saved); None: all of them
+    reads: tuple[bool, ...] | None = None
 
     def __str__(self) -> str:
         mb = "*" if self.mb is None else self.mb
