@@ -20,13 +20,16 @@ from hidup.graph.capture import Graph, Node, Ref
 def backward_reads(graph: Graph, node: Node) -> tuple[bool, ...]:
     """Per input of `node`, then for its output: does the node's derivative read it? Cached
     per op, arguments and input shapes (the layers repeat)."""
-    metas = node.in_metas(graph)
-    key = node.op, repr(node.args), repr(node.kwargs), node.out_index, \
-        tuple((m.shape, m.dtype) for m in metas)
-    cache = graph.__dict__.setdefault("_backward_reads", {})
-    if key not in cache:
-        cache[key] = _probe(node, metas)
-    return cache[key]
+    by_node = graph.__dict__.setdefault("_backward_reads_of", {})
+    if node.name not in by_node:
+        metas = node.in_metas(graph)
+        key = node.op, repr(node.args), repr(node.kwargs), node.out_index, \
+            tuple((m.shape, m.dtype) for m in metas)
+        cache = graph.__dict__.setdefault("_backward_reads", {})
+        if key not in cache:
+            cache[key] = _probe(node, metas)
+        by_node[node.name] = cache[key]
+    return by_node[node.name]
 
 
 def _probe(node: Node, metas) -> tuple[bool, ...]:
