@@ -35,6 +35,9 @@ BUCKETS = {"fsdp-small-buckets": 4096}  # bucket_bytes by strategy name (default
 RECOMPUTE = "+recompute"
 CASES += [("gpt:tiny", "megatron+recompute", 2), ("gpt:tiny", "fsdp+recompute", 1),
           ("bert-sgmoe:tiny", "fsdp+recompute", 2), ("bert-sgmoe:tiny", "search+recompute", 2)]
+# a Llama-shaped model (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU)
+CASES += [("llama:tiny", "megatron", 2), ("llama:tiny", "search", 2),
+          ("llama:tiny", "fsdp+recompute", 2)]
 
 
 def batch_of(spec, seed=1):
