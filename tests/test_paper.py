@@ -155,6 +155,7 @@ def test_llama_table_sets_the_published_rows_beside_the_predictions(tmp_path, ca
             ("torch.compile", 6667, "all")]
     none, every = published[0], published[1]
     assert every["step_ms"] > none["step_ms"] and every["peak_gib"] < none["peak_gib"]
+    assert none["peak_bf16_values_gib"] < none["peak_gib"]  # the forward's values at 2 bytes
     assert none["error"] == pytest.approx(none["tokens_per_gpu"] / 5762 - 1)
     chosen = [r for r in rows["plans"] if r["chosen"]]
     assert len(chosen) == 1 and chosen[0]["fits"] and chosen[0]["peak_gib"] <= 96

@@ -67,10 +67,14 @@ def _fmt(nbytes: int) -> str:
 
 
 def peak_memory(program: Program, itemsize: int = 4,
-                optimizer_bytes_per_param: int | None = None) -> MemoryReport:
+                optimizer_bytes_per_param: int | None = None,
+                value_itemsize: int | None = None) -> MemoryReport:
     """The peak bytes one rank holds while the executor runs `program`'s tasks in order, with
     `program.optimizer`'s state (or `optimizer_bytes_per_param` bytes per local parameter
-    element, where given)."""
+    element, where given). `value_itemsize` counts the forward's values (activations and
+    gathered weights) at another size than the parameters, gradients and state: 2 for a run
+    that keeps them in bf16 with float32 master weights (not HiDup's executor, which keeps
+    values float32)."""
     if optimizer_bytes_per_param is None:
         optimizer_bytes_per_param = optimizer_cost(program.optimizer).states * itemsize
     tasks = program.tasks
@@ -89,8 +93,8 @@ def peak_memory(program: Program, itemsize: int = 4,
             params += numel[key]
         else:
             inputs += numel[key]
-    return _sweep(tasks, numel, first, last, itemsize, params * itemsize, inputs * itemsize,
-                  params * optimizer_bytes_per_param)
+    return _sweep(tasks, numel, first, last, (value_itemsize or itemsize, itemsize),
+                  params * itemsize, inputs * itemsize, params * optimizer_bytes_per_param)
 
 
 def _scan(program: Program) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
@@ -216,15 +220,17 @@ def _converted_numel(t: Convert, n: int, world: int, k: int) -> int:
     return n  # all_reduce, all_to_all, alias
 
 
-def _sweep(tasks, numel, first, last, itemsize, params, inputs, optimizer) -> MemoryReport:
+def _sweep(tasks, numel, first, last, itemsizes, params, inputs, optimizer) -> MemoryReport:
     """Allocate at first write, measure during the task, free after its last use: running sums,
-    activations and gradients (keys first written by a backward task) apart."""
+    activations and gradients (keys first written by a backward task) apart, each counted at
+    its itemsize (activations', gradients')."""
     n = len(tasks)
     grad = [getattr(t, "phase", "") == "bwd" for t in tasks]
     alloc = [[0] * n, [0] * n]  # [activations, gradients] allocated at each task
     free = [[0] * n, [0] * n]
     for key, i in first.items():
-        size, g = numel[key] * itemsize, grad[i]
+        g = grad[i]
+        size = numel[key] * itemsizes[g]
         alloc[g][i] += size
         free[g][max(last.get(key, i), i)] += size
     during = []  # per kind: bytes live during each task
