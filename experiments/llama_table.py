@@ -8,7 +8,9 @@ figures (`h100-8x-ib-bf16`; docs/profiles.md).
    layer recomputed and with every layer recomputed (HiDup recomputes whole layers; torchtitan's
    selective policy recomputes the cheap ops and keeps the matmuls' outputs, which costs less
    time than whole layers and more than none), the eager row with the `graph` mode's host cost
-   and the compile row with `compile`'s. The profile was built without these rows.
+   and the compile row with `compile`'s, each with its peak memory with the values in float32
+   (as HiDup's executor holds them) and in bf16 (as torchtitan does). The profile was built
+   without these rows.
 2. HiDup's chosen plan beside `fsdp` (and `fsdp+tp` on a 2-D mesh) on each --gpus, each with the
    layers it recomputes to fit the device (the planner's choice: hidup.planning.select).
 
