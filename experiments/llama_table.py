@@ -5,9 +5,9 @@ figures (`h100-8x-ib-bf16`; docs/profiles.md).
    (96 GB HBM2e), FSDP, local batch 2 x 8192 tokens, bf16, selective activation checkpointing:
    5,762 tokens/s per GPU and 82.4 GiB in eager mode, 6,667 and 77.0 GiB with torch.compile (the
    torchtitan paper, arXiv 2410.06511, its 8-GPU FSDP table). HiDup's `fsdp` is predicted with no
-   layer recomputed and with every layer recomputed (HiDup recomputes whole layers; torchtitan's
-   selective policy recomputes the cheap ops and keeps the matmuls' outputs, which costs less
-   time than whole layers and more than none), the eager row with the `graph` mode's host cost
+   layer recomputed, with every layer recomputed selectively (the matmuls' outputs kept; unlike
+   torchtitan's policy, attention is recomputed) and whole, the eager row with the `graph` mode's
+   host cost
    and the compile row with `compile`'s, each with its peak memory with the values in float32
    (as HiDup's executor holds them) and in bf16 (as torchtitan does). The profile was built
    without these rows.
@@ -42,15 +42,17 @@ def tokens_per_gpu(step_s: float) -> float:
 
 
 def published_rows(cluster: str, log) -> list[dict]:
-    """torchtitan's two rows and HiDup's fsdp predictions of them, recomputing no layer / all."""
+    """torchtitan's two rows and HiDup's fsdp predictions of them, recomputing no layer, every
+    layer selectively, every layer whole."""
     spec = get_model(MODEL, gpus=8)
     graph = capture_model(spec, PER_GPU * 8)
     profile = load_profile(cluster)
     base = fixed_strategy("fsdp", graph, 8)
     rows = []
     for label, mode, tokens, gib in PUBLISHED:
-        for recompute in ("none", "all"):
-            plan = recomputing(graph, base, layers(graph) if recompute == "all" else ())
+        for recompute in ("none", "selective", "all"):
+            plan = recomputing(graph, base, layers(graph) if recompute != "none" else (),
+                               selective=recompute == "selective")
             started = time.perf_counter()
             run = simulate(graph, plan, profile, 8, 1, SimOptions("adamw", mode), MODEL)
             step = run.spmd.step_time
@@ -90,6 +92,7 @@ def plan_rows(cluster: str, gpus: int, log) -> list[dict]:
                      "tokens_per_gpu": tokens_per_gpu(result.step_time),
                      "peak_gib": memory.peak / 2**30,
                      "recomputed_layers": len(strategy.recompute),
+                     "selective_layers": len(strategy.selective),
                      "mesh": f"{strategy.machines}x{gpus // strategy.machines}"})
     return rows
 
@@ -111,8 +114,10 @@ def plans_table(rows: list[dict]) -> str:
              "tokens/s per GPU | peak (GiB) | fits |", "|---:|---|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         name = r["plan"] + (" (chosen)" if r["chosen"] else "")
+        layers_ = f"{r['recomputed_layers']}" + (f" + {r['selective_layers']} selectively"
+                                                  if r["selective_layers"] else "")
         lines.append(f"| {r['gpus']} | {name} | {r['mesh']} | {r['k']} | "
-                     f"{r['recomputed_layers']} | {r['step_ms']:.0f} | "
+                     f"{layers_} | {r['step_ms']:.0f} | "
                      f"{r['tokens_per_gpu']:,.0f} | {r['peak_gib']:.1f} | "
                      f"{'yes' if r['fits'] else 'no'} |")
     return "\n".join(lines)

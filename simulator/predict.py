@@ -22,7 +22,7 @@ from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import Plan, resolve_strategy, save_plan
 from hidup.planning.profile_file import load_profile
 from hidup.planning.select import DUPLEX_K, SEARCH, Goal, select_plan
-from hidup.strategy import Strategy, parse_recompute, recomputing
+from hidup.strategy import Strategy, parse_recompute, recomputing, selective_part
 from hidup.program import HOST_MODES, OPTIMIZERS, lower
 from simulator.montecarlo import expected_step, step_time_interval
 from simulator.report import Comparison, Prediction
@@ -87,7 +87,8 @@ def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | Non
     profile.check_world(gpus)
     plan = resolve_strategy(strategy, graph, gpus, profile.name)
     if options.recompute != "auto":
-        plan = recomputing(graph, plan, parse_recompute(options.recompute, graph))
+        plan = recomputing(graph, plan, parse_recompute(options.recompute, graph),
+                           selective_part(options.recompute)[0])
     return simulate(graph, plan, profile, gpus, k, options, spec.name)
 
 

@@ -32,12 +32,15 @@ CASES += [("gpt:tiny", "fsdp-small-buckets", 2), ("bert-sgmoe:tiny", "fsdp-kept"
 BUCKETS = {"fsdp-small-buckets": 4096}  # bucket_bytes by strategy name (default: DDP's)
 # activation checkpointing: every layer's activations recomputed in the backward (NAME+recompute),
 # with tensor parallel's collectives run again, weights gathered again (fsdp), Duplex on and off
-RECOMPUTE = "+recompute"
+RECOMPUTE, SELECTIVE = "+recompute", "+selective"
 CASES += [("gpt:tiny", "megatron+recompute", 2), ("gpt:tiny", "fsdp+recompute", 1),
           ("bert-sgmoe:tiny", "fsdp+recompute", 2), ("bert-sgmoe:tiny", "search+recompute", 2)]
 # a Llama-shaped model (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU)
 CASES += [("llama:tiny", "megatron", 2), ("llama:tiny", "search", 2),
           ("llama:tiny", "fsdp+recompute", 2)]
+# selective recomputation: the matmuls' outputs kept, differentiated again from recomputed inputs
+CASES += [("gpt:tiny", "megatron+selective", 2), ("bert-sgmoe:tiny", "fsdp+selective", 1),
+          ("llama:tiny", "search+selective", 2)]
 
 
 def batch_of(spec, seed=1):
@@ -55,10 +58,12 @@ def reference(name: str, world: int):
 
 def one_d_strategy(graph, name: str, world: int, k: int):
     """A strategy over every rank: searched, every op replicated (as the search ranks it), or
-    fixed by name; NAME+recompute: NAME with every layer recomputed."""
-    if name.endswith(RECOMPUTE):
-        return recomputing(graph, one_d_strategy(graph, name.removesuffix(RECOMPUTE), world, k),
-                           layers(graph))
+    fixed by name; NAME+recompute / NAME+selective: NAME with every layer recomputed, whole or
+    selectively."""
+    for suffix in (RECOMPUTE, SELECTIVE):
+        if name.endswith(suffix):
+            return recomputing(graph, one_d_strategy(graph, name.removesuffix(suffix), world, k),
+                               layers(graph), selective=suffix == SELECTIVE)
     if name.startswith("fsdp-"):
         return fixed_strategy("fsdp", graph, world) if name == "fsdp-small-buckets" else \
             sharded_storage(graph, fixed_strategy("ddp", graph, world), world)
@@ -167,7 +172,8 @@ MESH_CASES = [("gpt:tiny", "dp-megatron", 1), ("gpt:tiny", "dp-megatron", 2),
               ("bert-sgmoe:tiny", "search-2d", 1)]
 # FSDP across the machines and Megatron inside (parameters stored sharded over the mesh column)
 MESH_CASES += [("gpt:tiny", "fsdp+tp", 1), ("gpt:tiny", "fsdp+tp", 2),
-               ("bert-sgmoe:tiny", "fsdp+tp", 2), ("gpt:tiny", "fsdp+tp+recompute", 2)]
+               ("bert-sgmoe:tiny", "fsdp+tp", 2), ("gpt:tiny", "fsdp+tp+recompute", 2),
+               ("gpt:tiny", "fsdp+tp+selective", 2)]
 MESH_CASES += [(m, f"random-{seed}", 1 + seed % 2) for m in ("gpt:tiny", "bert-sgmoe:tiny")
                for seed in range(4)]
 
@@ -175,9 +181,10 @@ MESH_CASES += [(m, f"random-{seed}", 1 + seed % 2) for m in ("gpt:tiny", "bert-s
 def mesh_strategy(graph, name: str, world: int, k: int):
     """A 2-D strategy on 2 machines: fixed, searched on the mesh, or random inside (None where
     a random split does not divide the model's sizes); NAME+recompute: every layer recomputed."""
-    if name.endswith(RECOMPUTE):
-        return recomputing(graph, mesh_strategy(graph, name.removesuffix(RECOMPUTE), world, k),
-                           layers(graph))
+    for suffix in (RECOMPUTE, SELECTIVE):
+        if name.endswith(suffix):
+            return recomputing(graph, mesh_strategy(graph, name.removesuffix(suffix), world, k),
+                               layers(graph), selective=suffix == SELECTIVE)
     if name == "search-2d":
         dp = Search(graph, world, load_profile("v100-8x8-10gbps"), SearchOptions(k=k, machines=2))
         return dp.strategy(dp.run()[0], "hidup")

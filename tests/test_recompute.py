@@ -98,24 +98,28 @@ class _Loss(nn.Module):
 _VIEWS = ("detach", "t", "transpose", "view", "_unsafe_view", "reshape", "expand", "alias")
 
 
-@pytest.mark.parametrize("recompute", [True, False])
-def test_the_traced_backward_reads_nothing_a_recomputed_forward_made(recompute):
+@pytest.mark.parametrize("how", ["whole", "selective", "none"])
+def test_the_traced_backward_reads_nothing_a_recomputed_forward_made(how):
     """In the traced step, no backward task reads a value a recomputed layer's first forward
-    made (nor a view of it): those are freed in the forward. Without recomputation the
-    backward reads them (autograd keeps them)."""
+    made (nor a view of it): those are freed in the forward (selectively, but for the outputs
+    it keeps: the matmuls'). Without recomputation the backward reads them."""
+    recompute = how != "none"
     spec = get_model("gpt:tiny", gpus=2)
     model = build_model(spec)
     xs = list(spec.inputs(spec.batch, torch.Generator().manual_seed(0)))
     graph = capture(model, xs)
-    strategy = recomputing(graph, data_parallel(graph, 2), layers(graph) if recompute else ())
+    strategy = recomputing(graph, data_parallel(graph, 2), layers(graph) if recompute else (),
+                           selective=how == "selective")
     program = lower(graph, strategy, 2, 2)
+    kept = {t.node for t in program.tasks if isinstance(t, Compute) and t.again}
+    assert (how == "selective") == bool(kept) and all("linear" in name for name in kept)
     ex = Executor(graph, strategy, program, dict(model.named_parameters()), rank=0,
                   local_collectives=True)
     gm = trace_step(ex.spec, list(ex.params.values()), ex.buffers, xs, ex.lr, False)
     inside = {n.name for n in graph.ops if n.layer  # read only inside its layer (a layer's
               and all(c.layer == n.layer for c in graph.consumers(n.name))}  # output is kept)
     first = {t.id for t in program.tasks if isinstance(t, Compute) and t.phase == "fwd"
-             and t.node in inside}
+             and t.node in inside - kept}
     backward = {t.id for t in program.tasks if getattr(t, "phase", "") == "bwd"
                 and not isinstance(t, Convert)}
 
@@ -136,6 +140,12 @@ def test_recomputation_holds_less_and_costs_the_forward_again(gpt):
     plain = lower(gpt, data_parallel(gpt, 2), 2, 1)
     again = {n: lower(gpt, recomputing(gpt, data_parallel(gpt, 2), layers(gpt)[:n]), 2, 1)
              for n in (1, 2)}
+    some = lower(gpt, recomputing(gpt, data_parallel(gpt, 2), layers(gpt), selective=True), 2, 1)
+    # selectively: the linears' outputs kept, the rest recomputed: between none and whole
+    assert peak_memory(again[2]).activations_peak < peak_memory(some).activations_peak \
+        == 237572 < peak_memory(plain).activations_peak
+    assert estimate(plain, profile).step_time < estimate(some, profile).step_time \
+        < estimate(again[2], profile).step_time
     peaks = [peak_memory(p).activations_peak for p in (plain, again[1], again[2])]
     # the first layer's activations are freed in the forward; the last layer's too, but it is
     # recomputed as soon as the backward starts, where the peak is: it saves little more
@@ -160,11 +170,18 @@ def test_the_planner_recomputes_the_fewest_layers_that_make_a_plan_fit(gpt):
         select_plan(gpt, profile, Goal(2, micro_batches=1, memory=limit, recompute="none"))
     every = select_plan(gpt, profile, Goal(2, micro_batches=1, recompute="all"))
     assert all(s.recompute == {"blocks.0", "blocks.1"} for s in every.candidates.values())
+    some = select_plan(gpt, profile, Goal(2, micro_batches=1, recompute="selective:1"))
+    assert all(s.selective == {"blocks.0"} and not s.recompute
+               for s in some.candidates.values())
 
 
 def test_a_plan_file_keeps_its_recomputed_layers(gpt, tmp_path):
     strategy = recomputing(gpt, fixed_strategy("fsdp", gpt, 2), {"blocks.0"})
     save_plan(tmp_path / "plan.json", gpt, strategy, 2, "gpt:tiny")
     assert load_plan(tmp_path / "plan.json", gpt, 2).recompute == {"blocks.0"}
+    some = recomputing(gpt, strategy, {"blocks.1"}, selective=True)
+    save_plan(tmp_path / "some.json", gpt, some, 2, "gpt:tiny")
+    loaded = load_plan(tmp_path / "some.json", gpt, 2)
+    assert loaded.selective == {"blocks.1"} and not loaded.recompute
     with pytest.raises(PlanError, match=r"recompute: layers\.9 is not a layer of this model"):
         check(gpt, replace(strategy, recompute=frozenset({"layers.9"})))

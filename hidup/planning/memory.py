@@ -122,7 +122,8 @@ def _scan(program: Program) -> tuple[dict[str, int], dict[str, int], dict[str, i
         if type(t) is Compute and t.phase == "bwd" and ins:
             reads, out = saved.pop((t.node, t.mb), (None, None))
             reads = reads or (True,) * len(ins)
-            used = ins[:1] + tuple(key for key, read in zip(ins[1:], reads) if read)
+            used = ins if t.again else \
+                ins[:1] + tuple(key for key, read in zip(ins[1:], reads) if read)
             if out is not None and reads[-1]:
                 last[out] = i
         for key in used:

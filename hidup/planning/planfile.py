@@ -112,7 +112,7 @@ def check(graph: Graph, strategy: Strategy) -> None:
     for name, p in strategy.placements.items():
         if isinstance(p, Partial):
             raise PlanError(f"{name}: parameters and inputs cannot be Partial")
-    unknown = sorted(strategy.recompute - set(layers(graph)))
+    unknown = sorted((strategy.recompute | strategy.selective) - set(layers(graph)))
     if unknown:
         raise PlanError(f"recompute: {', '.join(unknown[:3])} is not a layer of this model "
                         f"(its layers: {', '.join(layers(graph)[:4]) or 'none'}); make the plan "
@@ -139,7 +139,7 @@ def save_plan(path: Path, graph: Graph | None, strategy: Strategy, world: int, m
            "placements": {n: str(p) for n, p in strategy.placements.items()},
            "options": {n: str(o) for n, o in strategy.options.items()},
            "reshard": sorted(strategy.reshard), "across": dict(strategy.across),
-           "recompute": sorted(strategy.recompute)}
+           "recompute": sorted(strategy.recompute), "selective": sorted(strategy.selective)}
     Path(path).write_text(json.dumps(doc, indent=1) + "\n")
 
 
@@ -186,7 +186,8 @@ def load_plan(path: Path, graph: Graph | None, world: int, cluster: str | None =
                         {n: parse_placement(p) for n, p in doc["placements"].items()},
                         {n: parse_option(o) for n, o in doc["options"].items()}, notes, machines,
                         frozenset(doc.get("reshard", ())), _across(path, doc),
-                        frozenset(doc.get("recompute", ())))
+                        frozenset(doc.get("recompute", ())),
+                        frozenset(doc.get("selective", ())))
     if graph is not None:
         check(graph, strategy)
     return strategy

@@ -165,7 +165,8 @@ def _far_behind(price: float, least: float) -> bool:
 def _plan_key(strategy: Strategy) -> tuple:
     return (strategy.machines, tuple(strategy.placements.items()),
             tuple(strategy.options.items()), tuple(sorted(strategy.reshard)),
-            tuple(sorted(strategy.across.items())), tuple(sorted(strategy.recompute)))
+            tuple(sorted(strategy.across.items())), tuple(sorted(strategy.recompute)),
+            tuple(sorted(strategy.selective)))
 
 
 def _orders(k: int, objective: str) -> list[tuple]:
@@ -242,8 +243,9 @@ class Ranking:
         """Estimate the plan with each micro-batch count of `counts` (default: 1 and k) not
         tried yet (`seen`: remember it, so that a plan reached twice is lowered once); return
         whether it fits, per count."""
-        if self.options.recompute is not None and strategy.recompute != self.options.recompute:
-            strategy = recomputing(self.graph, strategy, self.options.recompute)
+        if self.options.recompute is not None:
+            strategy = recomputing(self.graph, strategy, self.options.recompute,
+                                   self.options.selective)
         tried = self.seen.setdefault(_plan_key(strategy), {}) if seen else {}
         counts = counts or sorted({1, self.options.k})
         for kk in counts:
@@ -282,25 +284,34 @@ class Ranking:
                        memory) -> bool:
         """Where the plan does not fit with kk micro-batches but its parameters and optimizer
         state do: rank the same plan with the activations of the fewest first layers recomputed
-        in the backward that make it fit (NAME+recompute; hidup.strategy.recompute), priced by
-        the estimate (the layers' forward again) and held to memory. The count is guessed from
-        what recomputing every layer saves, as if each layer saved as much. Whether one fits."""
+        in the backward that make it fit, selectively (NAME+selective: the matmuls' outputs
+        kept) and whole (NAME+recompute; hidup.strategy.recompute), each priced by the estimate
+        (the recomputed forward) and held to memory. The count is guessed from what recomputing
+        every layer saves, as if each layer saved as much. Whether one fits."""
         names = layers(self.graph)
-        if strategy.recompute or self.options.recompute is not None or not names or \
-                memory.params + memory.optimizer > self.memory:
+        if strategy.recompute or strategy.selective or self.options.recompute is not None or \
+                not names or memory.params + memory.optimizer > self.memory:
             return False
+        return any([self._fewest_layers(strategy, f"{name}+{tag}", dp_cost, kk, memory.peak,
+                                        tag == "selective")
+                    for tag in ("selective", "recompute")])
+
+    def _fewest_layers(self, strategy: Strategy, name: str, dp_cost: float, kk: int,
+                       peak: float, selective: bool) -> bool:
+        names = layers(self.graph)
         try:
-            least = peak_memory(lower(self.graph, recomputing(self.graph, strategy, names),
+            least = peak_memory(lower(self.graph, recomputing(self.graph, strategy, names,
+                                                              selective),
                                       self.world, kk, optimizer=self.options.optimizer)).peak
         except (LoweringError, ValueError):
             return False
         if least > self.memory:
             self.least = min(self.least, least)
             return False
-        n = math.ceil(len(names) * (memory.peak - self.memory) / (memory.peak - least))
+        n = math.ceil(len(names) * (peak - self.memory) / (peak - least))
         for count in sorted({min(n, len(names)), min(n + 1, len(names)), len(names)}):
-            plan = recomputing(self.graph, strategy, first_layers(self.graph, count))
-            if self.add(plan, f"{name}+recompute", dp_cost, [kk])[kk]:
+            plan = recomputing(self.graph, strategy, first_layers(self.graph, count), selective)
+            if self.add(plan, name, dp_cost, [kk])[kk]:
                 return True
         return False
 

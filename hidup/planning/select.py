@@ -18,7 +18,7 @@ from hidup.planning.costs import Profile
 from hidup.planning.programme import SearchOptions
 from hidup.planning.search import Ranked, SearchResult, rank_plans, search
 from hidup.strategy import (ACROSS, FIXED, Strategy, fixed_strategies, fixed_strategy,
-                            microbatch_split, parse_recompute, recomputing)
+                            microbatch_split, parse_recompute, recomputing, selective_part)
 
 DUPLEX_K = 2  # the micro-batches Duplex is tried with when the goal leaves k to the planner
 SEARCH = "search"
@@ -39,8 +39,9 @@ class Goal:
     beam: int = 16  # states the search keeps per cut
     exact: float = 0.0  # seconds for the integer programme's proof of the k = 1 plan (0: none)
     recompute: str = "auto"  # activation checkpointing: 'auto' (the fewest first layers that
-    #   make a plan fit, where it does not), 'none', 'all', a count of first layers, or layer
-    #   names joined by commas (hidup.strategy.parse_recompute)
+    #   make a plan fit, where it does not, selectively or whole), 'none', 'all', a count of
+    #   first layers, or layer names joined by commas, each also as 'selective:...'
+    #   ('selective' alone: every layer; hidup.strategy.parse_recompute)
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,10 @@ def select_plan(graph: Graph, profile: Profile, goal: Goal) -> Selection:
     """The plan to run for `goal` on `profile` (a ValueError says why there is none)."""
     goal, profile, k, notes = _settle(graph, profile, goal)
     recompute = None if goal.recompute == "auto" else parse_recompute(goal.recompute, graph)
+    selective = selective_part(goal.recompute)[0]
     options = SearchOptions(k=k, memory=profile.device_memory, optimizer=goal.optimizer,
                             machines=goal.mesh[0], beam=goal.beam, exact=goal.exact,
-                            recompute=recompute)
+                            recompute=recompute, selective=selective)
     fixed = fixed_strategies(graph, goal.gpus, goal.mesh[0])
     found = None
     if goal.strategy == SEARCH:
@@ -89,7 +91,7 @@ def select_plan(graph: Graph, profile: Profile, goal: Goal) -> Selection:
     else:
         chosen = fixed_strategy(goal.strategy, graph, goal.gpus, goal.mesh[0])
         if recompute is not None:  # checked here: the ranking would log it and go on
-            chosen = recomputing(graph, chosen, recompute)
+            chosen = recomputing(graph, chosen, recompute, selective)
         ranked = tuple(rank_plans(graph, goal.gpus, profile, {goal.strategy: chosen}, options))
     allowed = {goal.micro_batches} if goal.micro_batches else {1, k}
     fitting = [r for r in ranked if r.k in allowed]
@@ -105,7 +107,7 @@ def select_plan(graph: Graph, profile: Profile, goal: Goal) -> Selection:
                          f"{', or leave micro_batches to the planner' if goal.micro_batches else ''}")
     best = fitting[0]
     strategy = replace(best.strategy, name="hidup" if _searched(best) else
-                       best.name.removesuffix("+recompute"))
+                       best.name.removesuffix("+recompute").removesuffix("+selective"))
     candidates = {name: _as_ranked(name, s, ranked) for name, s in fixed.items()} \
         if goal.strategy == SEARCH else {goal.strategy: strategy}
     hidup = strategy if _searched(best) else \
@@ -118,7 +120,8 @@ def select_plan(graph: Graph, profile: Profile, goal: Goal) -> Selection:
 def _as_ranked(name: str, strategy: Strategy, ranked) -> Strategy:
     """Fixed strategy `name` as its fastest ranked run holds it: with the layers it recomputes
     (the goal's, or NAME+recompute's where it fits only so); as given where none fits."""
-    best = next((r.strategy for r in ranked if r.name in (name, f"{name}+recompute")), strategy)
+    best = next((r.strategy for r in ranked
+                 if r.name in (name, f"{name}+recompute", f"{name}+selective")), strategy)
     return replace(best, name=name)
 
 

@@ -238,7 +238,10 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation):
             self.loss_keys.append(self._report_loss(m))
 
     def reads(self, node) -> tuple[bool, ...] | None:
-        """What the node's derivative reads of its inputs and output, where it has a backward."""
+        """What the node's derivative reads of its inputs and output, where it has a backward
+        (nothing, where the backward differentiates the node again: Recomputation.again)."""
+        if node.name in self.again:
+            return (False,) * (len(node.inputs) + 1)
         return backward_reads(self.g, node) if node.name in self.has_grad else None
 
     def kernel(self, node) -> tuple:
@@ -326,7 +329,8 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation):
         self.add(Compute(  # did and writes its inputs' gradients
             len(self.tasks), node.name, node.op, "bwd", m,
             backward_flops(node.op, fwd, ins, out, node.args),
-            nbytes, ins, out, (grad_in,) + fwd_keys, tuple(outs), opt, partial, tuple(root)))
+            nbytes, ins, out, (grad_in,) + fwd_keys, tuple(outs), opt, partial, tuple(root),
+            again=node.name in self.again))
         for t, p, q, mm in done:
             if self.mb_converted(t, q):
                 self.mb_contributed(t, p, q, mm)

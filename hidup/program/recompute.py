@@ -14,6 +14,7 @@ import torch
 
 from hidup.graph.capture import Node
 from hidup.graph.placement import R
+from hidup.graph.saved import backward_reads
 from hidup.strategy import conversion
 from hidup.program.tasks import Compute, vkey
 
@@ -40,13 +41,23 @@ class Recomputation:
     gathered_key, mb_converted, home, shape, nbytes, converted and emit_convert."""
 
     def plan_recompute(self) -> None:
-        """Which ops each recomputed layer runs again: {layer: [nodes in forward order]}."""
+        """Which ops each recomputed layer runs again: {layer: [nodes in forward order]}; and
+        in a layer recomputed selectively, the ops whose outputs are kept (`again`: their
+        backward differentiates them again from their recomputed inputs)."""
         self.recomputed: dict[str, list[Node]] = {}
+        self.again: set[str] = set()
         for node in self.g.ops:
-            if node.layer in self.s.recompute and self.recomputable(node):
-                self.recomputed.setdefault(node.layer, []).append(node)
+            layer = node.layer
+            if layer not in self.s.recompute and layer not in self.s.selective or \
+                    not self.recomputable(node):
+                continue
+            if layer in self.s.selective and self.kept_output(node):
+                self.again.add(node.name)
+            else:
+                self.recomputed.setdefault(layer, []).append(node)
         self.layer_of = {n.name: layer for layer, nodes in self.recomputed.items()
                          for n in nodes}
+        self.layer_of.update({name: self.g.node(name).layer for name in self.again})
         self.recomputed_at: set[tuple[str, int | None]] = set()
 
     def recomputable(self, node: Node) -> bool:
@@ -57,13 +68,19 @@ class Recomputation:
                 and node.name not in self.once and not nondeterministic(node)
                 and not any(self.mb_converted(t, q) for t, q in zip(node.inputs, mb_in)))
 
+    def kept_output(self, node: Node) -> bool:
+        """Does selective recomputation keep the op's output: a compute-heavy op (at least 16
+        FLOPs per output element: a matmul) whose derivative reads only its inputs?"""
+        return node.flops >= 16 * max(node.out.numel, 1) and \
+            not backward_reads(self.g, node)[-1]
+
     def recompute_before(self, node: Node, m: int | None) -> None:
         """Before node's backward for micro-batch m: its layer's forward again, once."""
         layer = self.layer_of.get(node.name)
         if layer is None or (layer, m) in self.recomputed_at:
             return
         self.recomputed_at.add((layer, m))
-        for n in self.recomputed[layer]:
+        for n in self.recomputed.get(layer, ()):
             self.recompute_node(n, m, layer)
 
     def recompute_node(self, node: Node, m: int | None, layer: str) -> None:

@@ -91,6 +91,9 @@ class Compute:
     # a forward's: per input, then for the output, whether its derivative reads it (autograd
     # keeps it for the backward; hidup.graph.saved); None: all of them
     reads: tuple[bool, ...] | None = None
+    # a backward's: it differentiates its node's forward again from the inputs it reads (an op
+    # whose output a selectively recomputed layer kept; its first forward kept nothing)
+    again: bool = False
 
     def __str__(self) -> str:
         mb = "*" if self.mb is None else self.mb

@@ -65,7 +65,7 @@ class _TaskRunner:
         # forwards run again before their backward (activation checkpointing): the first run
         # keeps nothing for the backward, the recomputation does
         self.recomputed = {(t.node, t.mb) for t in self.p.tasks if isinstance(t, Compute)
-                           and t.phase == "recompute"}
+                           and (t.phase == "recompute" or t.again)}
         # where micro-batches are joined, each one's part of the batch is a piece of every
         # rank's block (shard_of), so that joined they make this rank's shard
         self.rank_blocks = any(isinstance(t, Convert) and t.kind in MB_CONVERSIONS
@@ -140,13 +140,23 @@ class _TaskRunner:
 
     # -- compute ----------------------------------------------------------------------------
     def forward(self, task: Compute) -> None:
-        node = self.g.node(task.node)
         at = task.node, task.mb
         differentiated = at in self.backward_of and (
             task.phase == "recompute" or at not in self.recomputed)
+        leaves, out = self.run_forward(task, task.inputs, differentiated)
+        if differentiated:  # its backward differentiates this graph
+            self.saved[at] = (leaves, out)
+            self.env.keep(*leaves, out)
+        self.env[task.outputs[0]] = out.detach()
+
+    def run_forward(self, task: Compute, keys, differentiated: bool):
+        """(leaves, output) of the task's node on the values of `keys`, under autograd where
+        `differentiated`."""
+        node = self.g.node(task.node)
         leaves = [x.detach().requires_grad_(True) if differentiated and x.is_floating_point()
-                  else x for x in (self.env[key] for key in task.inputs)]
-        saving = self.regathered(task, leaves) if differentiated else nullcontext()
+                  else x for x in (self.env[key] for key in keys)]
+        saving = self.regathered(task, leaves) if differentiated and task.phase != "bwd" \
+            else nullcontext()
         with torch.enable_grad(), self.autocast(node), saving:
             out = self.callable(task, node)(leaves)
         if self.spec.autocast is not None and out.is_floating_point():
@@ -154,10 +164,7 @@ class _TaskRunner:
         if tuple(out.shape) != task.out_shape:
             raise RuntimeError(f"node {task.node} ({task.op}) mb {task.mb}: local output shape "
                                f"{tuple(out.shape)}, the Program expects {task.out_shape}")
-        if differentiated:  # its backward differentiates this graph
-            self.saved[at] = (leaves, out)
-            self.env.keep(*leaves, out)
-        self.env[task.outputs[0]] = out.detach()
+        return leaves, out
 
     def regathered(self, task: Compute, leaves):
         """Where the backward reads an input under another key than the forward (a weight freed
@@ -220,7 +227,8 @@ class _TaskRunner:
             self.env[task.outputs[0]] = torch.ones(task.out_shape,
                                                    device=self.env_device())
             return
-        leaves, out = self.saved.pop((task.node, task.mb))
+        leaves, out = self.run_forward(task, task.inputs[1:], True) if task.again else \
+            self.saved.pop((task.node, task.mb))  # again: its output was kept, not its inputs
         wanted = [i for i, key in enumerate(task.outputs) if key]
         grads = [None] * len(wanted)
         if out.requires_grad and wanted:

@@ -10,12 +10,12 @@ from hidup.strategy.fixed import (ACROSS, FIXED, data_parallel, expert_parallel,
                                   sharded_storage, stored_across)
 from hidup.strategy.microbatch import microbatch_split
 from hidup.strategy.recompute import (describe_recompute, first_layers, layers, parse_recompute,
-                                      recomputing)
+                                      recomputing, selective_part)
 
 __all__ = ["ACROSS", "FIXED", "NoMicroBatches", "Strategy", "Unreachable", "conversion",
            "conversion_cost", "data_parallel", "describe", "describe_recompute",
            "expert_parallel", "first_layers", "fitting_options", "fixed_strategies",
            "fixed_strategy", "fully_sharded", "layers", "megatron", "mesh_option",
            "microbatch_split", "op_style", "parse_recompute", "propagate", "random_strategy",
-           "recomputing", "sharded_storage", "splits_evenly", "stored_across", "summarize",
-           "uncovered"]
+           "recomputing", "selective_part", "sharded_storage", "splits_evenly", "stored_across",
+           "summarize", "uncovered"]

@@ -32,6 +32,9 @@ class Strategy:
     # layers (Node.layer) whose activations are not kept for the backward but recomputed in it,
     # right before the layer's backward (activation checkpointing; hidup.strategy.recompute)
     recompute: frozenset[str] = field(default=frozenset(), hash=False)
+    # layers recomputed selectively: their compute-heavy ops' outputs kept (matmuls, whose
+    # derivative reads only their inputs), the rest recomputed as above
+    selective: frozenset[str] = field(default=frozenset(), hash=False)
 
     def home(self, name: str) -> Placement:
         """Where a tensor lives after it is produced (before any conversion for a consumer)."""
@@ -44,6 +47,8 @@ class Strategy:
         lines += [f"  {n}: {o}" for n, o in self.options.items()]
         lines += [f"  recomputed in the backward: {', '.join(sorted(self.recompute))}"] \
             if self.recompute else []
+        lines += [f"  recomputed selectively: {', '.join(sorted(self.selective))}"] \
+            if self.selective else []
         return "\n".join(lines)
 
 

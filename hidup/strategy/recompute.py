@@ -8,7 +8,12 @@ backward for the same micro-batch, whose values the backward then reads (torch.u
 per layer). What the layer reads from outside it (its input, the weights) is kept, as a checkpoint
 keeps its inputs. Left out of the recomputation, their outputs kept: random ops (dropout: the
 recomputed mask would differ), ops computed once per step rather than per micro-batch, and ops
-that read the micro-batches joined (hidup.program.recompute)."""
+that read the micro-batches joined (hidup.program.recompute).
+
+Selectively (Strategy.selective), a layer keeps the outputs of its compute-heavy ops whose
+derivative reads only their inputs (matmuls: at least 16 FLOPs per output element) and
+recomputes the rest: the backward of such an op differentiates it again from its recomputed
+inputs, and its forward, whose output nothing reads, is dropped from the compiled step."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -22,9 +27,10 @@ def layers(graph: Graph) -> list[str]:
     return list(dict.fromkeys(n.layer for n in graph.ops if n.layer))
 
 
-def recomputing(graph: Graph, strategy: Strategy, chosen) -> Strategy:
+def recomputing(graph: Graph, strategy: Strategy, chosen, selective: bool = False) -> Strategy:
     """`strategy` with the activations of the layers `chosen` recomputed in the backward (and
-    of no others). An unknown layer is a one-line ValueError that names the model's."""
+    of no others): whole, or `selective`ly (the compute-heavy ops' outputs kept). An unknown
+    layer is a one-line ValueError that names the model's."""
     known = layers(graph)
     unknown = sorted(set(chosen) - set(known))
     if unknown:
@@ -32,14 +38,16 @@ def recomputing(graph: Graph, strategy: Strategy, chosen) -> Strategy:
             "it has none (no op runs inside a child of an nn.ModuleList or nn.Sequential)"
         raise ValueError(f"recompute: {', '.join(unknown[:3])} is not a layer of this model; "
                          f"{have}; give layers it has, 'all' or a count")
-    return replace(strategy, recompute=frozenset(chosen))
+    chosen = frozenset(chosen)
+    return replace(strategy, recompute=frozenset() if selective else chosen,
+                   selective=chosen if selective else frozenset())
 
 
 def parse_recompute(text: str, graph: Graph) -> frozenset[str]:
     """A --recompute value: 'none', 'all', N (the first N layers) or layer names joined by
-    commas."""
+    commas (after 'selective:' the same, recomputed selectively: selective_part)."""
     known = layers(graph)
-    text = text.strip()
+    text = selective_part(text)[1].strip()
     if text in ("", "none"):
         return frozenset()
     if text == "all":
@@ -52,6 +60,16 @@ def parse_recompute(text: str, graph: Graph) -> frozenset[str]:
     return frozenset(name.strip() for name in text.split(",") if name.strip())
 
 
+def selective_part(text: str) -> tuple[bool, str]:
+    """'selective:all' -> (True, 'all'); 'selective' alone is every layer; else (False, text)."""
+    text = text.strip()
+    if text == "selective":
+        return True, "all"
+    if text.startswith("selective:"):
+        return True, text.removeprefix("selective:")
+    return False, text
+
+
 def first_layers(graph: Graph, n: int) -> frozenset[str]:
     """The model's first n layers (whose activations are kept longest: they are freed last)."""
     return frozenset(layers(graph)[:n])
@@ -59,12 +77,16 @@ def first_layers(graph: Graph, n: int) -> frozenset[str]:
 
 def describe_recompute(graph: Graph, strategy: Strategy) -> str:
     """'; activations of 4 of 8 layers recomputed in the backward (blocks.0 .. blocks.3)', or ''."""
-    if not strategy.recompute:
-        return ""
-    known = layers(graph)
-    chosen = [name for name in known if name in strategy.recompute]
-    return f"; activations of {len(chosen)} of {len(known)} layers recomputed in the backward " \
-           f"({_span(chosen)})"
+    known, text = layers(graph), ""
+    whole = [name for name in known if name in strategy.recompute]
+    some = [name for name in known if name in strategy.selective]
+    if whole:
+        text += f"; activations of {len(whole)} of {len(known)} layers recomputed in the " \
+                f"backward ({_span(whole)})"
+    if some:
+        text += f"; {len(some)} of {len(known)} layers recomputed selectively, their matmuls' " \
+                f"outputs kept ({_span(some)})"
+    return text
 
 
 def _span(names: list[str]) -> str:
