@@ -40,9 +40,11 @@ def plan(model: torch.nn.Module, example_inputs: tuple | list, *, cluster: str, 
     micro_batches None lets the planner choose between plain SPMD and Duplex (k=2); a number fixes it. `optimizer`
     is the one training will use ("sgd", "adamw", ...: its state counts in memory and its
     update in the step). `recompute` is activation checkpointing: "auto" recomputes the fewest
-    first layers that make a plan fit where it does not fit otherwise; "none", "all", a count
-    of first layers as text ("4") or layer names joined by commas ("layers.0,layers.1"). The same arguments give the plan `python -m hidup.planner` and
-    `python -m simulator.predict` choose."""
+    first layers that make a plan fit where it does not fit otherwise (selectively: the
+    matmuls' outputs kept; or whole); "none", "all", a count of first layers as text ("4") or
+    layer names joined by commas ("layers.0,layers.1"), each also as "selective:...". The same
+    arguments give the plan `python -m hidup.planner` and `python -m simulator.predict`
+    choose."""
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     profile = load_profile(cluster)
