@@ -185,3 +185,25 @@ def test_a_plan_file_keeps_its_recomputed_layers(gpt, tmp_path):
     assert loaded.selective == {"blocks.1"} and not loaded.recompute
     with pytest.raises(PlanError, match=r"recompute: layers\.9 is not a layer of this model"):
         check(gpt, replace(strategy, recompute=frozenset({"layers.9"})))
+
+
+def test_selective_recomputation_repeats_no_matmul():
+    """The traced step of a selectively recomputed plan has as many matmuls as with nothing
+    recomputed: a kept op's forward, run again for its backward, has no reader and is dropped
+    (so the estimate does not price it). Recomputing whole layers repeats their matmuls."""
+    spec = get_model("gpt:tiny", gpus=2)
+    model = build_model(spec)
+    xs = list(spec.inputs(spec.batch, torch.Generator().manual_seed(0)))
+    graph = capture(model, xs)
+    counts = {}
+    for how in ("none", "selective", "whole"):
+        strategy = recomputing(graph, data_parallel(graph, 2),
+                               layers(graph) if how != "none" else (),
+                               selective=how == "selective")
+        program = lower(graph, strategy, 2, 1)
+        ex = Executor(graph, strategy, program, dict(model.named_parameters()), rank=0,
+                      local_collectives=True)
+        gm = trace_step(ex.spec, list(ex.params.values()), ex.buffers, xs, ex.lr, False)
+        counts[how] = sum(n.op == "call_function" and any(
+            mm in str(n.target) for mm in ("addmm", "aten.mm", "bmm")) for n in gm.graph.nodes)
+    assert counts["none"] == counts["selective"] < counts["whole"], counts
