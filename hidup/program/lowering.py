@@ -309,8 +309,8 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation):
         fwd_keys = tuple(  # what the forward read: a parameter resharded after it, gathered again
             self.gathered_key(t, "bwd") if t in self.regather and p == R else key
             for t, p, key in zip(node.inputs, opt.inputs, self.in_keys(node, m)))
-        for t, key in zip(node.inputs, fwd_keys):
-            if t in self.regather:
+        for t, key in zip(node.inputs, fwd_keys):  # read now, not as the forward saved them:
+            if t in self.regather or node.name in self.again:  # wait for what made them again
                 self.wait_for(key)
         outs, root, done = [], [], []
         for t, p, q in zip(node.inputs, opt.inputs, mb_opt.inputs):

@@ -33,7 +33,8 @@ def random_strategy(graph: Graph, world: int, rng, divide: int | None = None) ->
     """A random valid strategy (for tests): each op takes a random option whose Partial inputs come
     from Partial producers and whose splits divide by `divide` (default: world); each input is
     placed at random; a parameter goes where its first consumer wants it, and one kept whole
-    there is stored sharded or not at random, and each layer recomputed in the backward or not.
+    there is stored sharded or not at random, and each layer recomputed in the backward (whole
+    or selectively) or not.
     rng: a random.Random."""
     divide = divide or world
     placements: dict[str, Placement] = {n.name: R for n in graph.nodes if n.kind == "buffer"}
@@ -55,8 +56,10 @@ def random_strategy(graph: Graph, world: int, rng, divide: int | None = None) ->
     stored = {p.name for p in graph.params if rng.random() < 0.5}
     if stored:
         drawn = sharded_storage(graph, drawn, world, stored, reshard=rng.random() < 0.5)
-    # which layers' activations are recomputed in the backward
-    return replace(drawn, recompute=frozenset(n for n in layers(graph) if rng.random() < 0.5))
+    # which layers' activations are recomputed in the backward: none, whole, or selectively
+    how = {n: rng.choice(("none", "whole", "selective")) for n in layers(graph)}
+    return replace(drawn, recompute=frozenset(n for n, h in how.items() if h == "whole"),
+                   selective=frozenset(n for n, h in how.items() if h == "selective"))
 
 
 def expert_parallel(graph: Graph, world: int, batch_dim: int = 0) -> Strategy:
