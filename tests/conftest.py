@@ -91,3 +91,23 @@ def build_model(spec, seed: int = 0) -> torch.nn.Module:
                 m.weight.copy_(1 + 0.1 * torch.randn(m.weight.shape, generator=gen))
                 m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=gen))
     return model
+
+
+# ops whose output shares its input's storage, as the traced step records them
+VIEW_OPS = ("detach", "t", "transpose", "permute", "view", "_unsafe_view", "reshape", "expand",
+            "alias", "as_strided", "slice", "select", "unsqueeze", "squeeze")
+
+
+def read_by(gm, made_by: set[int], readers: set[int]) -> tuple[set, list]:
+    """In a traced step, the graph nodes of the tasks `made_by` (with the views of them, which
+    share their memory), and the nodes of the tasks `readers` that read any of them."""
+    def task(node):
+        return node.meta.get("custom", {}).get("task")
+    made = {n for n in gm.graph.nodes if task(n) in made_by}
+    for n in gm.graph.nodes:
+        if n.all_input_nodes and n.all_input_nodes[0] in made and \
+                str(n.target).split(".")[-2:-1] in [[v] for v in VIEW_OPS]:
+            made.add(n)
+    read = [n for n in gm.graph.nodes if task(n) in readers
+            and any(a in made for a in n.all_input_nodes)]
+    return made, read

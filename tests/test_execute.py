@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build_model, run_ranks
+from conftest import build_model, read_by, run_ranks
 
 from hidup.graph.capture import capture
 from hidup.models import get_model
@@ -156,10 +156,6 @@ def test_a_cuda_step_waits_for_nothing_on_the_host(tiny_graphs, mode):
     assert torch.isfinite(loss)
 
 
-_VIEWS = ("detach", "t", "transpose", "permute", "view", "_unsafe_view", "reshape", "expand",
-          "alias", "as_strided", "slice", "select", "unsqueeze", "squeeze")
-
-
 @pytest.mark.parametrize("reshard", [True, False])
 def test_a_weight_resharded_after_the_forward_is_not_read_by_the_backward(reshard):
     """In the traced step of fsdp (reshard after forward), no backward task reads the weights
@@ -184,14 +180,5 @@ def test_a_weight_resharded_after_the_forward_is_not_read_by_the_backward(reshar
     done = {t.id for t in program.tasks if isinstance(t, Wait) and t.collective in fwd_gathers}
     backward = {t.id for t in program.tasks if getattr(t, "phase", "") == "bwd"
                 and not isinstance(t, Convert)}
-
-    def task(node):
-        return node.meta.get("custom", {}).get("task")
-    gathered = {n for n in gm.graph.nodes if task(n) in done}
-    for n in gm.graph.nodes:  # and what shares their storage (detached leaves, views of them)
-        if n.all_input_nodes and n.all_input_nodes[0] in gathered and \
-                str(n.target).split(".")[-2:-1] in [[v] for v in _VIEWS]:
-            gathered.add(n)
-    read = [n for n in gm.graph.nodes if task(n) in backward
-            and any(a in gathered for a in n.all_input_nodes)]
+    gathered, read = read_by(gm, done, backward)  # with what shares their storage
     assert gathered and bool(read) != reshard, read[:3]

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import build_model
+from conftest import build_model, read_by
 from torch import nn
 
 from hidup.graph.capture import capture
@@ -95,7 +95,11 @@ class _Loss(nn.Module):
         return self.body(x).square().mean()
 
 
-_VIEWS = ("detach", "t", "transpose", "view", "_unsafe_view", "reshape", "expand", "alias")
+def traced_step(model, graph, strategy, program, xs):
+    """Rank 0's step (no update) traced into an FX graph, collectives stood in."""
+    ex = Executor(graph, strategy, program, dict(model.named_parameters()), rank=0,
+                  local_collectives=True)
+    return trace_step(ex.spec, list(ex.params.values()), ex.buffers, xs, ex.lr, False)
 
 
 @pytest.mark.parametrize("how", ["whole", "selective", "none"])
@@ -113,25 +117,14 @@ def test_the_traced_backward_reads_nothing_a_recomputed_forward_made(how):
     program = lower(graph, strategy, 2, 2)
     kept = {t.node for t in program.tasks if isinstance(t, Compute) and t.again}
     assert (how == "selective") == bool(kept) and all("linear" in name for name in kept)
-    ex = Executor(graph, strategy, program, dict(model.named_parameters()), rank=0,
-                  local_collectives=True)
-    gm = trace_step(ex.spec, list(ex.params.values()), ex.buffers, xs, ex.lr, False)
+    gm = traced_step(model, graph, strategy, program, xs)
     inside = {n.name for n in graph.ops if n.layer  # read only inside its layer (a layer's
               and all(c.layer == n.layer for c in graph.consumers(n.name))}  # output is kept)
     first = {t.id for t in program.tasks if isinstance(t, Compute) and t.phase == "fwd"
              and t.node in inside - kept}
     backward = {t.id for t in program.tasks if getattr(t, "phase", "") == "bwd"
                 and not isinstance(t, Convert)}
-
-    def task(node):
-        return node.meta.get("custom", {}).get("task")
-    made = {n for n in gm.graph.nodes if task(n) in first}
-    for n in gm.graph.nodes:
-        if n.all_input_nodes and n.all_input_nodes[0] in made and \
-                str(n.target).split(".")[-2:-1] in [[v] for v in _VIEWS]:
-            made.add(n)
-    read = [n for n in gm.graph.nodes if task(n) in backward
-            and any(a in made for a in n.all_input_nodes)]
+    made, read = read_by(gm, first, backward)
     assert made and bool(read) != recompute, read[:3]
 
 
@@ -201,9 +194,7 @@ def test_selective_recomputation_repeats_no_matmul():
                                layers(graph) if how != "none" else (),
                                selective=how == "selective")
         program = lower(graph, strategy, 2, 1)
-        ex = Executor(graph, strategy, program, dict(model.named_parameters()), rank=0,
-                      local_collectives=True)
-        gm = trace_step(ex.spec, list(ex.params.values()), ex.buffers, xs, ex.lr, False)
+        gm = traced_step(model, graph, strategy, program, xs)
         counts[how] = sum(n.op == "call_function" and any(
             mm in str(n.target) for mm in ("addmm", "aten.mm", "bmm")) for n in gm.graph.nodes)
     assert counts["none"] == counts["selective"] < counts["whole"], counts
