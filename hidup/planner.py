@@ -88,6 +88,7 @@ def plan(args) -> dict:
     return {"model": spec.name, "batch": batch, "cluster": profile.name, "gpus": args.gpus,
             "mesh": [machines, per], "chosen_mesh": [chosen.strategy.machines,
                                                      args.gpus // chosen.strategy.machines],
+            "chosen_transposed": chosen.strategy.transposed,
             "micro_batches": k, "optimizer": args.optimizer, "chosen": chosen.strategy.name,
             "chosen_k": chosen.k, "searched": chosen.searched,
             "description": describe(graph, chosen.strategy),
@@ -137,11 +138,13 @@ def report(res: dict) -> list[str]:
     graph, strategy = res["graph"], res["strategy"]
     machines, per = res["mesh"]
     if machines > 1:
-        lines.append(f"mesh {machines}x{per}: searched on it (data parallel across the "
-                     f"machines, any split inside) and over all {res['gpus']} GPUs")
+        lines.append(f"mesh {machines}x{per}: searched on it both ways round (data parallel "
+                     f"across the machines, any split inside; data parallel inside each, any "
+                     f"split across) and over all {res['gpus']} GPUs")
     if strategy.machines > 1:
-        lines += ["", f"placements of the key ops per mesh dimension ([across {machines} "
-                      f"machines, inside one]):"]
+        dims = f"over each machine's {strategy.machines} GPUs, across the machines" \
+            if strategy.transposed else f"across {machines} machines, inside one"
+        lines += ["", f"placements of the key ops per mesh dimension ([{dims}]):"]
     else:
         lines += ["", "placements of the key ops:"]
     for node in graph.ops:

@@ -166,6 +166,7 @@ def test_bf16_autocast_matches_single_device_within_bf16_tolerance():
                 assert err <= 5e-2, (case, pname, err)
 
 
+TURNED = "turned-"  # Strategy.transposed
 # a 2-D mesh of 2 machines x 2 ranks: data parallel across, the strategy inside
 MESH_CASES = [("gpt:tiny", "dp-megatron", 1), ("gpt:tiny", "dp-megatron", 2),
               ("bert-sgmoe:tiny", "dp-expert", 2), ("gpt:tiny", "search-2d", 2),
@@ -176,6 +177,11 @@ MESH_CASES += [("gpt:tiny", "fsdp+tp", 1), ("gpt:tiny", "fsdp+tp", 2),
                ("gpt:tiny", "fsdp+tp+selective", 2)]
 MESH_CASES += [(m, f"random-{seed}", 1 + seed % 2) for m in ("gpt:tiny", "bert-sgmoe:tiny")
                for seed in range(4)]
+# the mesh turned around: the strategy across the machines (one GPU of each), data parallel
+# inside each (the mesh's groups are interleaved: rank = position * 2 + part)
+MESH_CASES += [("gpt:tiny", f"{TURNED}dp-megatron", 2), ("bert-sgmoe:tiny", f"{TURNED}dp-expert", 1),
+               ("gpt:tiny", f"{TURNED}fsdp+tp", 2), ("bert-sgmoe:tiny", f"{TURNED}search-2d", 2),
+               ("gpt:tiny", f"{TURNED}random-5", 2)]
 
 
 def mesh_strategy(graph, name: str, world: int, k: int):
@@ -185,6 +191,13 @@ def mesh_strategy(graph, name: str, world: int, k: int):
         if name.endswith(suffix):
             return recomputing(graph, mesh_strategy(graph, name.removesuffix(suffix), world, k),
                                layers(graph), selective=suffix == SELECTIVE)
+    if name.startswith(TURNED):
+        if name == f"{TURNED}search-2d":
+            dp = Search(graph, world, load_profile("v100-8x8-10gbps"),
+                        SearchOptions(k=k, machines=2, transposed=True))
+            return dp.strategy(dp.run()[0], "hidup")
+        inner = mesh_strategy(graph, name.removeprefix(TURNED), world, k)
+        return None if inner is None else replace(inner, transposed=True)
     if name == "search-2d":
         dp = Search(graph, world, load_profile("v100-8x8-10gbps"), SearchOptions(k=k, machines=2))
         return dp.strategy(dp.run()[0], "hidup")

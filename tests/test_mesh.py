@@ -18,6 +18,7 @@ from hidup.planning.programme import SearchOptions
 from hidup.planning.search import search
 from hidup.strategy import fixed_strategy, mesh_option
 from hidup.program import Compute, LoweringError, lower
+from hidup.program.tasks import mesh_groups, mesh_position
 from simulator import engine
 from simulator.engine import simulate
 
@@ -52,6 +53,32 @@ def test_conversions_run_inside_machines_and_gradients_across(tiny_graphs):
     first = next(t for t in program.tasks if isinstance(t, Compute) and t.phase == "fwd"
                  and t.node == "embedding")
     assert first.in_shapes[1][0] == 8 // 2 // 2
+
+
+def test_the_mesh_turned_around_splits_across_machines_and_sums_inside(tiny_graphs):
+    """Strategy.transposed: the placements over one GPU of every machine, data parallel inside
+    each; the estimate and the simulator see the forward's collectives cross the machines."""
+    assert mesh_groups(8, 4, transposed=True) == (((0, 4), (1, 5), (2, 6), (3, 7)),
+                                                  ((0, 1, 2, 3), (4, 5, 6, 7)))
+    assert [mesh_position(r, 8, 4, True) for r in (0, 1, 4, 7)] == [(0, 0), (1, 0), (0, 1),
+                                                                      (3, 1)]
+    assert [mesh_position(r, 8, 2) for r in (0, 1, 4, 7)] == [(0, 0), (0, 1), (1, 0), (1, 3)]
+    _, _, graph = tiny_graphs["gpt:tiny"]
+    strategy = fixed_strategy("dp-megatron", graph, 4, machines=2)
+    turned = replace(strategy, transposed=True)
+    program = lower(graph, turned, 4, k=2, bucket_bytes=0)
+    assert program.transposed and program.position(1) == (1, 0)
+    fwd = [t for t in program.collectives if t.phase == "fwd" and t.tensor != graph.loss]
+    assert fwd and all(t.groups == COLUMNS and t.group == COLUMNS[0] for t in fwd)
+    grads = {t.groups for t in program.collectives
+             if t.inputs[0].startswith("d") and t.mb is None}
+    assert grads == {(), ROWS}  # summed over a machine's GPUs (or the world, where Partial)
+    profile = two_by_two()
+    assert all(profile.machines(t.group) == (0, 1) for t in fwd)  # over the inter-node link
+    for s in (strategy, turned):
+        program = lower(graph, s, 4, k=2)
+        assert estimate(program, profile).step_time == pytest.approx(
+            simulate(program, profile).step_time, rel=1e-9)
 
 
 def test_a_mesh_that_does_not_divide_the_world_or_batch_is_refused(tiny_graphs):
@@ -89,6 +116,9 @@ def test_search_on_a_mesh_ranks_2d_and_1d_plans(tiny_graphs):
     found = search(graph, 4, two_by_two(), SearchOptions(k=2, machines=2))
     names = [name for name, _ in found.candidates]
     assert any("-2d#" in n for n in names) and any(n.startswith("search#") for n in names)
+    assert any("-2dt#" in n for n in names)  # the mesh turned around
+    turned = [r.strategy for r in found.ranked if "-2dt#" in r.name]
+    assert all(s.transposed and s.machines == 2 for s in turned)
     times = [t for _, t in found.candidates]
     assert times == sorted(times) and found.estimate.step_time == times[0]
 
@@ -101,6 +131,14 @@ def test_plan_files_record_the_mesh(tiny_graphs, tmp_path):
     assert json.loads(path.read_text())["mesh"] == [2, 2]
     loaded = load_plan(path, graph, 4)
     assert loaded.machines == 2 and loaded.options == strategy.options
+    assert not loaded.transposed
+    save_plan(path, graph, replace(strategy, transposed=True), 4, "gpt:tiny")
+    assert load_plan(path, graph, 4).transposed
+    doc = json.loads(path.read_text())
+    doc["transposed"] = "yes"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(PlanError, match="\"transposed\" 'yes' is not true or false"):
+        load_plan(path, graph, 4)
     doc = json.loads(path.read_text())
     doc["mesh"] = [3, 2]
     path.write_text(json.dumps(doc))

@@ -139,7 +139,8 @@ def save_plan(path: Path, graph: Graph | None, strategy: Strategy, world: int, m
            "placements": {n: str(p) for n, p in strategy.placements.items()},
            "options": {n: str(o) for n, o in strategy.options.items()},
            "reshard": sorted(strategy.reshard), "across": dict(strategy.across),
-           "recompute": sorted(strategy.recompute), "selective": sorted(strategy.selective)}
+           "recompute": sorted(strategy.recompute), "selective": sorted(strategy.selective),
+           "transposed": strategy.transposed}
     Path(path).write_text(json.dumps(doc, indent=1) + "\n")
 
 
@@ -187,7 +188,7 @@ def load_plan(path: Path, graph: Graph | None, world: int, cluster: str | None =
                         {n: parse_option(o) for n, o in doc["options"].items()}, notes, machines,
                         frozenset(doc.get("reshard", ())), _across(path, doc),
                         frozenset(doc.get("recompute", ())),
-                        frozenset(doc.get("selective", ())))
+                        frozenset(doc.get("selective", ())), _transposed(path, doc))
     if graph is not None:
         check(graph, strategy)
     return strategy
@@ -201,6 +202,15 @@ def _across(path, doc: dict) -> dict[str, int]:
         raise PlanError(f"plan file {path}: \"across\" {across!r} is not {{parameter: dim}}; "
                         f"make the plan again with python -m hidup.planner --out")
     return across
+
+
+def _transposed(path, doc: dict) -> bool:
+    """Whether the plan's mesh is turned around (its placements split over the machines)."""
+    transposed = doc.get("transposed", False)
+    if not isinstance(transposed, bool) or transposed and len(doc.get("mesh", ())) != 2:
+        raise PlanError(f"plan file {path}: \"transposed\" {transposed!r} is not true or false "
+                        f"on a 2-D mesh; make the plan again with python -m hidup.planner --out")
+    return transposed
 
 
 def _machines(path, doc: dict, world: int) -> int:

@@ -58,6 +58,9 @@ class SearchOptions:
     memory: float | None = None  # bytes a device holds (None: no limit)
     optimizer: str = "adamw"  # whose update time and state memory count (hidup.program.OPTIMIZERS)
     machines: int = 1  # a 2-D mesh of `machines` x world / machines (1: the 1-D mesh)
+    # the 2-D mesh turned around (Strategy.transposed): data parallel over each machine's
+    # `machines` GPUs, the placements over one GPU of every machine
+    transposed: bool = False
     beam: int = 16  # states kept per cut
     labels: int = 4  # labels kept per state
     keep: int = 3  # plans of the programme lowered and estimated per order
@@ -104,7 +107,7 @@ class Search(Pricing, Beam):
         self.memory, self.objective, self.beam = memory or math.inf, objective, beam
         self.per_state = options.labels
         self.mbs = microbatch_split(graph, k, machines=machines)
-        rows, columns = mesh_groups(world, machines)
+        rows, columns = mesh_groups(world, machines, options.transposed)
         self.group, self.everyone = rows[0], tuple(range(world))
         self.column, self.columns = columns[0], columns
         self.position = {n.name: i for i, n in enumerate(graph.ops)}
@@ -345,7 +348,8 @@ class Search(Pricing, Beam):
                 if t in self.placeholders:
                     placements.setdefault(t, p)
         placements = {n.name: placements.get(n.name, R) for n in self.g.nodes if n.kind != "op"}
-        return Strategy(name, placements, options, machines=self.machines)
+        return Strategy(name, placements, options, machines=self.machines,
+                        transposed=self.options.transposed)
 
 
 def programme(graph: Graph, world: int, profile: Profile, options: SearchOptions) -> Search:

@@ -4,7 +4,8 @@ with one; its few best plans either way, with the plan with no communication and
 strategies beside them, are lowered and ranked by the fast estimate (hidup.planning.estimate).
 With one micro-batch the programme's model is linear: hidup.planning.exact solves it as an
 integer programme, and search(exact=...) ranks that proven plan too. On a 2-D mesh of `machines`
-the search also runs the 1-D programme over every rank and ranks both kinds of plan."""
+the search also runs the programme on the mesh turned around and over every rank (1-D), and
+ranks every kind of plan."""
 from __future__ import annotations
 
 import gc
@@ -79,8 +80,9 @@ def search(graph: Graph, world: int, profile: Profile, options: SearchOptions = 
     each lowered with k and with one, ranked by the fast estimate (objective 'comm': by its own
     count). The programme prices every plan with k micro-batches and with one and keeps what is
     best either way, so that a search for Duplex finds the plans a plain search finds. On a 2-D
-    mesh of `machines` > 1 it runs on the mesh and over every rank (1-D), and ranks both (of a
-    programme whose best is priced over _HOPELESS times the other's, that best plan). Every
+    mesh of `machines` > 1 it runs on the mesh, on the mesh turned around (_meshes) and over
+    every rank (1-D), and ranks them all (of a programme whose best is priced over _HOPELESS
+    times another's, that best plan). The integer programme is not run on the turned mesh. Every
     plan is priced and held to `memory` with `optimizer`'s update and state. With `exact` > 0
     seconds the k = 1 programme's best plan on each mesh is also sought by the integer
     programme (hidup.planning.exact), proven optimal for that cost model unless the time runs
@@ -106,19 +108,22 @@ def _search(graph: Graph, world: int, profile: Profile, options: SearchOptions,
     started = time.perf_counter()
     ranking = Ranking(graph, world, profile, options)
     labels, proofs, runs, failed = 0, [], [], {}
-    for mesh in ([options.machines, 1] if options.machines > 1 else [1]):
+    for mesh, turned in _meshes(world, options.machines):
         try:
-            dp = programme(graph, world, profile, replace(options, machines=mesh))
+            dp = programme(graph, world, profile,
+                           replace(options, machines=mesh, transposed=turned))
             runs.append((mesh, dp, dp.run()))
         except ValueError as exc:  # no plan of the programme fits: the baselines may
-            log.info("search on %d machines x %d: %s", mesh, world // mesh, exc)
-            failed[mesh] = str(exc)
+            log.info("search on %d x %d%s: %s", mesh, world // mesh,
+                     " (turned around)" if turned else "", exc)
+            failed[mesh, turned] = str(exc)
             continue
         labels += dp.labels
     least = min((finals[0].best for _, _, finals in runs), default=math.inf)
     timed = options.objective == "time"
     for mesh, dp, finals in runs:
-        mesh_tag = "-2d" if mesh > 1 else ""
+        turned = dp.options.transposed
+        mesh_tag = "-2dt" if turned else "-2d" if mesh > 1 else ""
         if timed and _far_behind(finals[0].best, least):  # its plan best either way only
             # (finals are in that order)
             ranking.finals(dp, finals, _BEST, 1, "search" + mesh_tag, sorted({1, dp.k}))
@@ -126,7 +131,7 @@ def _search(graph: Graph, world: int, profile: Profile, options: SearchOptions,
             # one: the `keep` best either way are among them
             for by, tag, at in _orders(dp.k, options.objective):
                 ranking.finals(dp, sorted(finals, key=by), by, options.keep, tag + mesh_tag, at)
-        if options.exact > 0 and timed:
+        if options.exact > 0 and timed and not turned:
             proof = exact_plan(dp.plain, "hidup", options.exact)
             beam_cost = min(label.plain for label in finals)
             proofs.append((mesh, proof.cost, proof.bound, proof.optimal, beam_cost))
@@ -142,8 +147,8 @@ def _search(graph: Graph, world: int, profile: Profile, options: SearchOptions,
     for name, strategy in baselines.items():
         ranking.add(strategy, name, math.nan, seen=False)
     if not ranking.ranked:
-        if 1 in failed:  # the programme over every GPU found nothing: its reason
-            raise ValueError(failed[1])
+        if (1, False) in failed:  # the programme over every GPU found nothing: its reason
+            raise ValueError(failed[1, False])
         limit = math.inf if options.memory is None else options.memory / 2**30
         least = "" if ranking.least == math.inf else \
             f" (the smallest lowered needs {ranking.least / 2**30:.3g} GiB)"
@@ -157,13 +162,24 @@ def _search(graph: Graph, world: int, profile: Profile, options: SearchOptions,
                         time.perf_counter() - started, labels, tuple(proofs))
 
 
+def _meshes(world: int, machines: int) -> list[tuple[int, bool]]:
+    """The meshes searched, as (dim 0's size, turned around): on `machines` > 1, the 2-D mesh
+    (data parallel across the machines, placements inside each), the same turned around (data
+    parallel over each machine's GPUs, placements across the machines: Strategy.transposed),
+    and the 1-D mesh of every GPU."""
+    per = world // machines
+    if machines == 1:
+        return [(1, False)]
+    return [(machines, False)] + ([(per, True)] if per > 1 else []) + [(1, False)]
+
+
 def _far_behind(price: float, least: float) -> bool:
     """A plan (or a programme's best) priced over _HOPELESS times the least: not lowered."""
     return price > _HOPELESS * least
 
 
 def _plan_key(strategy: Strategy) -> tuple:
-    return (strategy.machines, tuple(strategy.placements.items()),
+    return (strategy.machines, strategy.transposed, tuple(strategy.placements.items()),
             tuple(strategy.options.items()), tuple(sorted(strategy.reshard)),
             tuple(sorted(strategy.across.items())), tuple(sorted(strategy.recompute)),
             tuple(sorted(strategy.selective)))

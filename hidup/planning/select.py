@@ -67,7 +67,8 @@ class Selection:
         """The planner's estimate of the chosen plan's step (s)."""
         return next(r.step_time for r in self.ranked
                     if r.strategy.options == self.strategy.options and r.k == self.k
-                    and r.strategy.machines == self.strategy.machines)
+                    and r.strategy.machines == self.strategy.machines
+                    and r.strategy.transposed == self.strategy.transposed)
 
 
 def select_plan(graph: Graph, profile: Profile, goal: Goal) -> Selection:

@@ -50,7 +50,7 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation):
                                 f"({self.mbs_split.notes[0] if self.mbs_split.notes else 'a join'})"
                                 f", which a 2-D mesh's machines would have to join; use a 1-D "
                                 f"mesh (one machine) for it")
-        rows, columns = mesh_groups(world, self.machines)
+        rows, columns = mesh_groups(world, self.machines, strategy.transposed)
         # scope -> (rank 0's group, every group): one machine's ranks, one position on every
         # machine, or the whole world
         self.scopes = {"row": (rows[0], rows if self.machines > 1 else ()),
@@ -370,7 +370,7 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation):
         self.update()
         return Program(self.model, self.g.fingerprint, self.s.name, self.ranks, self.k,
                        tuple(self.tasks), tuple(loss_keys), final, self.optimizer.name,
-                       self.machines, self.updates)
+                       self.machines, self.s.transposed, self.updates)
 
 
 def lower(graph: Graph, strategy: Strategy, world: int, k: int = 1, model: str = "",

@@ -171,6 +171,9 @@ class Program:
     param_grads: dict[str, str] = field(hash=False)  # parameter node -> final gradient key
     optimizer: str = "adamw"  # the update's optimizer, a key of OPTIMIZERS
     machines: int = 1  # a 2-D mesh's dim 0 (data parallel); 1: a 1-D mesh of the world
+    # the mesh turned around (hidup.strategy.Strategy.transposed): dim 0's parts are a machine's
+    # GPUs, the placements split over the machines
+    transposed: bool = False
     # buffer node -> the replicated value forward writes into it (BatchNorm's running statistics)
     buffer_updates: dict[str, str] = field(default_factory=dict, hash=False)
 
@@ -178,6 +181,10 @@ class Program:
     def mesh(self) -> tuple[int, int]:
         """(machines, ranks per machine): the placements split tensors over a machine's ranks."""
         return self.machines, self.world // self.machines
+
+    def position(self, rank: int) -> tuple[int, int]:
+        """A rank's (data-parallel part, place in its row): hidup.program.mesh_position."""
+        return mesh_position(rank, self.world, self.machines, self.transposed)
 
     @property
     def collectives(self) -> list[Convert]:
@@ -189,13 +196,25 @@ class Program:
         return "\n".join([head] + [f"  {t}" for t in self.tasks])
 
 
-def mesh_groups(world: int, machines: int) -> tuple[tuple[tuple[int, ...], ...],
-                                                    tuple[tuple[int, ...], ...]]:
-    """(rows, columns) of a mesh of `machines` x world / machines ranks: a row is one machine's
-    ranks (rank = machine * per_machine + position), a column the ranks at one position."""
+def mesh_groups(world: int, machines: int, transposed: bool = False
+                ) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """(rows, columns) of a mesh of `machines` x world / machines ranks. A row is the ranks the
+    placements split over, a column the ranks at one place in every row (data parallel): a row
+    is one machine's ranks (rank = machine * per_machine + position), or `transposed`, one GPU of
+    every machine (rank = position * machines + part: the parts are a machine's GPUs)."""
     per = world // machines
+    if transposed:
+        return (tuple(tuple(range(i, world, machines)) for i in range(machines)),
+                tuple(tuple(range(j * machines, (j + 1) * machines)) for j in range(per)))
     rows = tuple(tuple(range(i * per, (i + 1) * per)) for i in range(machines))
     return rows, tuple(tuple(range(j, world, per)) for j in range(per))
+
+
+def mesh_position(rank: int, world: int, machines: int, transposed: bool = False
+                  ) -> tuple[int, int]:
+    """(part, position) of `rank` on mesh_groups' mesh: its row (the data-parallel part of the
+    batch it takes) and its place in that row (which piece of a split tensor it holds)."""
+    return (rank % machines, rank // machines) if transposed else divmod(rank, world // machines)
 
 
 def task_label(task: Task) -> str:

@@ -59,7 +59,7 @@ class Executor:
         if self.world > 1 and not local_collectives:
             names = {tuple(range(self.world)): (group or dist.group.WORLD).group_name}
             if program.machines > 1:  # this rank's row (its machine) and column, from the mesh
-                mesh = device_mesh(self.device, program.mesh)
+                mesh = device_mesh(self.device, program.mesh, program.transposed)
                 for made in (mesh.get_group(0), mesh.get_group(1)):
                     ranks = tuple(dist.get_process_group_ranks(made))
                     if len(ranks) > 1:
@@ -125,30 +125,36 @@ class Executor:
         ranks a parameter's shards are split over."""
         if self.p.machines == 1:
             return None
-        return device_mesh(self.device, self.p.mesh).get_group(1)
+        return device_mesh(self.device, self.p.mesh, self.p.transposed).get_group(1)
 
     def full(self, node: str, local: torch.Tensor) -> torch.Tensor:
         """Parameter `node`'s whole tensor from this rank's shard `local` (or its gradient's),
         gathered over the ranks that hold its pieces (for checks, outside the timed step)."""
         if node in self.s.across and self.p.machines > 1:  # this machine's piece first
             local = full_tensor(local, Shard(self.s.across[node]), self.p.machines,
-                                device_mesh(self.device, self.p.mesh).get_group(0))
+                                device_mesh(self.device, self.p.mesh, self.p.transposed
+                                            ).get_group(0))
         return full_tensor(local, self.s.home(node), self.per_machine, self.row_group)
 
 
 _MESHES: dict = {}
 
 
-def device_mesh(device: torch.device, mesh: tuple[int, int]):
+def device_mesh(device: torch.device, mesh: tuple[int, int], transposed: bool = False):
     """The DeviceMesh of a plan over the default process group, made once per default group:
     1-D over the world, or machines x ranks per machine (dim 0: a rank's column, the same
-    position on every machine; dim 1: its row, its machine's ranks, as
-    hidup.program.mesh_groups numbers them)."""
-    key = (id(dist.group.WORLD), device.type, mesh)
+    position in every row; dim 1: its row, the ranks its placements split over, as
+    hidup.program.mesh_groups numbers them: a machine's ranks, or `transposed`, one GPU of every
+    machine)."""
+    key = (id(dist.group.WORLD), device.type, mesh, transposed)
     if key not in _MESHES:
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-        _MESHES[key] = init_device_mesh(device.type, mesh if mesh[0] > 1 else (mesh[1],))
+        if transposed:  # rank = position * machines + part (mesh_position)
+            ranks = torch.arange(mesh[0] * mesh[1]).reshape(mesh[1], mesh[0]).T
+            _MESHES[key] = DeviceMesh(device.type, ranks)
+        else:
+            _MESHES[key] = init_device_mesh(device.type, mesh if mesh[0] > 1 else (mesh[1],))
     return _MESHES[key]
 
 

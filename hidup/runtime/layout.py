@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from hidup.graph.placement import Placement, Shard
+from hidup.program.tasks import mesh_position
 
 
 def shard_of(full: torch.Tensor, placement: Placement, mb_placement: Placement, k: int,
@@ -24,12 +25,14 @@ def shard_of(full: torch.Tensor, placement: Placement, mb_placement: Placement, 
 
 def param_shard(full: torch.Tensor, strategy, node: str, rank: int, per_machine: int
                 ) -> torch.Tensor:
-    """World rank `rank`'s stored shard of parameter `node` (whole: `full`): its machine's piece
-    (the strategy's home over the machine's `per_machine` ranks), and where the strategy stores
-    it across the machines too, this machine's part of that piece."""
-    x = shard_of(full, strategy.home(node), None, 1, None, rank % per_machine, per_machine)
+    """World rank `rank`'s stored shard of parameter `node` (whole: `full`): its row's piece (the
+    strategy's home over a row's `per_machine` ranks), and where the strategy stores it over the
+    mesh's dim 0 too (across the machines), its part's share of that piece."""
+    part, position = mesh_position(rank, per_machine * strategy.machines, strategy.machines,
+                                   strategy.transposed)
+    x = shard_of(full, strategy.home(node), None, 1, None, position, per_machine)
     if node in strategy.across and strategy.machines > 1:
-        x = x.chunk(strategy.machines, dim=strategy.across[node])[rank // per_machine]
+        x = x.chunk(strategy.machines, dim=strategy.across[node])[part]
     return x.contiguous()
 
 

@@ -41,7 +41,7 @@ class StepSpec:
     graph: Graph
     strategy: Strategy
     program: Program
-    rank: int  # in the world (on a 2-D mesh: machine * ranks per machine + position)
+    rank: int  # in the world (on a 2-D mesh: hidup.program.mesh_position places it)
     # the process groups of the collectives, by their ranks: the world's, and on a 2-D mesh this
     # rank's row and column (empty with world size 1 or collectives stood in)
     group_names: dict[tuple[int, ...], str]
@@ -58,7 +58,7 @@ class _TaskRunner:
         self.g, self.s, self.p = spec.graph, spec.strategy, spec.program
         # the placements split over a machine's ranks; the machines split the batch (2-D mesh)
         self.world, self.k = self.p.mesh[1], self.p.k
-        self.machine, self.rank = divmod(spec.rank, self.world)
+        self.machine, self.rank = self.p.position(spec.rank)
         self.mbs = microbatch_split(self.g, self.k, machines=self.p.machines)
         self.backward_of = {(t.node, t.mb): t for t in self.p.tasks if isinstance(t, Compute)
                             and t.phase == "bwd" and t.op != "hidup.ones"}

@@ -164,7 +164,8 @@ class TrainerState:
 
         shape = self._full_shape(node, local)
         stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(local, device_mesh(self.device, self.program.mesh),
+        return DTensor.from_local(local, device_mesh(self.device, self.program.mesh,
+                                                     self.program.transposed),
                                   self._placements(node),
                                   run_check=False, shape=torch.Size(shape), stride=stride)
 

@@ -4,7 +4,9 @@ the conversions between placements; greedy propagation of placements from seeds.
 A 2-D mesh is machines x ranks per machine. Its dim 0 is data parallel: each machine takes an
 equal part of the batch and the machines' parameter gradients are summed. Its dim 1 is the
 Strategy's placements and options, over one machine's ranks. A strategy with `machines` = 1 is
-the 1-D mesh of every rank."""
+the 1-D mesh of every rank. A `transposed` strategy turns the mesh around: its placements split
+over the machines (one GPU of each), and dim 0's parts are a machine's GPUs, data parallel
+inside each machine (`machines` is then the GPUs per machine: dim 0's size)."""
 from __future__ import annotations
 
 import math
@@ -35,13 +37,25 @@ class Strategy:
     # layers recomputed selectively: their compute-heavy ops' outputs kept (matmuls, whose
     # derivative reads only their inputs), the rest recomputed as above
     selective: frozenset[str] = field(default=frozenset(), hash=False)
+    # the mesh turned around: the placements over one GPU of every machine, data parallel
+    # (dim 0, of `machines` parts) over each machine's GPUs (hidup.program.mesh_groups)
+    transposed: bool = False
+
+    @property
+    def mesh_words(self) -> str:
+        """How its 2-D mesh divides the work, for reports ('' on a 1-D mesh)."""
+        if self.machines == 1:
+            return ""
+        if self.transposed:
+            return f"data parallel over each machine's {self.machines} GPUs; across the machines"
+        return f"data parallel across {self.machines} machines; inside each"
 
     def home(self, name: str) -> Placement:
         """Where a tensor lives after it is produced (before any conversion for a consumer)."""
         return self.placements[name] if name in self.placements else self.options[name].output
 
     def __str__(self) -> str:
-        mesh = f" on {self.machines} machines (data parallel across)" if self.machines > 1 else ""
+        mesh = f" ({self.mesh_words})" if self.machines > 1 else ""
         lines = [f"strategy {self.name}{mesh}"]
         lines += [f"  {n}: {p}" for n, p in self.placements.items()]
         lines += [f"  {n}: {o}" for n, o in self.options.items()]

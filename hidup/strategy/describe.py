@@ -48,8 +48,8 @@ def describe(graph: Graph, strategy: Strategy) -> str:
     """One line a user can read: e.g. '16 key ops expert parallel, 41 data parallel' (on a 2-D
     mesh: 'data parallel across 8 machines; inside each: ...')."""
     counts = sorted(summarize(graph, strategy).items(), key=lambda kv: -kv[1])
-    across = f"data parallel across {strategy.machines} machines; inside each: " \
-        if strategy.machines > 1 else ""  # (parameters may be stored sharded across: storage)
+    across = f"{strategy.mesh_words}: " if strategy.machines > 1 else ""  # (parameters may be
+    #   stored sharded over dim 0 too: storage)
     if not counts:
         return f"{across}no key ops" + storage(graph, strategy) + \
             describe_recompute(graph, strategy) + uncovered(graph)
@@ -74,8 +74,9 @@ def storage(graph: Graph, strategy: Strategy) -> str:
     again = ", again for the backward" if strategy.reshard & set(sharded) else ""
     inside = f"; {len(sharded)} of {len(graph.params)} parameters stored sharded (gathered " \
              f"before use{again})" if sharded else ""
-    across = f"; {len(strategy.across)} of {len(graph.params)} stored sharded across the " \
-             f"machines" if strategy.across and strategy.machines > 1 else ""
+    over = "inside each machine" if strategy.transposed else "across the machines"
+    across = f"; {len(strategy.across)} of {len(graph.params)} stored sharded {over}" \
+        if strategy.across and strategy.machines > 1 else ""
     return inside + across
 
 
