@@ -16,6 +16,7 @@ from hidup.planning.profile_file import load_profile
 from hidup.planning.programme import SearchOptions
 from hidup.planning.search import search
 from hidup.program import LoweringError, lower
+from hidup.strategy import describe
 from simulator import simulate
 
 OPTIMIZER = "sgd"  # the update these figures price: SGD's, one pass over the parameters
@@ -57,7 +58,8 @@ def compare(model: str, gpus: int, profile, memory: float) -> dict:
     found = search(graph, gpus, profile, SearchOptions(k=2, memory=memory, machines=machines, optimizer=OPTIMIZER), baselines=baselines)
     row = {"model": model, "gpus": gpus, "chosen": found.candidates[0][0],
            "hidup_ms": simulated_ms(graph, found.strategy, gpus, found.k, profile),
-           "search_s": found.seconds, "dp_estimate_ms": found.dp_cost * 1e3}
+           "search_s": found.seconds, "dp_estimate_ms": found.dp_cost * 1e3,
+           "description": describe(graph, found.strategy)}
     for name, strategy in baselines.items():
         row[name] = {"k1_ms": simulated_ms(graph, strategy, gpus, 1, profile),
                      "k2_ms": simulated_ms(graph, strategy, gpus, 2, profile)}

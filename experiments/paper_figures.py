@@ -92,8 +92,9 @@ def hidup(graph, gpus: int, profile, k: int = 2, machines: int = 1, exact: float
 
 
 def on_mesh(candidate: str) -> bool:
-    """A ranked plan on a 2-D mesh: searched there ('search-2d#0 k=2') or a dp- baseline."""
-    return "-2d#" in candidate or candidate.startswith("dp-")
+    """A ranked plan on a 2-D mesh: searched there ('search-2d#0 k=2'), on it turned around
+    ('search-2dt#0 k=2') or a dp- baseline."""
+    return "-2d#" in candidate or "-2dt#" in candidate or candidate.startswith("dp-")
 
 
 def best_estimates(found) -> tuple[float, float]:
