@@ -18,6 +18,8 @@ from hidup.planning.estimate import estimate
 from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import PlanError, check, load_plan, save_plan
 from hidup.planning.profile_file import load_profile
+from hidup.planning.programme import SearchOptions
+from hidup.planning.search import Ranking
 from hidup.planning.select import Goal, select_plan
 from hidup.program import Compute, Convert, lower
 from hidup.program.recompute import nondeterministic
@@ -166,6 +168,25 @@ def test_the_planner_recomputes_the_fewest_layers_that_make_a_plan_fit(gpt):
     some = select_plan(gpt, profile, Goal(2, micro_batches=1, recompute="selective:1"))
     assert all(s.selective == {"blocks.0"} and not s.recompute
                for s in some.candidates.values())
+
+
+def test_a_plan_no_faster_than_one_ranked_is_not_tried_recomputed(gpt):
+    """Recomputing only adds work: a plan over the limit whose estimate without recomputation is
+    no faster than a plan ranked already is not lowered again with layers recomputed."""
+    profile, ddp = load_profile("v100-2x4"), fixed_strategy("ddp", gpt, 2)
+    options = SearchOptions(k=1, memory=650_000)  # ddp needs 715,140 bytes
+    alone = Ranking(gpt, 2, profile, options)
+    assert alone.add(ddp, "ddp", float("nan"), [1]) == {1: True}  # tried once the rest is in
+    assert not alone.ranked and len(alone.deferred) == 1
+    alone.recompute_deferred()
+    assert [r.name for r in alone.ranked] == ["ddp+recompute"]  # (selective does not fit)
+    for faster, tried in ((0.5, False), (2.0, True)):
+        ranking = Ranking(gpt, 2, profile, options)
+        ranking.add(ddp, "ddp", float("nan"), [1])
+        ranking.ranked.append(alone.ranked[0]._replace(
+            name="other", step_time=faster * estimate(lower(gpt, ddp, 2, 1), profile).step_time))
+        ranking.recompute_deferred()
+        assert [r.name for r in ranking.ranked] == ["other"] + ["ddp+recompute"] * tried
 
 
 def test_a_plan_file_keeps_its_recomputed_layers(gpt, tmp_path):

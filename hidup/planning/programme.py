@@ -77,7 +77,7 @@ def recomputable_share(graph: Graph, recompute: frozenset[str] | None) -> dict[s
     layer the search may recompute: any where `recompute` is None, else those named), the share
     of its output the programme counts as held: 1 / layers, as if every layer were recomputed and
     one layer's activations were held at a time (the ranking lowers each plan and checks its
-    memory, recomputing only what it needs: Ranking.add_recomputed)."""
+    memory, recomputing only what it needs: Ranking.recompute_deferred)."""
     names = {n.layer for n in graph.ops if n.layer}
     if recompute is not None:
         names &= recompute

@@ -146,6 +146,7 @@ def _search(graph: Graph, world: int, profile: Profile, options: SearchOptions,
         ranking.add(whole, "search-replicated#0", one_d.plain.price(whole))
     for name, strategy in baselines.items():
         ranking.add(strategy, name, math.nan, seen=False)
+    ranking.recompute_deferred()
     if not ranking.ranked:
         if (1, False) in failed:  # the programme over every GPU found nothing: its reason
             raise ValueError(failed[1, False])
@@ -206,6 +207,9 @@ class Ranking:
         self.ranked: list[Ranked] = []
         self.seen: dict[tuple, dict[int, bool]] = {}  # plans ranked so far: count -> it fits
         self.least = math.inf  # the smallest peak of a plan over the limit (bytes)
+        # plans over the limit whose parameters and state fit, for recompute_deferred:
+        # (estimate without recomputation, order, strategy, name, dp_cost, k, peak)
+        self.deferred: list[tuple] = []
 
     def finals(self, dp: Search, finals, cost, keep: int, tag: str, at: list[int]) -> None:
         """Rank the first `keep` distinct plans of `finals` that fit with a micro-batch count of
@@ -279,8 +283,8 @@ class Ranking:
                 self.least = min(self.least, memory.peak)
                 log.info("plan %s with k=%d needs %.3g GiB per device: over the limit", name, kk,
                          memory.peak / 2**30)
-                if self.add_recomputed(strategy, name, dp_cost, kk, memory):
-                    tried[kk] = True
+                if self.defer_recomputed(strategy, name, dp_cost, kk, memory, program):
+                    tried[kk] = True  # (as it fits: it is ranked recomputed, or a faster plan is)
                     continue
                 # no larger count can fit where what any count holds (parameters and optimizer
                 # state) is over the limit, or where 1/k of every part would still be (each of
@@ -296,40 +300,62 @@ class Ranking:
         return tried
 
 
-    def add_recomputed(self, strategy: Strategy, name: str, dp_cost: float, kk: int,
-                       memory) -> bool:
+    def defer_recomputed(self, strategy: Strategy, name: str, dp_cost: float, kk: int,
+                         memory, program) -> bool:
         """Where the plan does not fit with kk micro-batches but its parameters and optimizer
-        state do: rank the same plan with the activations of the fewest first layers recomputed
-        in the backward that make it fit, selectively (NAME+selective: the matmuls' outputs
-        kept) and whole (NAME+recompute; hidup.strategy.recompute), each priced by the estimate
-        (the recomputed forward) and held to memory. The count is guessed from what recomputing
-        every layer saves, as if each layer saved as much. Whether one fits."""
-        names = layers(self.graph)
+        state do, keep it for `recompute_deferred` with its estimate without recomputation
+        (`program`'s); whether it was kept."""
         if strategy.recompute or strategy.selective or self.options.recompute is not None or \
-                not names or memory.params + memory.optimizer > self.memory:
+                not layers(self.graph) or memory.params + memory.optimizer > self.memory:
             return False
-        return any([self._fewest_layers(strategy, f"{name}+{tag}", dp_cost, kk, memory.peak,
-                                        tag == "selective")
-                    for tag in ("selective", "recompute")])
+        bound = estimate(program, self.profile).step_time
+        self.deferred.append((bound, len(self.deferred), strategy, name, dp_cost, kk,
+                              memory.peak))
+        return True
+
+    def recompute_deferred(self) -> None:
+        """Rank each plan kept by defer_recomputed, fastest first, with the activations of the
+        fewest first layers recomputed in the backward that make it fit, selectively
+        (NAME+selective: the matmuls' outputs kept) and whole (NAME+recompute;
+        hidup.strategy.recompute), each priced by the estimate (the recomputed forward) and held
+        to memory. The count is guessed from what recomputing every layer saves, as if each
+        layer saved as much. Recomputing only adds work, so a plan whose estimate without it is
+        no faster than a plan ranked already is not tried."""
+        for bound, _, strategy, name, dp_cost, kk, peak in sorted(self.deferred):
+            fastest = min((r.step_time for r in self.ranked), default=math.inf)
+            if bound >= fastest:
+                log.info("plan %s with k=%d not recomputed: %.4g s without recomputation, "
+                         "%.4g s ranked already", name, kk, bound, fastest)
+                continue
+            # whole layers first: where recomputing all of them does not fit, selectively
+            # recomputing them (which keeps more) does not either
+            if self._fewest_layers(strategy, f"{name}+recompute", dp_cost, kk, peak, False):
+                self._fewest_layers(strategy, f"{name}+selective", dp_cost, kk, peak, True)
+        self.deferred = []
 
     def _fewest_layers(self, strategy: Strategy, name: str, dp_cost: float, kk: int,
                        peak: float, selective: bool) -> bool:
         names = layers(self.graph)
+        every = recomputing(self.graph, strategy, names, selective)
         try:
-            least = peak_memory(lower(self.graph, recomputing(self.graph, strategy, names,
-                                                              selective),
-                                      self.world, kk, optimizer=self.options.optimizer)).peak
+            program = lower(self.graph, every, self.world, kk, optimizer=self.options.optimizer)
         except (LoweringError, ValueError):
             return False
+        least = peak_memory(program).peak
         if least > self.memory:
             self.least = min(self.least, least)
             return False
         n = math.ceil(len(names) * (peak - self.memory) / (peak - least))
-        for count in sorted({min(n, len(names)), min(n + 1, len(names)), len(names)}):
+        for count in sorted({min(n, len(names)), min(n + 1, len(names))}):
+            if count == len(names):
+                break
             plan = recomputing(self.graph, strategy, first_layers(self.graph, count), selective)
             if self.add(plan, name, dp_cost, [kk])[kk]:
                 return True
-        return False
+        est = estimate(program, self.profile)  # every layer (lowered above): it fits
+        self.ranked.append(Ranked(est.step_time, name, every, dp_cost, est, kk))
+        self.seen.setdefault(_plan_key(every), {})[kk] = True
+        return True
 
 
 def rank_plans(graph: Graph, world: int, profile: Profile, plans: dict[str, Strategy],
@@ -339,4 +365,5 @@ def rank_plans(graph: Graph, world: int, profile: Profile, plans: dict[str, Stra
     ranking = Ranking(graph, world, profile, options)
     for name, strategy in plans.items():
         ranking.add(strategy, name, math.nan, seen=False)
+    ranking.recompute_deferred()
     return sorted(ranking.ranked, key=attrgetter("step_time"))
