@@ -14,7 +14,7 @@ from hidup.graph.placement import R
 from hidup.planning.estimate import estimate
 from hidup.planning.planfile import PlanError, load_plan, save_plan
 from hidup.planning.profile_file import load_profile
-from hidup.planning.programme import SearchOptions
+from hidup.planning.programme import Search, SearchOptions
 from hidup.planning.search import search
 from hidup.strategy import fixed_strategy, mesh_option
 from hidup.program import Compute, LoweringError, lower
@@ -75,6 +75,12 @@ def test_the_mesh_turned_around_splits_across_machines_and_sums_inside(tiny_grap
     assert grads == {(), ROWS}  # summed over a machine's GPUs (or the world, where Partial)
     profile = two_by_two()
     assert all(profile.machines(t.group) == (0, 1) for t in fwd)  # over the inter-node link
+    # the programme prices a row's collective with both rows on each machine's link
+    rows = {turned: Search(graph, 4, profile, SearchOptions(k=2, machines=2, transposed=turned))
+            for turned in (False, True)}
+    assert rows[False].row_load == 1 and rows[True].row_load == 2
+    split = profile.collective_split("all_gather", 4096, COLUMNS[0])
+    assert rows[True].row_time("all_gather", 4096) == pytest.approx(split[0] + 2 * split[1])
     for s in (strategy, turned):
         program = lower(graph, s, 4, k=2)
         assert estimate(program, profile).step_time == pytest.approx(

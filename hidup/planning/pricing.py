@@ -75,7 +75,7 @@ class Pricing:
             if self.objective == "comm":
                 cost = float(size)
             else:
-                cost = self.profile.collective_time(kind, size, self.group)
+                cost = self.row_time(kind, size)
             self._converts[key] = cost * self.per_mb(t)
         return self._converts[key]
 
@@ -87,13 +87,17 @@ class Pricing:
             if self.objective == "comm":
                 cost = size * share * (kind != "slice")
             else:
-                fwd = 0.0 if kind == "slice" else \
-                    self.profile.collective_time(kind, size, self.group)
-                bwd = self.profile.collective_time(_DUAL[kind], size, self.group) \
-                    if backward else 0.0
+                fwd = 0.0 if kind == "slice" else self.row_time(kind, size)
+                bwd = self.row_time(_DUAL[kind], size) if backward else 0.0
                 cost = (fwd + bwd) * share
             self._conversions[key] = cost
         return self._conversions[key]
+
+    def row_time(self, kind: str, size: int) -> float:
+        """A conversion's collective over a mesh row, every row's at once: rows that cross the
+        machines (the mesh turned around) share each machine's link (Profile.link_load)."""
+        latency, transfer = self.profile.collective_split(kind, size, self.group)
+        return latency + transfer * self.row_load
 
     def node_cost(self, node: Node, opt: ShardingOption) -> _NodeCost:
         """What the option costs; objective 'comm' counts bytes, its gradients' as `grads`."""

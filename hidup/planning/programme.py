@@ -109,6 +109,7 @@ class Search(Pricing, Beam):
         self.mbs = microbatch_split(graph, k, machines=machines)
         rows, columns = mesh_groups(world, machines, options.transposed)
         self.group, self.everyone = rows[0], tuple(range(world))
+        self.row_load = profile.link_load(rows[0], rows)  # rows crossing one link share it
         self.column, self.columns = columns[0], columns
         self.position = {n.name: i for i, n in enumerate(graph.ops)}
         self.last: dict[str, int] = {}  # tensor -> position of its last consumer
