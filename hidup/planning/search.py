@@ -121,25 +121,7 @@ def _search(graph: Graph, world: int, profile: Profile, options: SearchOptions,
         labels += dp.labels
     least = min((finals[0].best for _, _, finals in runs), default=math.inf)
     timed = options.objective == "time"
-    for mesh, dp, finals in runs:
-        turned = dp.options.transposed
-        mesh_tag = "-2dt" if turned else "-2d" if mesh > 1 else ""
-        if timed and _far_behind(finals[0].best, least):  # its plan best either way only
-            # (finals are in that order)
-            ranking.finals(dp, finals, _BEST, 1, "search" + mesh_tag, sorted({1, dp.k}))
-        else:  # the `keep` cheapest plans with k micro-batches and the `keep` cheapest with
-            # one: the `keep` best either way are among them
-            for by, tag, at in _orders(dp.k, options.objective):
-                ranking.finals(dp, sorted(finals, key=by), by, options.keep, tag + mesh_tag, at)
-        if options.exact > 0 and timed and not turned:
-            proof = exact_plan(dp.plain, "hidup", options.exact)
-            beam_cost = min(label.plain for label in finals)
-            proofs.append((mesh, proof.cost, proof.bound, proof.optimal, beam_cost))
-            log.info("exact k=1 plan on %d machines: %.4g s (bound %.4g, %s) in %.1f s; "
-                     "the beam's %.4g s", mesh, proof.cost, proof.bound,
-                     "optimal" if proof.optimal else "time ran out", proof.seconds, beam_cost)
-            ranking.add_stored(proof.strategy, "exact-2d#0" if mesh > 1 else "exact#0",
-                               proof.cost)
+    _rank_finals(ranking, runs, least, proofs)
     one_d = next((dp for mesh, dp, _ in runs if mesh == 1), None)
     whole = replicated_plan(one_d) if timed and one_d is not None else None
     if whole is not None and not _far_behind(one_d.plain.price(whole), least):
@@ -147,6 +129,11 @@ def _search(graph: Graph, world: int, profile: Profile, options: SearchOptions,
     for name, strategy in baselines.items():
         ranking.add(strategy, name, math.nan, seen=False)
     ranking.recompute_deferred()
+    if not ranking.ranked and ranking.deferred_fit:  # the plans over the limit that would
+        # fit recomputed do not: rank more of the programmes' plans, as they fit or not
+        ranking.deferred_fit = False
+        _rank_finals(ranking, runs, least, None)
+        ranking.recompute_deferred()
     if not ranking.ranked:
         if (1, False) in failed:  # the programme over every GPU found nothing: its reason
             raise ValueError(failed[1, False])
@@ -161,6 +148,36 @@ def _search(graph: Graph, world: int, profile: Profile, options: SearchOptions,
              time.perf_counter() - started)
     return SearchResult(best.strategy, best.k, best.dp_cost, best.estimate, tuple(ranked),
                         time.perf_counter() - started, labels, tuple(proofs))
+
+
+def _rank_finals(ranking: Ranking, runs, least: float, proofs: list | None) -> None:
+    """Rank each programme's final plans (of a programme priced far over the least, its best
+    only), and with `exact` its integer programme's plan (its proof added to `proofs`; None:
+    not sought)."""
+    options = ranking.options
+    timed = options.objective == "time"
+    for mesh, dp, finals in runs:
+        turned = dp.options.transposed
+        mesh_tag = "-2dt" if turned else "-2d" if mesh > 1 else ""
+        if timed and _far_behind(finals[0].best, least):  # its plan best either way only
+            # (finals are in that order)
+            ranking.finals(dp, finals, _BEST, 1, "search" + mesh_tag, sorted({1, dp.k}))
+        else:  # the `keep` cheapest plans with k micro-batches and the `keep` cheapest with
+            # one: the `keep` best either way are among them
+            for by, tag, at in _orders(dp.k, options.objective):
+                ranking.finals(dp, sorted(finals, key=by), by, options.keep, tag + mesh_tag, at)
+        if options.exact > 0 and timed and not turned and proofs is not None:
+            proof = exact_plan(dp.plain, "hidup", options.exact)
+            beam_cost = min(label.plain for label in finals)
+            proofs.append((mesh, proof.cost, proof.bound, proof.optimal, beam_cost))
+            log.info("exact k=1 plan on %d machines: %.4g s (bound %.4g, %s) in %.1f s; "
+                     "the beam's %.4g s", mesh, proof.cost, proof.bound,
+                     "optimal" if proof.optimal else "time ran out", proof.seconds, beam_cost)
+            ranking.add_stored(proof.strategy, "exact-2d#0" if mesh > 1 else "exact#0",
+                               proof.cost)
+
+
+DEFERRED = "deferred"  # Ranking.add's word for a plan over the limit kept to be recomputed
 
 
 def _meshes(world: int, machines: int) -> list[tuple[int, bool]]:
@@ -210,6 +227,7 @@ class Ranking:
         # plans over the limit whose parameters and state fit, for recompute_deferred:
         # (estimate without recomputation, order, strategy, name, dp_cost, k, peak)
         self.deferred: list[tuple] = []
+        self.deferred_fit = True  # finals count a deferred plan as one that fits
 
     def finals(self, dp: Search, finals, cost, keep: int, tag: str, at: list[int]) -> None:
         """Rank the first `keep` distinct plans of `finals` that fit with a micro-batch count of
@@ -225,7 +243,8 @@ class Ranking:
             if plan not in self.seen:
                 check(self.graph, strategy)
             tried = self.add_stored(strategy, f"{tag}#{j}", cost(label), sorted({1, dp.k}))
-            keep -= any(tried[kk] for kk in at)  # it fits: the DP's memory model is an estimate
+            keep -= any(tried[kk] is True or tried[kk] == DEFERRED and self.deferred_fit
+                        for kk in at)  # it fits: the DP's memory model is an estimate
             if keep == 0:
                 break
 
@@ -262,7 +281,8 @@ class Ranking:
             seen: bool = True) -> dict[int, bool]:
         """Estimate the plan with each micro-batch count of `counts` (default: 1 and k) not
         tried yet (`seen`: remember it, so that a plan reached twice is lowered once); return
-        whether it fits, per count."""
+        whether it fits, per count (DEFERRED: it does not, but its parameters and state do, so
+        recompute_deferred tries it with layers recomputed)."""
         if self.options.recompute is not None:
             strategy = recomputing(self.graph, strategy, self.options.recompute,
                                    self.options.selective)
@@ -284,7 +304,7 @@ class Ranking:
                 log.info("plan %s with k=%d needs %.3g GiB per device: over the limit", name, kk,
                          memory.peak / 2**30)
                 if self.defer_recomputed(strategy, name, dp_cost, kk, memory, program):
-                    tried[kk] = True  # (as it fits: it is ranked recomputed, or a faster plan is)
+                    tried[kk] = DEFERRED  # as it fits: ranked recomputed, or a faster plan is
                     continue
                 # no larger count can fit where what any count holds (parameters and optimizer
                 # state) is over the limit, or where 1/k of every part would still be (each of
