@@ -19,7 +19,7 @@ from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import PlanError, check, load_plan, save_plan
 from hidup.planning.profile_file import load_profile
 from hidup.planning.programme import SearchOptions
-from hidup.planning.search import Ranking
+from hidup.planning.search import DEFERRED, Ranking
 from hidup.planning.select import Goal, select_plan
 from hidup.program import Compute, Convert, lower
 from hidup.program.recompute import nondeterministic
@@ -176,7 +176,7 @@ def test_a_plan_no_faster_than_one_ranked_is_not_tried_recomputed(gpt):
     profile, ddp = load_profile("v100-2x4"), fixed_strategy("ddp", gpt, 2)
     options = SearchOptions(k=1, memory=650_000)  # ddp needs 715,140 bytes
     alone = Ranking(gpt, 2, profile, options)
-    assert alone.add(ddp, "ddp", float("nan"), [1]) == {1: True}  # tried once the rest is in
+    assert alone.add(ddp, "ddp", float("nan"), [1]) == {1: DEFERRED}  # tried at the end
     assert not alone.ranked and len(alone.deferred) == 1
     alone.recompute_deferred()
     assert [r.name for r in alone.ranked] == ["ddp+recompute"]  # (selective does not fit)
