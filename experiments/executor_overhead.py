@@ -33,7 +33,9 @@ from hidup.graph.capture import capture
 from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import Plan
 from hidup.models import get_model
+from hidup.planning.profile_file import load_profile
 from hidup.strategy import fixed_strategy
+from hidup.strategy.fixed import ACROSS
 from hidup.program import lower
 from hidup.runtime.execute import Executor
 
@@ -66,7 +68,8 @@ def parse_args(argv=None):
                     choices=["graph", "compile", "cuda-graphs"],
                     help="executor modes (default: graph and compile; cuda-graphs too on CUDA)")
     ap.add_argument("--plans", nargs="+", default=["ddp"],
-                    help="hidup's plans: fixed strategies (ddp, fsdp, megatron, expert) or "
+                    help="hidup's plans: fixed strategies (ddp, fsdp, megatron, expert; fsdp+tp, "
+                         "dp-megatron, dp-expert on --cluster's mesh) or "
                          "'search', the plan hidup.plan chooses for --cluster within --memory "
                          "(default: %(default)s)")
     ap.add_argument("--cluster", default="cpu-gloo-loopback",
@@ -154,8 +157,9 @@ def contestants(name: str, k: int, precision: str, modes, device, world: int, ra
 def _plan(name: str, model, graph, example, world: int, k: int, args):
     """hidup's plan `name` (a fixed strategy, or hidup.plan's choice for 'search') and its
     micro-batch count."""
-    if name != "search":
-        return fixed_strategy(name, graph, world), k
+    if name != "search":  # on the cluster's mesh where the strategy needs one (fsdp+tp)
+        machines = load_profile(args.cluster).mesh(world)[0] if name in ACROSS else 1
+        return fixed_strategy(name, graph, world, machines), k
     memory = None if args.memory is None else args.memory * 2**30
     chosen = hidup.plan(model, example, cluster=args.cluster, gpus=world, micro_batches=k,
                         memory=memory, optimizer=args.optimizer)

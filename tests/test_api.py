@@ -101,15 +101,18 @@ def test_own_model_with_adamw_trains_as_on_one_device(world):
 
 
 def _plan_named(how: str, model, world: int):
-    """A searched plan, a 2-D one (dp-megatron, fsdp+tp: 2 machines), or a fixed strategy's
-    name."""
-    if how in ("dp-megatron", "fsdp+tp"):
+    """A searched plan, a 2-D one (dp-megatron, fsdp+tp: 2 machines; turned-NAME: the mesh
+    turned around), or a fixed strategy's name."""
+    if how.removeprefix("turned-") in ("dp-megatron", "fsdp+tp"):
+        from dataclasses import replace
+
         from hidup.api import Plan
         from hidup.graph.capture import capture
         from hidup.strategy import fixed_strategy
 
         graph = capture(model, batches()[0])
-        return Plan.of(graph, fixed_strategy(how, graph, world, machines=2), world, 1)
+        strategy = fixed_strategy(how.removeprefix("turned-"), graph, world, machines=2)
+        return Plan.of(graph, replace(strategy, transposed=how.startswith("turned-")), world, 1)
     return searched_plan(model, world) if how == "searched" else how
 
 
@@ -175,7 +178,8 @@ def _resume(rank, world, folder, steps, how):
 @pytest.mark.parametrize("saved, world_saved, resumed, world_resumed", [
     ("ddp", 2, "megatron", 4), ("megatron", 2, "searched", 4), ("searched", 4, "ddp", 2),
     ("dp-megatron", 4, "megatron", 2), ("ddp", 2, "dp-megatron", 4), ("fsdp", 2, "megatron", 4),
-    ("fsdp+tp", 4, "ddp", 2), ("fsdp", 2, "fsdp+tp", 4)])
+    ("fsdp+tp", 4, "ddp", 2), ("fsdp", 2, "fsdp+tp", 4), ("turned-fsdp+tp", 4, "fsdp+tp", 4),
+    ("fsdp", 2, "turned-fsdp+tp", 4)])
 def test_checkpoint_resumes_under_another_plan_and_world_size(tmp_path, saved, world_saved,
                                                               resumed, world_resumed):
     want_losses, want_weights = eager()
