@@ -19,7 +19,7 @@ from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import PlanError, check, load_plan, save_plan
 from hidup.planning.profile_file import load_profile
 from hidup.planning.programme import SearchOptions
-from hidup.planning.search import DEFERRED, Ranking
+from hidup.planning.search import DEFERRED, Ranking, search
 from hidup.planning.select import Goal, select_plan
 from hidup.program import Compute, Convert, lower
 from hidup.program.recompute import nondeterministic
@@ -219,3 +219,23 @@ def test_selective_recomputation_repeats_no_matmul():
         counts[how] = sum(n.op == "call_function" and any(
             mm in str(n.target) for mm in ("addmm", "aten.mm", "bmm")) for n in gm.graph.nodes)
     assert counts["none"] == counts["selective"] < counts["whole"], counts
+
+
+def test_plans_that_fit_only_recomputed_but_do_not_give_way_to_more_plans(monkeypatch):
+    """A plan over the limit whose parameters fit counts as fitting while the programme's plans
+    are ranked (it is tried recomputed at the end); where none of those fits even with every
+    layer recomputed, more of the programme's plans are ranked (bert-sgmoe:paper, 32 GPUs, the
+    fewest bytes: its first plans need 32.6 GiB recomputed against 32)."""
+    import hidup.planning.search as search_module
+
+    passes = []
+    first = search_module._rank_finals
+    monkeypatch.setattr(search_module, "_rank_finals", lambda ranking, *a: (
+        passes.append(ranking.deferred_fit), first(ranking, *a)))
+    spec = get_model("bert-sgmoe:paper", gpus=32)
+    graph = capture_model(spec, spec.batch)
+    memory = 32 * 2**30
+    found = search(graph, 32, load_profile("v100-8x8-10gbps"),
+                   SearchOptions(k=1, memory=memory, objective="comm", optimizer="sgd"))
+    assert passes == [True, False]
+    assert peak_memory(lower(graph, found.strategy, 32, 1, optimizer="sgd")).peak <= memory

@@ -14,7 +14,6 @@ from hidup.graph.placement import R
 from hidup.models import capture_model, get_model, names
 from hidup.planner import main as plan_main
 from hidup.planning.estimate import estimate
-from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import load_plan
 from hidup.planning.profile_file import load_profile
 from hidup.planning.programme import SearchOptions
@@ -381,22 +380,3 @@ def test_the_plan_with_no_communication_is_ranked_where_slow_links_make_it_the_f
     assert not [t for t in program.tasks if getattr(t, "collective", False)]
     assert found.estimate.step_time <= min(t for _, t in found.candidates) * (1 + 1e-12)
 
-
-def test_plans_that_fit_only_recomputed_but_do_not_give_way_to_more_plans(monkeypatch):
-    """A plan over the limit whose parameters fit counts as fitting while the programme's plans
-    are ranked (it is tried recomputed at the end); where none of those fits even with every
-    layer recomputed, more of the programme's plans are ranked (bert-sgmoe:paper, 32 GPUs, the
-    fewest bytes: its first plans need 32.6 GiB recomputed against 32)."""
-    import hidup.planning.search as search_module
-
-    passes = []
-    first = search_module._rank_finals
-    monkeypatch.setattr(search_module, "_rank_finals", lambda ranking, *a: (
-        passes.append(ranking.deferred_fit), first(ranking, *a)))
-    spec = get_model("bert-sgmoe:paper", gpus=32)
-    graph = capture_model(spec, spec.batch)
-    memory = 32 * 2**30
-    found = search(graph, 32, load_profile("v100-8x8-10gbps"),
-                   SearchOptions(k=1, memory=memory, objective="comm", optimizer="sgd"))
-    assert passes == [True, False]
-    assert peak_memory(lower(graph, found.strategy, 32, 1, optimizer="sgd")).peak <= memory
