@@ -222,7 +222,8 @@ class Ranking:
         self.graph, self.world, self.profile, self.options = graph, world, profile, options
         self.memory = math.inf if options.memory is None else options.memory
         self.ranked: list[Ranked] = []
-        self.seen: dict[tuple, dict[int, bool]] = {}  # plans ranked so far: count -> it fits
+        # plans ranked so far: count -> it fits (True, False, or DEFERRED)
+        self.seen: dict[tuple, dict[int, bool | str]] = {}
         self.least = math.inf  # the smallest peak of a plan over the limit (bytes)
         # plans over the limit whose parameters and state fit, for recompute_deferred:
         # (estimate without recomputation, order, strategy, name, dp_cost, k, peak)
@@ -249,7 +250,7 @@ class Ranking:
                 break
 
     def add_stored(self, strategy: Strategy, name: str, dp_cost: float,
-                   counts: list[int] | None = None) -> dict[int, bool]:
+                   counts: list[int] | None = None) -> dict[int, bool | str]:
         """Rank the plan and, where it keeps some parameter whole, the same plan with every such
         parameter stored sharded (NAME+sharded; hidup.strategy.sharded_storage): where a
         parameter lives is the search's decision too, priced by the estimate (gathers before
@@ -278,7 +279,7 @@ class Ranking:
         return tried
 
     def add(self, strategy: Strategy, name: str, dp_cost: float, counts: list[int] | None = None,
-            seen: bool = True) -> dict[int, bool]:
+            seen: bool = True) -> dict[int, bool | str]:
         """Estimate the plan with each micro-batch count of `counts` (default: 1 and k) not
         tried yet (`seen`: remember it, so that a plan reached twice is lowered once); return
         whether it fits, per count (DEFERRED: it does not, but its parameters and state do, so
@@ -314,10 +315,14 @@ class Ranking:
                                       or memory.peak * kk > more * self.memory):
                         tried[more] = False
                 continue
-            est = estimate(program, self.profile)
-            self.ranked.append(Ranked(est.step_time, name, strategy, dp_cost, est, kk))
+            self.rank(program, strategy, name, dp_cost, kk)
             tried[kk] = True
         return tried
+
+    def rank(self, program, strategy: Strategy, name: str, dp_cost: float, kk: int) -> None:
+        """Rank a plan lowered with kk micro-batches (`program`) that fits, by its estimate."""
+        est = estimate(program, self.profile)
+        self.ranked.append(Ranked(est.step_time, name, strategy, dp_cost, est, kk))
 
 
     def defer_recomputed(self, strategy: Strategy, name: str, dp_cost: float, kk: int,
@@ -366,14 +371,13 @@ class Ranking:
             self.least = min(self.least, least)
             return False
         n = math.ceil(len(names) * (peak - self.memory) / (peak - least))
-        for count in sorted({min(n, len(names)), min(n + 1, len(names))}):
-            if count == len(names):
+        for count in (n, n + 1):  # fewer than every layer
+            if count >= len(names):
                 break
             plan = recomputing(self.graph, strategy, first_layers(self.graph, count), selective)
             if self.add(plan, name, dp_cost, [kk])[kk]:
                 return True
-        est = estimate(program, self.profile)  # every layer (lowered above): it fits
-        self.ranked.append(Ranked(est.step_time, name, every, dp_cost, est, kk))
+        self.rank(program, every, name, dp_cost, kk)  # every layer (lowered above): it fits
         self.seen.setdefault(_plan_key(every), {})[kk] = True
         return True
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from hidup.graph.capture import Graph
 from hidup.graph.placement import Partial, Placement, Shard
 from hidup.strategy import Strategy
-from hidup.program.tasks import MODES, Program, task_label
+from hidup.program.tasks import MODES, Program, mesh_groups, task_label
 from hidup.runtime.passes import inductor_segments, with_hooks
 from hidup.runtime.layout import param_shard
 from hidup.runtime.step import INPUT_TASK, StepSpec, trace_step
@@ -150,9 +150,9 @@ def device_mesh(device: torch.device, mesh: tuple[int, int], transposed: bool = 
     if key not in _MESHES:
         from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-        if transposed:  # rank = position * machines + part (mesh_position)
-            ranks = torch.arange(mesh[0] * mesh[1]).reshape(mesh[1], mesh[0]).T
-            _MESHES[key] = DeviceMesh(device.type, ranks)
+        if transposed:  # its rows as mesh_groups makes them: [part][position] -> rank
+            rows = mesh_groups(mesh[0] * mesh[1], mesh[0], transposed=True)[0]
+            _MESHES[key] = DeviceMesh(device.type, torch.tensor(rows))
         else:
             _MESHES[key] = init_device_mesh(device.type, mesh if mesh[0] > 1 else (mesh[1],))
     return _MESHES[key]
