@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 import simpy
 
 from hidup.planning.costs import Profile, timing_key
+from hidup.planning.fusion import kernel_times
 from hidup.program import Compute, Convert, Program, Wait
 from simulator.records import (
     COMM_STREAM,
@@ -136,6 +137,7 @@ def _plan(program: Program, profile: Profile, mode: str = "graph") -> _Plan:
     collectives = tuple(program.collectives)
     ids = {c.id for c in collectives}
     compute: list = []
+    seconds = kernel_times(program, profile, mode)
     duration: dict[int, float] = {}
     links, part, host = {}, {}, {}
     for task in program.tasks:
@@ -156,7 +158,7 @@ def _plan(program: Program, profile: Profile, mode: str = "graph") -> _Plan:
             raise SimulationError(f"task {task}: #{task.collective} is not a collective of "
                                   f"program {program.model} {program.strategy}")
         if not isinstance(task, Wait):
-            duration[task.id] = profile.compute_time(task)
+            duration[task.id] = seconds.get(task.id, 0.0)
         compute.append(task)
     issue = None if profile.host is None else \
         tuple((t, profile.issue_time(t, mode)) for t in program.tasks)

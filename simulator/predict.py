@@ -168,8 +168,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=HOST_MODES, default="graph",
                    help="executor mode to predict ('eager': plain PyTorch): its host time per "
                         "task, where the profile has host figures (GPU profiles; on a CPU cluster "
-                        "the host runs the kernels and this changes nothing) "
-                        "(default: %(default)s)")
+                        "the host runs the kernels), and with 'compile' the ops Inductor fuses "
+                        "priced as one kernel per group (docs/design.md) (default: %(default)s)")
     p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw",
                    help="the optimizer training runs (hidup.train's default: adamw): its update "
                         "time and its state's memory count (default: %(default)s)")

@@ -24,6 +24,14 @@ _SDPA = "aten.scaled_dot_product_attention.default"
 GROUPED_MM = ("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default")
 
 
+def library_op(op: str) -> bool:
+    """Whether a library kernel (cuBLAS, cuDNN, fused attention) runs the op, priced by its FLOPs
+    above: Inductor calls such an op as it is and fuses no other op into it
+    (hidup.planning.fusion)."""
+    return op in _MATMUL or op in _CONV or op in _TRANSPOSED or op == _SDPA or \
+        op in GROUPED_MM or op == "aten.einsum.default"
+
+
 def forward_flops(op: str, in_shapes, out_shape, args=()) -> float:
     out = math.prod(out_shape)
     if op in _MATMUL:

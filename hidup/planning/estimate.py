@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from hidup.planning.costs import Profile, timing_key
+from hidup.planning.fusion import kernel_times
 from hidup.program.tasks import Convert, Program, Wait
 
 
@@ -101,6 +102,7 @@ def _streams(program: Program, profile: Profile, mode: str) -> tuple[list, list,
     def slowed(task) -> bool:  # not a kernel timed in real steps (interference in it already)
         return not (measured and timing_key(task, by_id) in measured)
 
+    seconds = kernel_times(program, profile, mode)
     writers: dict[str, list[int]] = {}
     compute, collectives, unpacks = [], [], {}
     host = 0.0
@@ -123,7 +125,7 @@ def _streams(program: Program, profile: Profile, mode: str) -> tuple[list, list,
             load = profile.link_load(task.group, task.parts)  # groups sharing a machine's link
             collectives.append((task.id, tuple(needs), host, latency, transfer * load))
         else:
-            compute.append(("kernel", host, (profile.compute_time(task), slowed(task),
+            compute.append(("kernel", host, (seconds.get(task.id, 0.0), slowed(task),
                                              (task.id,))))
         for key in task.outputs:
             if key:
