@@ -5,10 +5,10 @@ figures (`h100-8x-ib-bf16`; docs/profiles.md).
    (96 GB HBM2e), FSDP, local batch 2 x 8192 tokens, bf16, selective activation checkpointing:
    5,762 tokens/s per GPU and 82.4 GiB in eager mode, 6,667 and 77.0 GiB with torch.compile (the
    torchtitan paper, arXiv 2410.06511, its 8-GPU FSDP table). HiDup's `fsdp` is predicted with no
-   layer recomputed, with every layer recomputed selectively (the matmuls' outputs kept; unlike
-   torchtitan's policy, attention is recomputed) and whole, the eager row with the `graph` mode's
-   host cost
-   and the compile row with `compile`'s, each with its peak memory with the values in float32
+   layer recomputed, with every layer recomputed selectively (the matmuls' and attention's
+   outputs kept, as torchtitan's policy keeps them) and whole, the eager row with the `graph`
+   mode's host cost and the compile row with `compile`'s (its kernels fused as Inductor fuses
+   them), each with its peak memory with the values in float32
    (as HiDup's executor holds them) and in bf16 (as torchtitan does). The profile was built
    without these rows.
 2. HiDup's chosen plan beside `fsdp` (and `fsdp+tp` on a 2-D mesh) on each --gpus, each with the

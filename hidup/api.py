@@ -41,8 +41,9 @@ def plan(model: torch.nn.Module, example_inputs: tuple | list, *, cluster: str, 
     is the one training will use ("sgd", "adamw", ...: its state counts in memory and its
     update in the step). `recompute` is activation checkpointing: "auto" recomputes the fewest
     first layers that make a plan fit where it does not fit otherwise (selectively: the
-    matmuls' outputs kept; or whole); "none", "all", a count of first layers as text ("4") or
-    layer names joined by commas ("layers.0,layers.1"), each also as "selective:...". The same
+    matmuls' and attention's outputs kept; or whole); "none", "all", a count of first layers as
+    text ("4") or layer names joined by commas ("layers.0,layers.1"), each also as
+    "selective:...". The same
     arguments give the plan `python -m hidup.planner` and `python -m simulator.predict`
     choose."""
     if isinstance(example_inputs, torch.Tensor):

@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 import simpy
 
 from hidup.planning.costs import Profile, timing_key
-from hidup.planning.fusion import kernel_times
+from hidup.planning.fusion import dropped, kernel_times
 from hidup.program import Compute, Convert, Program, Wait
 from simulator.records import (
     COMM_STREAM,
@@ -137,7 +137,7 @@ def _plan(program: Program, profile: Profile, mode: str = "graph") -> _Plan:
     collectives = tuple(program.collectives)
     ids = {c.id for c in collectives}
     compute: list = []
-    seconds = kernel_times(program, profile, mode)
+    seconds, gone = kernel_times(program, profile, mode), dropped(program)
     duration: dict[int, float] = {}
     links, part, host = {}, {}, {}
     for task in program.tasks:
@@ -161,7 +161,7 @@ def _plan(program: Program, profile: Profile, mode: str = "graph") -> _Plan:
             duration[task.id] = seconds.get(task.id, 0.0)
         compute.append(task)
     issue = None if profile.host is None else \
-        tuple((t, profile.issue_time(t, mode)) for t in program.tasks)
+        tuple((t, 0.0 if t.id in gone else profile.issue_time(t, mode)) for t in program.tasks)
     measured = set(profile.kernels or ()) if profile.kernels_in_situ else set()
     by_id = {c.id: c for c in collectives}
     in_situ = frozenset(t.id for t in compute if measured and timing_key(t, by_id) in measured)

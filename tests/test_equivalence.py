@@ -38,7 +38,8 @@ CASES += [("gpt:tiny", "megatron+recompute", 2), ("gpt:tiny", "fsdp+recompute", 
 # a Llama-shaped model (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU)
 CASES += [("llama:tiny", "megatron", 2), ("llama:tiny", "search", 2),
           ("llama:tiny", "fsdp+recompute", 2)]
-# selective recomputation: the matmuls' outputs kept, differentiated again from recomputed inputs
+# selective recomputation: the matmuls' outputs kept, differentiated again from recomputed inputs,
+# attention run once, keeping its inputs and output
 CASES += [("gpt:tiny", "megatron+selective", 2), ("bert-sgmoe:tiny", "fsdp+selective", 1),
           ("llama:tiny", "search+selective", 2)]
 

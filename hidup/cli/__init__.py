@@ -164,7 +164,8 @@ def parse_mesh(text: str, gpus: int, error) -> tuple[int, int]:
 
 RECOMPUTE_HELP = ("activation checkpointing: 'auto' recomputes in the backward the fewest first "
                   "layers that make a plan fit the device's memory, where it does not fit "
-                  "otherwise, selectively (the matmuls' outputs kept) or whole; 'none' never; "
+                  "otherwise, selectively (the matmuls' and attention's outputs kept) or "
+                  "whole; 'none' never; "
                   "'all', N (the first N layers) or layer names joined by commas (e.g. "
                   "blocks.0,blocks.1) in every plan, whole, or after 'selective:' selectively "
                   "('selective': every layer) (default: auto)")

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from hidup.planning.costs import Profile, timing_key
-from hidup.planning.fusion import kernel_times
+from hidup.planning.fusion import dropped, kernel_times
 from hidup.program.tasks import Convert, Program, Wait
 
 
@@ -102,13 +102,13 @@ def _streams(program: Program, profile: Profile, mode: str) -> tuple[list, list,
     def slowed(task) -> bool:  # not a kernel timed in real steps (interference in it already)
         return not (measured and timing_key(task, by_id) in measured)
 
-    seconds = kernel_times(program, profile, mode)
+    seconds, gone = kernel_times(program, profile, mode), dropped(program)
     writers: dict[str, list[int]] = {}
     compute, collectives, unpacks = [], [], {}
     host = 0.0
     for task in program.tasks:
         issue = profile.issue_time(task, mode)
-        if issue is not None:  # a GPU's host issues every task in order, ahead of the streams
+        if issue is not None and task.id not in gone:  # a GPU's host issues every task in order, ahead of the streams
             host += issue
         if isinstance(task, Wait):
             compute.append(("wait", host, task.collective))

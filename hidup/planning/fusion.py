@@ -25,13 +25,17 @@ import math
 
 from hidup.graph.flops import library_op
 from hidup.planning.costs import kernel_key
+from hidup.program.recompute import unread_recomputations
 from hidup.program.tasks import Compute, Program, kernel_tasks
 
 
 def kernel_times(program: Program, profile, mode: str = "graph") -> dict[int, float]:
-    """Seconds of each compute-stream kernel of `program` (Profile.compute_time), by task id; in
-    mode 'compile' with the generated-code groups fused (the module's rule)."""
-    times = {t.id: profile.compute_time(t) for t in kernel_tasks(program.tasks)}
+    """Seconds of each compute-stream kernel of `program` (Profile.compute_time), by task id: none
+    for a task the traced step drops (`dropped`); in mode 'compile' with the generated-code
+    groups fused (the module's rule)."""
+    gone = dropped(program)
+    times = {t.id: 0.0 if t.id in gone else profile.compute_time(t)
+             for t in kernel_tasks(program.tasks)}
     if mode != "compile":
         return times
     for group in fused_groups(program, profile):
@@ -44,9 +48,11 @@ def kernel_times(program: Program, profile, mode: str = "graph") -> dict[int, fl
 def fused_groups(program: Program, profile) -> list[list[Compute]]:
     """The groups of two or more generated-code tasks that Inductor runs as one kernel each, in
     program order."""
-    measured = profile.kernels or {}
+    measured, gone = profile.kernels or {}, dropped(program)
     groups, run = [], []
     for task in program.tasks:
+        if getattr(task, "id", None) in gone:
+            continue
         if _generated(task) and kernel_key(task) not in measured:
             run.append(task)
             continue
@@ -54,6 +60,15 @@ def fused_groups(program: Program, profile) -> list[list[Compute]]:
         run = []
     groups += _connected(run)
     return [g for g in groups if len(g) > 1]
+
+
+def dropped(program: Program) -> frozenset[int]:
+    """The tasks the executor's traced step drops as dead code, which neither run nor are issued:
+    recomputations whose output nothing reads (hidup.program.recompute.unread_recomputations;
+    kept with the program)."""
+    if "_dropped" not in program.__dict__:
+        program.__dict__["_dropped"] = unread_recomputations(program.tasks)
+    return program.__dict__["_dropped"]
 
 
 def _generated(task) -> bool:

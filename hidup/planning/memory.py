@@ -38,6 +38,7 @@ from operator import add, sub
 import torch
 
 from hidup.graph.placement import Shard
+from hidup.program.recompute import unread_recomputations
 from hidup.program.tasks import Compute, Convert, Program, Wait, optimizer_cost
 
 _ACT, _GRAD = 0, 1  # the sweep's lists per kind, indexed by 'first written in backward'
@@ -102,15 +103,18 @@ def _scan(program: Program) -> tuple[dict[str, int], dict[str, int], dict[str, i
     forward's derivative reads of its inputs and output (Compute.reads) is used again by its
     backward for the same micro-batch (autograd holds it until then); the seed gradient
     'hidup.ones' is no node's backward. A value written again by a recomputation (activation
-    checkpointing) is a new one ('KEY~i', i its task), which the later tasks read; the forward's
-    value is freed after its last read before."""
+    checkpointing) is a new one ('KEY~i', i its task), which the later tasks read (a
+    recomputation no task reads is dropped from the step: it writes nothing); the forward's
+    value is freed after its last read before, or held by autograd for the backward of an op
+    that was not recomputed and reads it (attention in a selectively recomputed layer)."""
     numel: dict[str, int] = {}
     first: dict[str, int] = {}
     last: dict[str, int] = {}
     saved: dict[tuple[str, int | None], tuple] = {}  # forwards awaiting their backward: what
-    #   their derivative reads, and their output's key
+    #   their derivative reads, their output's key, their input keys and those inputs' values
     now: dict[str, str] = {}  # a key written again -> its value's key now
     views: list[tuple[str, str]] = []  # (a view's key, the key of the value it views)
+    gone = unread_recomputations(program.tasks)  # recomputations the step drops
     for i, t in enumerate(program.tasks):
         if type(t) is Wait:
             continue
@@ -118,10 +122,17 @@ def _scan(program: Program) -> tuple[dict[str, int], dict[str, int], dict[str, i
         outs = t.outputs
         if t.phase == "recompute":
             outs = tuple(_again(numel, now, key, i) if key in first else key for key in outs)
+            if t.id in gone:  # dropped from the step: writes nothing, holds nothing
+                saved[(t.node, t.mb)] = t.reads, outs[0], t.inputs, ins
+                continue
         used = ins
         if type(t) is Compute and t.phase == "bwd" and ins:
-            reads, out = saved.pop((t.node, t.mb), (None, None))
+            reads, out, raw, held = saved.pop((t.node, t.mb), (None, None, None, None))
             reads = reads or (True,) * len(ins)
+            if not t.again and raw is not None:  # autograd holds the values its forward read,
+                #   not the ones a recomputation wrote since (a weight gathered again excepted)
+                ins = ins[:1] + tuple(h if r == b else now_key for r, h, b, now_key in
+                                      zip(raw, held, t.inputs[1:], ins[1:]))
             used = ins if t.again else \
                 ins[:1] + tuple(key for key, read in zip(ins[1:], reads) if read)
             if out is not None and reads[-1]:
@@ -131,7 +142,7 @@ def _scan(program: Program) -> tuple[dict[str, int], dict[str, int], dict[str, i
         if type(t) is Convert:
             _convert_sizes(numel, first, t, ins, outs, i, program.world, program.k)
         elif t.phase in ("fwd", "recompute"):
-            saved[(t.node, t.mb)] = t.reads, outs[0]
+            saved[(t.node, t.mb)] = t.reads, outs[0], t.inputs, ins
             for key, shape in zip(ins, t.in_shapes):
                 if key not in numel:  # a parameter or an input: no task writes it
                     numel[key] = math.prod(shape)
@@ -171,13 +182,6 @@ def is_view(op: str) -> bool:
     # reshape, contiguous, flatten: composites that view where they can and copy where they
     # cannot (an expanded or transposed input): counted as a copy
     return not target.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd)
-
-
-def _again(numel: dict[str, int], now: dict[str, str], key: str, i: int) -> str:
-    """Task i (a recomputation) writes `key` again: a new value, read under the key returned."""
-    now[key] = f"{key}~{i}"
-    numel[now[key]] = numel[key]
-    return now[key]
 
 
 def _written(numel: dict[str, int], first: dict[str, int], outputs, i: int) -> None:

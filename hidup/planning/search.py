@@ -341,7 +341,7 @@ class Ranking:
     def recompute_deferred(self) -> None:
         """Rank each plan kept by defer_recomputed, fastest first, with the activations of the
         fewest first layers recomputed in the backward that make it fit, selectively
-        (NAME+selective: the matmuls' outputs kept) and whole (NAME+recompute;
+        (NAME+selective: the matmuls' and attention's outputs kept) and whole (NAME+recompute;
         hidup.strategy.recompute), each priced by the estimate (the recomputed forward) and held
         to memory. The count is guessed from what recomputing every layer saves, as if each
         layer saved as much. Recomputing only adds work, so a plan whose estimate without it is

@@ -42,8 +42,11 @@ class Recomputation:
 
     def plan_recompute(self) -> None:
         """Which ops each recomputed layer runs again: {layer: [nodes in forward order]}; and
-        in a layer recomputed selectively, the ops whose outputs are kept (`again`: their
-        backward differentiates them again from their recomputed inputs)."""
+        in a layer recomputed selectively, the compute-heavy ops whose outputs are kept: those
+        whose derivative reads only their inputs (matmuls; `again`: their backward
+        differentiates them again from their recomputed inputs), and those whose derivative
+        reads their output too (attention), run once as ordinary ops, keeping what their
+        backward reads (their inputs, their output, what they save of their own)."""
         self.recomputed: dict[str, list[Node]] = {}
         self.again: set[str] = set()
         for node in self.g.ops:
@@ -51,8 +54,10 @@ class Recomputation:
             if layer not in self.s.recompute and layer not in self.s.selective or \
                     not self.recomputable(node):
                 continue
-            if layer in self.s.selective and self.kept_output(node):
-                self.again.add(node.name)
+            if layer in self.s.selective and self.heavy(node):
+                if not backward_reads(self.g, node)[-1]:  # a matmul: its output kept, and
+                    self.again.add(node.name)  # its backward differentiates it again
+                # else (attention) an ordinary op: its forward keeps what its backward reads
             else:
                 self.recomputed.setdefault(layer, []).append(node)
         self.layer_of = {n.name: layer for layer, nodes in self.recomputed.items()
@@ -68,11 +73,10 @@ class Recomputation:
                 and node.name not in self.once and not nondeterministic(node)
                 and not any(self.mb_converted(t, q) for t, q in zip(node.inputs, mb_in)))
 
-    def kept_output(self, node: Node) -> bool:
-        """Does selective recomputation keep the op's output: a compute-heavy op (at least 16
-        FLOPs per output element: a matmul) whose derivative reads only its inputs?"""
-        return node.flops >= 16 * max(node.out.numel, 1) and \
-            not backward_reads(self.g, node)[-1]
+    def heavy(self, node: Node) -> bool:
+        """Does selective recomputation keep the op's output: a compute-heavy op (at least 16 FLOPs
+        per output element: a matmul, attention)?"""
+        return node.flops >= 16 * max(node.out.numel, 1)
 
     def recompute_before(self, node: Node, m: int | None) -> None:
         """Before node's backward for micro-batch m: its layer's forward again, once."""
@@ -103,3 +107,40 @@ class Recomputation:
                                   vkey(node.name, home, m), vkey(node.name, p, m),
                                   self.shape(node.name, home),
                                   max(self.nbytes(node.name, home), self.nbytes(node.name, p)))
+
+
+def unread_recomputations(tasks) -> frozenset[int]:
+    """The ids of the recompute tasks whose output no later task reads: what a backward reads of
+    its forward (Compute.reads: a linear its input and weight, an add nothing), what any other
+    task reads, and what the recompute tasks that are read themselves read (found from the last
+    task back). The executor's traced step drops them as dead code (an add closing a layer, or a
+    matmul whose output only such an add read), so they take no time."""
+    latest: dict[tuple[str, int | None], Compute] = {}
+    forward_of: dict[int, Compute | None] = {}
+    for t in tasks:
+        if isinstance(t, Compute) and t.phase in ("fwd", RECOMPUTE):
+            latest[t.node, t.mb] = t
+        elif isinstance(t, Compute) and t.phase == "bwd":
+            forward_of[t.id] = latest.get((t.node, t.mb))
+    live: set[str] = set()
+    unread = set()
+    for t in reversed(tasks):
+        outputs = [key for key in getattr(t, "outputs", ()) if key]
+        if isinstance(t, Compute) and t.phase == RECOMPUTE and not live.intersection(outputs):
+            unread.add(t.id)
+            continue
+        live.difference_update(outputs)
+        live.update(_read(t, forward_of.get(getattr(t, "id", None))))
+    return frozenset(unread)
+
+
+def _read(task, forward: Compute | None) -> tuple[str, ...]:
+    """The value keys a task reads: a backward that does not differentiate again, its output's
+    gradient and what its derivative reads of the forward's inputs and output."""
+    inputs = getattr(task, "inputs", ())
+    if not (isinstance(task, Compute) and task.phase == "bwd" and inputs) or task.again \
+            or forward is None or forward.reads is None:
+        return inputs
+    reads = forward.reads
+    kept = tuple(key for key, read in zip(inputs[1:], reads) if read)
+    return inputs[:1] + kept + ((forward.outputs[0],) if reads[-1] else ())

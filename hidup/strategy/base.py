@@ -34,8 +34,8 @@ class Strategy:
     # layers (Node.layer) whose activations are not kept for the backward but recomputed in it,
     # right before the layer's backward (activation checkpointing; hidup.strategy.recompute)
     recompute: frozenset[str] = field(default=frozenset(), hash=False)
-    # layers recomputed selectively: their compute-heavy ops' outputs kept (matmuls, whose
-    # derivative reads only their inputs), the rest recomputed as above
+    # layers recomputed selectively: their compute-heavy ops' outputs kept (matmuls, attention;
+    # hidup.strategy.recompute), the rest recomputed as above
     selective: frozenset[str] = field(default=frozenset(), hash=False)
     # the mesh turned around: the placements over one GPU of every machine, data parallel
     # (dim 0, of `machines` parts) over each machine's GPUs (hidup.program.mesh_groups)

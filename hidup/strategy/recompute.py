@@ -10,10 +10,11 @@ keeps its inputs. Left out of the recomputation, their outputs kept: random ops 
 recomputed mask would differ), ops computed once per step rather than per micro-batch, and ops
 that read the micro-batches joined (hidup.program.recompute).
 
-Selectively (Strategy.selective), a layer keeps the outputs of its compute-heavy ops whose
-derivative reads only their inputs (matmuls: at least 16 FLOPs per output element) and
-recomputes the rest: the backward of such an op differentiates it again from its recomputed
-inputs, and its forward, whose output nothing reads, is dropped from the compiled step."""
+Selectively (Strategy.selective), a layer keeps the outputs of its compute-heavy ops (at least
+16 FLOPs per output element) and recomputes the rest: the backward of such an op whose derivative
+reads only its inputs (a matmul) differentiates it again from its recomputed inputs, and its
+forward, whose output nothing reads, is dropped from the compiled step; one whose derivative reads
+its output too (attention) runs once, keeping what its backward reads."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -85,7 +86,7 @@ def describe_recompute(graph: Graph, strategy: Strategy) -> str:
                 f"backward ({_span(whole)})"
     if some:
         text += f"; {len(some)} of {len(known)} layers recomputed selectively, their matmuls' " \
-                f"outputs kept ({_span(some)})"
+                f"and attention's outputs kept ({_span(some)})"
     return text
 
 
