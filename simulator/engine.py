@@ -38,8 +38,9 @@ from dataclasses import dataclass, replace
 import simpy
 
 from hidup.planning.costs import Profile, timing_key
-from hidup.planning.fusion import dropped, kernel_times
+from hidup.planning.fusion import kernel_times
 from hidup.program import Compute, Convert, Program, Wait
+from hidup.program.recompute import dropped
 from simulator.records import (
     COMM_STREAM,
     COMPUTE_STREAM,

@@ -15,7 +15,6 @@ from torch import nn
 from hidup.graph.capture import capture
 from hidup.models import capture_model, get_model
 from hidup.planning.estimate import estimate
-from hidup.planning.fusion import dropped
 from hidup.planning.memory import is_view, peak_memory
 from hidup.planning.planfile import PlanError, check, load_plan, save_plan
 from hidup.planning.profile_file import load_profile
@@ -23,7 +22,7 @@ from hidup.planning.programme import SearchOptions
 from hidup.planning.search import DEFERRED, Ranking, search
 from hidup.planning.select import Goal, select_plan
 from hidup.program import Compute, Convert, lower
-from hidup.program.recompute import nondeterministic
+from hidup.program.recompute import dropped, nondeterministic
 from hidup.runtime.execute import Executor
 from hidup.runtime.step import trace_step
 from hidup.strategy import (data_parallel, describe, fixed_strategy, layers, parse_recompute,
@@ -225,7 +224,7 @@ def test_selective_recomputation_repeats_no_matmul():
     recomputed: a kept op's forward, run again for its backward, has no reader and is dropped
     (so the estimate does not price it). Recomputing whole layers repeats their matmuls, but for
     those whose output no backward reads (the MLP's last linear, read only by the residual add):
-    the step drops those as the cost model does (hidup.planning.fusion.dropped)."""
+    the step drops those as the cost model does (hidup.program.recompute.dropped)."""
     spec = get_model("gpt:tiny", gpus=2)
     model = build_model(spec)
     xs = list(spec.inputs(spec.batch, torch.Generator().manual_seed(0)))

@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass
 
 from hidup.planning.costs import Profile, timing_key
-from hidup.planning.fusion import dropped, kernel_times
+from hidup.planning.fusion import kernel_times
+from hidup.program.recompute import dropped
 from hidup.program.tasks import Convert, Program, Wait
 
 

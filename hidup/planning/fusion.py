@@ -25,7 +25,7 @@ import math
 
 from hidup.graph.flops import library_op
 from hidup.planning.costs import kernel_key
-from hidup.program.recompute import unread_recomputations
+from hidup.program.recompute import dropped
 from hidup.program.tasks import Compute, Program, kernel_tasks
 
 
@@ -60,15 +60,6 @@ def fused_groups(program: Program, profile) -> list[list[Compute]]:
         run = []
     groups += _connected(run)
     return [g for g in groups if len(g) > 1]
-
-
-def dropped(program: Program) -> frozenset[int]:
-    """The tasks the executor's traced step drops as dead code, which neither run nor are issued:
-    recomputations whose output nothing reads (hidup.program.recompute.unread_recomputations;
-    kept with the program)."""
-    if "_dropped" not in program.__dict__:
-        program.__dict__["_dropped"] = unread_recomputations(program.tasks)
-    return program.__dict__["_dropped"]
 
 
 def _generated(task) -> bool:

@@ -38,7 +38,7 @@ from operator import add, sub
 import torch
 
 from hidup.graph.placement import Shard
-from hidup.program.recompute import unread_recomputations
+from hidup.program.recompute import dropped
 from hidup.program.tasks import Compute, Convert, Program, Wait, optimizer_cost
 
 _ACT, _GRAD = 0, 1  # the sweep's lists per kind, indexed by 'first written in backward'
@@ -114,7 +114,7 @@ def _scan(program: Program) -> tuple[dict[str, int], dict[str, int], dict[str, i
     #   their derivative reads, their output's key, their input keys and those inputs' values
     now: dict[str, str] = {}  # a key written again -> its value's key now
     views: list[tuple[str, str]] = []  # (a view's key, the key of the value it views)
-    gone = unread_recomputations(program.tasks)  # recomputations the step drops
+    gone = dropped(program)  # recomputations the step drops
     for i, t in enumerate(program.tasks):
         if type(t) is Wait:
             continue

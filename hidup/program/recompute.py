@@ -109,6 +109,15 @@ class Recomputation:
                                   max(self.nbytes(node.name, home), self.nbytes(node.name, p)))
 
 
+def dropped(program) -> frozenset[int]:
+    """The tasks of a Program that the executor's traced step drops as dead code, which neither
+    run nor are issued: its recomputations whose output nothing reads (kept with the program)."""
+    if "_dropped" not in program.__dict__:
+        program.__dict__["_dropped"] = unread_recomputations(program.tasks) if any(
+            getattr(t, "phase", "") == RECOMPUTE for t in program.tasks) else frozenset()
+    return program.__dict__["_dropped"]
+
+
 def unread_recomputations(tasks) -> frozenset[int]:
     """The ids of the recompute tasks whose output no later task reads: what a backward reads of
     its forward (Compute.reads: a linear its input and weight, an add nothing), what any other
