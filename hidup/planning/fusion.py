@@ -31,9 +31,9 @@ from hidup.program.tasks import Compute, Convert, Program
 
 def kernel_times(program: Program, profile, mode: str = "graph") -> dict[int, float]:
     """Seconds of each compute-stream task of `program` but the collectives (Profile.compute_time:
-    a kernel, a local conversion, an alias unless measured), by task id: none
-    for a task the traced step drops (`dropped`); in mode 'compile' with the generated-code
-    groups fused (the module's rule)."""
+    a kernel, a local conversion, an alias unless measured), by task id: none for a task the
+    traced step drops (hidup.program.recompute.dropped); in mode 'compile' with the
+    generated-code groups fused (the module's rule)."""
     gone = dropped(program)
     times = {t.id: 0.0 if t.id in gone else profile.compute_time(t) for t in program.tasks
              if isinstance(t, Compute) or (isinstance(t, Convert) and not t.collective)}
