@@ -109,8 +109,8 @@ def _streams(program: Program, profile: Profile, mode: str) -> tuple[list, list,
     host = 0.0
     for task in program.tasks:
         issue = profile.issue_time(task, mode)
-        if issue is not None and task.id not in gone:  # a GPU's host issues every task in order, ahead of the streams
-            host += issue
+        if issue is not None and task.id not in gone:  # a GPU's host issues every task in
+            host += issue  # order, ahead of the streams (none that the traced step drops)
         if isinstance(task, Wait):
             compute.append(("wait", host, task.collective))
             continue

@@ -69,7 +69,8 @@ class SearchOptions:
     # layers whose activations every plan recomputes in the backward; None: a plan that does not
     # fit is also tried with the fewest first layers recomputed that make it fit
     recompute: frozenset[str] | None = None
-    selective: bool = False  # those layers recomputed selectively (their matmuls' and attention's outputs kept)
+    selective: bool = False  # those layers recomputed selectively (their matmuls' and
+    #                          attention's outputs kept)
 
 
 def recomputable_share(graph: Graph, recompute: frozenset[str] | None) -> dict[str, float]:
