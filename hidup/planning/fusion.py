@@ -95,7 +95,7 @@ def _connected(run: list[Compute]) -> list[list[Compute]]:
     return list(groups.values())
 
 
-def values(task: Compute) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
+def _values(task: Compute) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
     """(reads, writes) of a task as (value key, bytes): the task's bytes shared out over the
     values it moves by their elements, as the lowering counted them (a forward reads its inputs
     and writes its output; a backward reads the output's gradient and the forward's inputs and
@@ -120,7 +120,7 @@ def _group_bytes(group: list[Compute], program: Program) -> float:
     written, nbytes = set(), 0.0
     read: set[str] = set()
     for task in group:
-        reads, writes = values(task)
+        reads, writes = _values(task)
         for key, n in reads:
             if key not in written and key not in read:
                 read.add(key)

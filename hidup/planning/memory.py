@@ -122,9 +122,10 @@ def _scan(program: Program) -> tuple[dict[str, int], dict[str, int], dict[str, i
         outs = t.outputs
         if t.phase == "recompute":
             outs = tuple(_again(numel, now, key, i) if key in first else key for key in outs)
-            if t.id in gone:  # dropped from the step: writes nothing, holds nothing
-                saved[(t.node, t.mb)] = t.reads, outs[0], t.inputs, ins
-                continue
+        if type(t) is Compute and t.phase in ("fwd", "recompute"):
+            saved[(t.node, t.mb)] = t.reads, outs[0], t.inputs, ins
+            if t.id in gone:  # a recomputation dropped from the step: writes nothing, holds
+                continue  # nothing (its backward still reads what it read)
         used = ins
         if type(t) is Compute and t.phase == "bwd" and ins:
             reads, out, raw, held = saved.pop((t.node, t.mb), (None, None, None, None))
@@ -142,7 +143,6 @@ def _scan(program: Program) -> tuple[dict[str, int], dict[str, int], dict[str, i
         if type(t) is Convert:
             _convert_sizes(numel, first, t, ins, outs, i, program.world, program.k)
         elif t.phase in ("fwd", "recompute"):
-            saved[(t.node, t.mb)] = t.reads, outs[0], t.inputs, ins
             for key, shape in zip(ins, t.in_shapes):
                 if key not in numel:  # a parameter or an input: no task writes it
                     numel[key] = math.prod(shape)
