@@ -18,6 +18,10 @@ plan read from the trace's own collectives, calibration.traced_plan). Then:
   (calibration.fit.fit_link). A trace whose ranks span machines (--gpus > --gpus-per-node)
   calibrates the inter-node tier.
 
+The Program prices the update of the optimizer whose step the trace records
+(`Optimizer.step#SGD.step`: the shipped V100 and H100 traces all ran SGD), or --optimizer's where
+it records none.
+
 The kernels' times in a trace already include whatever slowed them while they overlapped, so
 the profile's interference factors are 1.0 (or the --base profile's). Figures no trace gives
 come from --base; without one, every kind must be measured.
@@ -51,7 +55,7 @@ from hidup.models import capture_model, get_model
 from hidup.planning.costs import LinkCost, Profile, ProfileError
 from hidup.planning.planfile import PlanError
 from hidup.planning.profile_file import load_profile
-from hidup.program import COLLECTIVES, HOST_MODES, Program, kernel_tasks
+from hidup.program import COLLECTIVES, HOST_MODES, OPTIMIZERS, Program, kernel_tasks
 
 
 def fit_profile(runs: list[TracedRun], name: str, gpus_per_node: int, base: Profile | None,
@@ -159,6 +163,10 @@ def main(argv=None) -> int:
     ap.add_argument("--profiler-overhead-us", type=float, default=0.0, metavar="US",
                     help="microseconds the profiler added per recorded host event, taken off the "
                          "host busy time (default: 0; the H100 traces: 2.94, see docs/simulator_accuracy.md)")
+    ap.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                    help="the optimizer whose update the traced steps ran, for traces that record "
+                         "no optimizer step (a trace's own Optimizer.step#NAME range wins; "
+                         "default: %(default)s)")
     ap.add_argument("--name", default=None, help="the profile's name (default: --out's stem)")
     ap.add_argument("--out", type=Path, required=True, help="where to write the profile JSON")
     args = ap.parse_args(argv)
@@ -202,7 +210,7 @@ def _run(args) -> int:
             graphs[model] = spec.name, batch, capture_model(spec, batch)
         name_, batch, graph = graphs[model]
         runs.append(read_run(path, strategy, graph, name_, args.gpus,
-                             args.profiler_overhead_us * 1e-6))
+                             args.profiler_overhead_us * 1e-6, args.optimizer))
     models_ = ", ".join(f"{n} (batch {b})" for n, b, _ in graphs.values())
     name = args.name or args.out.name.removesuffix(".json")
     profile, report = fit_profile(runs, name, per_node, base, args.gpus, args.links_only)

@@ -86,6 +86,57 @@ def step_gpu_events(events: list[dict]) -> list[list[dict]]:
     return out
 
 
+# the optimizer a traced step ran, by the name PyTorch's profiler gives its step
+# ('Optimizer.step#SGD.step'; DeepSpeed's 'FusedAdam' is Adam's update in fewer kernels) -> its
+# name in hidup.program.OPTIMIZERS; SGD with a momentum buffer multiplies it first (a mul op)
+OPTIMIZER_NAMES = {"SGD": "sgd", "Adam": "adam", "FusedAdam": "adam", "AdamW": "adamw",
+                   "FusedAdamW": "adamw"}
+
+
+@dataclass(frozen=True)
+class TracedUpdate:
+    optimizer: str  # a name in hidup.program.OPTIMIZERS
+    seconds: float  # the GPU time of its kernels per step (mean over the profiled steps)
+    kernels: int  # kernels per step
+
+
+def traced_update(events: list[dict]) -> TracedUpdate | None:
+    """The optimizer whose step the trace records (an `Optimizer.step#NAME.step` range) and its
+    kernels' GPU time per step; None where the trace names no optimizer step (the H100 traces,
+    whose optimizer only their README names). An optimizer HiDup does not price is a
+    TraceError."""
+    ranges = [e for e in events if e.get("cat") == "cpu_op" and e.get("ph", "X") == "X"
+              and str(e.get("name", "")).startswith("Optimizer.step#")]
+    if not ranges:
+        return None
+    torch_name = ranges[0]["name"].removeprefix("Optimizer.step#").split(".")[0]
+    if torch_name not in OPTIMIZER_NAMES:
+        raise TraceError(f"the trace's optimizer {torch_name} ({ranges[0]['name']}) is not one "
+                         f"HiDup prices ({', '.join(OPTIMIZER_NAMES)})")
+    kernels: dict[object, list[float]] = {}  # external id -> the durations of its kernels
+    for e in events:
+        if e.get("cat") in KERNELS:
+            kernels.setdefault(external_id(e), []).append(e["dur"] * 1e-6)
+    cpu = [e for e in events if e.get("cat") == "cpu_op"]
+    ops, launched = set(), []
+    for step in ranges:
+        inside = [e for e in cpu if e.get("tid") == step["tid"]
+                  and step["ts"] <= e["ts"] <= step["ts"] + step["dur"]]
+        ops |= {e["name"] for e in inside}
+        launched += [d for e in inside for d in kernels.get(external_id(e), ())]
+    name = OPTIMIZER_NAMES[torch_name]
+    if name == "sgd" and any("mul" in op for op in ops):
+        name = "sgd-momentum"
+    return TracedUpdate(name, sum(launched) / len(ranges), round(len(launched) / len(ranges)))
+
+
+def external_id(event: dict):
+    """The id that joins a host op to the kernels it launched (PyTorch 1.x spells it 'external
+    id' on a kernel, 2.x 'External id')."""
+    args = event.get("args", {})
+    return args.get("External id", args.get("external id"))
+
+
 def breakdown(events: list[dict]) -> StepBreakdown:
     """Mean over the profiled steps of wall time, computation, communication and overlap."""
     per_step = step_gpu_events(events)

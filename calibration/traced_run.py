@@ -9,8 +9,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from calibration.trace import (TraceError, KERNELS, is_communication, load_trace, step_gpu_events,
-                               steps)
+from calibration.trace import (TraceError, KERNELS, external_id, is_communication, load_trace,
+                               step_gpu_events, steps, traced_update)
 from calibration.traced_plan import collective_kernels, derive_plan, nccl_kind, sized
 from hidup.graph.capture import Graph
 from hidup.planning.costs import issues
@@ -46,8 +46,7 @@ def forward_op_times(events: list[dict]) -> dict[str, list[float]]:
     kernels: dict[int, float] = {}
     for e in events:
         if e.get("cat") in KERNELS and not is_communication(e):
-            args = e.get("args", {})  # PyTorch 1.x spells it 'external id', 2.x 'External id'
-            ext = args.get("external id", args.get("External id"))
+            ext = external_id(e)
             kernels[ext] = kernels.get(ext, 0.0) + e["dur"] * 1e-6
     cpu = sorted((e for e in events if e.get("cat") == "cpu_op"),
                  key=lambda e: (e["tid"], e["ts"], -e["dur"]))
@@ -64,7 +63,7 @@ def forward_op_times(events: list[dict]) -> dict[str, list[float]]:
                 inside_until = op["ts"] + op["dur"]
                 j = i
                 while j < len(cpu) and cpu[j]["tid"] == op["tid"] and cpu[j]["ts"] <= inside_until:
-                    totals[op["name"]] += kernels.get(cpu[j]["args"].get("External id"), 0.0)
+                    totals[op["name"]] += kernels.get(external_id(cpu[j]), 0.0)
                     j += 1
             i += 1
         for kind, seconds in totals.items():
@@ -110,10 +109,14 @@ def collective_times(per_step_events: list[list[dict]]) -> dict[str, list[float]
 
 
 def read_run(path: Path, strategy_arg: str, graph: Graph, model: str, world: int,
-             profiler_overhead: float = 0.0) -> TracedRun:
-    """Pair one trace with its Program and read the kernel and collective points off it."""
+             profiler_overhead: float = 0.0, optimizer: str = "sgd") -> TracedRun:
+    """Pair one trace with its Program and read the kernel and collective points off it. The
+    Program's update is the optimizer whose step the trace records, else `optimizer`."""
     events = load_trace(path)
-    notes = []
+    update = traced_update(events)
+    notes = [f"optimizer {update.optimizer} (the trace's optimizer step: {update.kernels} "
+             f"kernels, {update.seconds * 1e3:.2f} ms a step)" if update else
+             f"optimizer {optimizer} (the trace names none: --optimizer)"]
     if strategy_arg == "traced":
         strategy, lines = derive_plan(events, graph, world)
         notes.append(f"plan read from the trace's all-gathers: {len(lines)} parameters kept "
@@ -123,9 +126,8 @@ def read_run(path: Path, strategy_arg: str, graph: Graph, model: str, world: int
         strategy, bucket = resolve_strategy(strategy_arg, graph, world), 25 * 2 ** 20
     traced = _compute_streams(events)  # the paper prototype's Duplex ran one per micro-batch
     k = 2 if traced > 1 else 1
-    # the shipped profiles were fitted with the step's update priced as SGD's (one pass over the
-    # parameters); the traced runs used Adam, whose update the kernels' fit then partly absorbs
-    program = lower(graph, strategy, world, k, model, bucket_bytes=bucket, optimizer="sgd")
+    program = lower(graph, strategy, world, k, model, bucket_bytes=bucket,
+                    optimizer=update.optimizer if update else optimizer)
     notes.append(f"{strategy.name}, k={k} ({traced} CUDA compute stream(s) in the trace)")
 
     times = forward_op_times(events)

@@ -13,11 +13,13 @@ import csv
 import sys
 from pathlib import Path
 
-from calibration.trace import TraceError, breakdown, gpu_events, is_communication, load_trace, steps
+from calibration.trace import (TraceError, breakdown, gpu_events, is_communication, load_trace,
+                               steps, traced_update)
 from calibration.traced_plan import derive_plan
 from hidup.cli import Parser
 from hidup.models import capture_model, get_model
 from hidup.planning.planfile import PlanError, save_plan
+from hidup.program import Compute
 from simulator.predict import SimOptions, predict
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces" / "v100-1x4-nvlink"
@@ -41,6 +43,12 @@ def kernel_families(events: list[dict], top: int = 3) -> list[tuple[str, float]]
         totals[family] = totals.get(family, 0.0) + e["dur"] * 1e-3
     steps_ = len(steps(events))
     return [(f, t / steps_) for f, t in sorted(totals.items(), key=lambda x: -x[1])[:top]]
+
+
+def update_seconds(result) -> float:
+    """Rank 0's simulated seconds in the optimizer's update."""
+    return sum(r.end - r.start for r in result.records[0]
+               if isinstance(r.task, Compute) and r.task.phase == "update")
 
 
 def main(argv=None) -> int:
@@ -82,10 +90,11 @@ def _run(args) -> int:
     ]
     rows = []
     for system, trace, strategy, k, bucket, which in runs:
-        real = breakdown(traces[trace])
+        real, update = breakdown(traces[trace]), traced_update(traces[trace])
         result = getattr(predict(MODEL, args.cluster, GPUS, strategy, None, k,
-                                 SimOptions(optimizer="sgd", bucket_mb=bucket)), which)
-        cmd = (f"--strategy {'PLAN' if strategy.endswith('.json') else strategy} --optimizer sgd"
+                                 SimOptions(optimizer=update.optimizer, bucket_mb=bucket)), which)
+        cmd = (f"--strategy {'PLAN' if strategy.endswith('.json') else strategy} "
+               f"--optimizer {update.optimizer}"
                + (f" --micro-batches {k} --bucket-mb 0" if k > 1 else ""))
         rows.append({"system": system, "trace": f"{trace}.json.gz", "predict": cmd,
                      "traced_step_ms": real.wall * 1e3, "predicted_step_ms": result.step_time * 1e3,
@@ -94,17 +103,20 @@ def _run(args) -> int:
                      "predicted_computation_ms": result.computation * 1e3,
                      "traced_communication_ms": real.communication * 1e3,
                      "predicted_communication_ms": result.communication * 1e3,
-                     "traced_overlap": real.overlap, "predicted_overlap": result.overlap_ratio})
+                     "traced_overlap": real.overlap, "predicted_overlap": result.overlap_ratio,
+                     "traced_update_ms": update.seconds * 1e3,
+                     "predicted_update_ms": update_seconds(result) * 1e3})
     head = ("| system (trace) | predict flags | step traced / predicted (ms) | error | "
-            "computation (ms) | communication (ms) | overlap |")
-    table = [head, "|" + " --- |" * 7]
+            "computation (ms) | communication (ms) | overlap | update (ms) |")
+    table = [head, "|" + " --- |" * 8]
     for r in rows:
         table.append(
             f"| {r['system']} (`{r['trace']}`) | `{r['predict']}` | {r['traced_step_ms']:.1f} / "
             f"{r['predicted_step_ms']:.1f} | {r['error']:+.1%} | {r['traced_computation_ms']:.1f}"
             f" / {r['predicted_computation_ms']:.1f} | {r['traced_communication_ms']:.1f} / "
             f"{r['predicted_communication_ms']:.1f} | {r['traced_overlap']:.0%} / "
-            f"{r['predicted_overlap']:.0%} |")
+            f"{r['predicted_overlap']:.0%} | {r['traced_update_ms']:.1f} / "
+            f"{r['predicted_update_ms']:.1f} |")
     print(f"switch-trace:paper on 4 GPUs, cluster {args.cluster} (traced / predicted):")
     print("\n".join(table))
     print("\nWhere each traced run's GPU time went (kernel milliseconds per step):")

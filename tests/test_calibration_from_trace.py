@@ -65,6 +65,10 @@ def test_fitted_profile_predicts_the_traced_steps_within_5_percent(tmp_path, cap
         open(tmp_path / "st" / "switch_trace.csv"))}
     for trace in ("ddp.json.gz", "hidup.json.gz"):
         assert abs(float(rows[trace]["error"])) <= 0.05, rows[trace]
+    # each row is predicted with the optimizer its trace ran
+    assert [rows[t]["predict"].split("--optimizer ")[1].split()[0] for t in
+            ("ddp.json.gz", "hidup.json.gz", "fastmoe.json.gz")] == ["sgd", "sgd", "adam"]
+    assert float(rows["ddp.json.gz"]["traced_update_ms"]) == pytest.approx(6.81, abs=0.01)
     plan = json.loads((tmp_path / "st" / "switch-trace-hidup-plan.json").read_text())
     assert plan["placements"]["p_layers_0_linear1_weight"] == "S(0)"
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from calibration.trace import TraceError, breakdown, load_trace, main
+from calibration.trace import TraceError, TracedUpdate, breakdown, load_trace, main, traced_update
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 needs_traces = pytest.mark.skipif(not TRACES.is_dir(), reason=f"needs the traces at {TRACES}")
@@ -62,3 +62,35 @@ def test_bad_traces_are_one_line_errors(tmp_path, capsys):
         breakdown(load_trace(tmp_path / "empty.json"))
     assert main([str(tmp_path / "missing.json.gz")]) == 2
     assert "cannot read it" in capsys.readouterr().err
+
+
+@needs_traces
+def test_the_optimizer_each_trace_ran():
+    """shared/traces/README.md says the V100 runs used Adam; their optimizer steps say otherwise:
+    DDP and the HiDup prototype ran SGD (one add_ per parameter, 69 parameters), FastMoE Adam (8
+    kernels per parameter, 78 parameters), DeepSpeed its FusedAdam. The H100 traces record no
+    optimizer step (their README names SGD)."""
+    ran = {name: traced_update(load_trace(TRACES / f"{name}.json.gz"))
+           for name in ("v100-1x4-nvlink/ddp", "v100-1x4-nvlink/hidup", "v100-1x4-nvlink/fastmoe",
+                        "v100-1x4-nvlink/deepspeed", "v100-2x4/hidup",
+                        "h100-1x1/bert-sgmoe-paper-fp32")}
+    assert {n: (u.optimizer, u.kernels) for n, u in ran.items() if u} == {
+        "v100-1x4-nvlink/ddp": ("sgd", 69), "v100-1x4-nvlink/hidup": ("sgd", 69),
+        "v100-1x4-nvlink/fastmoe": ("adam", 8 * 78), "v100-1x4-nvlink/deepspeed": ("adam", 8),
+        "v100-2x4/hidup": ("sgd", 69)}
+    assert ran["h100-1x1/bert-sgmoe-paper-fp32"] is None
+    assert ran["v100-1x4-nvlink/ddp"].seconds * 1e3 == pytest.approx(6.81, abs=0.01)
+    assert ran["v100-1x4-nvlink/fastmoe"].seconds * 1e3 == pytest.approx(16.45, abs=0.01)
+
+
+def test_an_optimizer_hidup_does_not_price_is_named():
+    step = {"ph": "X", "cat": "cpu_op", "name": "Optimizer.step#Lion.step", "ts": 0, "dur": 5,
+            "tid": 1}
+    with pytest.raises(TraceError, match="optimizer Lion .* is not one HiDup prices"):
+        traced_update([step])
+    momentum = [dict(step, name="Optimizer.step#SGD.step"),
+                {"ph": "X", "cat": "cpu_op", "name": "aten::mul_", "ts": 1, "dur": 1, "tid": 1,
+                 "args": {"External id": 7}},
+                {"ph": "X", "cat": "kernel", "name": "k", "ts": 2, "dur": 3,
+                 "args": {"External id": 7}}]
+    assert traced_update(momentum) == TracedUpdate("sgd-momentum", 3e-6, 1)
