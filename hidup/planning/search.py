@@ -37,6 +37,11 @@ log = logging.getLogger(__name__)
 # +33% on the paper's models at 16 and 64 GPUs, so such a plan is not expected to win). The same
 # holds for the plan with no communication (replicated_plan).
 _HOPELESS = 2.0
+# Nor is a plan lowered with more micro-batches where its estimate with one is over _HOPELESS
+# times the fastest ranked: k micro-batches do each kernel and collective of one at least once,
+# and the most they hide is the shorter of the two, so the estimate with k is at least half the
+# estimate with one. Such a count is HOPELESS: tried, and not expected to win.
+HOPELESS = "hopeless"
 
 
 class Ranked(NamedTuple):
@@ -156,7 +161,8 @@ def _rank_finals(ranking: Ranking, runs, least: float, proofs: list | None) -> N
     not sought)."""
     options = ranking.options
     timed = options.objective == "time"
-    for mesh, dp, finals in runs:
+    # the programme priced best first, so that the fastest ranked is known early (HOPELESS)
+    for mesh, dp, finals in sorted(runs, key=lambda run: run[2][0].best):
         turned = dp.options.transposed
         mesh_tag = "-2dt" if turned else "-2d" if mesh > 1 else ""
         if timed and _far_behind(finals[0].best, least):  # its plan best either way only
@@ -225,6 +231,7 @@ class Ranking:
         # plans ranked so far: count -> it fits (True, False, or DEFERRED)
         self.seen: dict[tuple, dict[int, bool | str]] = {}
         self.least = math.inf  # the smallest peak of a plan over the limit (bytes)
+        self.fastest = math.inf  # the smallest step time ranked (s)
         # plans over the limit whose parameters and state fit, for recompute_deferred:
         # (estimate without recomputation, order, strategy, name, dp_cost, k, peak)
         self.deferred: list[tuple] = []
@@ -244,7 +251,8 @@ class Ranking:
             if plan not in self.seen:
                 check(self.graph, strategy)
             tried = self.add_stored(strategy, f"{tag}#{j}", cost(label), sorted({1, dp.k}))
-            keep -= any(tried[kk] is True or tried[kk] == DEFERRED and self.deferred_fit
+            keep -= any(tried[kk] is True or tried[kk] == HOPELESS
+                        or tried[kk] == DEFERRED and self.deferred_fit
                         for kk in at)  # it fits: the DP's memory model is an estimate
             if keep == 0:
                 break
@@ -315,14 +323,24 @@ class Ranking:
                                       or memory.peak * kk > more * self.memory):
                         tried[more] = False
                 continue
-            self.rank(program, strategy, name, dp_cost, kk)
+            step_time = self.rank(program, strategy, name, dp_cost, kk)
             tried[kk] = True
+            if self.options.objective == "time" and step_time > _HOPELESS * self.fastest:
+                for more in counts:
+                    if more > kk and more not in tried:
+                        log.info("plan %s not lowered with k=%d: %.4g s with k=%d, over %g "
+                                 "times the fastest ranked", name, more, step_time, kk,
+                                 _HOPELESS)
+                        tried[more] = HOPELESS
         return tried
 
-    def rank(self, program, strategy: Strategy, name: str, dp_cost: float, kk: int) -> None:
-        """Rank a plan lowered with kk micro-batches (`program`) that fits, by its estimate."""
+    def rank(self, program, strategy: Strategy, name: str, dp_cost: float, kk: int) -> float:
+        """Rank a plan lowered with kk micro-batches (`program`) that fits, by its estimate;
+        the estimate's step time."""
         est = estimate(program, self.profile)
         self.ranked.append(Ranked(est.step_time, name, strategy, dp_cost, est, kk))
+        self.fastest = min(self.fastest, est.step_time)
+        return est.step_time
 
 
     def defer_recomputed(self, strategy: Strategy, name: str, dp_cost: float, kk: int,
