@@ -9,8 +9,9 @@ figures (`h100-8x-ib-bf16`; docs/profiles.md).
    outputs kept, as torchtitan's policy keeps them) and whole, the eager row with the `graph`
    mode's host cost and the compile row with `compile`'s (its kernels fused as Inductor fuses
    them), each with its peak memory with the values in float32
-   (as HiDup's executor holds them) and in bf16 (as torchtitan does). The profile was built
-   without these rows.
+   (as HiDup's executor holds them) and in bf16 (as torchtitan does), and its kernel time split
+   into library kernels (matmuls, attention) and the rest. The profile was built without these
+   rows.
 2. HiDup's chosen plan beside `fsdp` (and `fsdp+tp` on a 2-D mesh) on each --gpus, each with the
    layers it recomputes to fit the device (the planner's choice: hidup.planning.select).
 
@@ -26,10 +27,12 @@ from pathlib import Path
 
 from hidup.cli import Parser
 from hidup.models import capture_model, get_model
+from hidup.graph.flops import library_op
+from hidup.planning.fusion import kernel_times
 from hidup.planning.memory import peak_memory
 from hidup.planning.profile_file import load_profile
 from hidup.planning.select import Goal, select_plan
-from hidup.program import lower
+from hidup.program import Compute, Convert, lower
 from hidup.strategy import fixed_strategy, layers, recomputing
 from simulator.predict import SimOptions, simulate
 
@@ -56,17 +59,31 @@ def published_rows(cluster: str, log) -> list[dict]:
             started = time.perf_counter()
             run = simulate(graph, plan, profile, 8, 1, SimOptions("adamw", mode), MODEL)
             step = run.spmd.step_time
-            bf16 = peak_memory(lower(graph, plan, 8, 1, MODEL, optimizer="adamw"),
-                               value_itemsize=2)  # as torchtitan keeps them: bf16 values
+            program = lower(graph, plan, 8, 1, MODEL, optimizer="adamw")
+            bf16 = peak_memory(program, value_itemsize=2)  # as torchtitan keeps them: bf16 values
+            library, other = kernel_split(program, profile, mode)
             rows.append({"torchtitan": label, "published_tokens_per_gpu": tokens,
                          "published_gib": gib, "mode": mode, "recompute": recompute,
                          "step_ms": step * 1e3, "tokens_per_gpu": tokens_per_gpu(step),
                          "error": tokens_per_gpu(step) / tokens - 1,
                          "peak_gib": run.memory[0].peak / 2**30,
-                         "peak_bf16_values_gib": bf16.peak / 2**30})
+                         "peak_bf16_values_gib": bf16.peak / 2**30,
+                         "library_kernels_ms": library * 1e3, "other_kernels_ms": other * 1e3})
             log(f"{label} ({mode}), recompute {recompute}: {step * 1e3:.0f} ms a step, "
                 f"simulated in {time.perf_counter() - started:.1f} s")
     return rows
+
+
+def kernel_split(program, profile, mode: str) -> tuple[float, float]:
+    """Seconds of the step's library kernels (matmuls, attention: hidup.graph.flops.library_op)
+    and of its other kernels (Inductor's generated code under `compile`, the optimizer's update
+    included) as `mode` prices them."""
+    times = kernel_times(program, profile, mode)
+    tasks = {t.id: t for t in program.tasks if isinstance(t, (Compute, Convert))}
+    library = sum(s for i, s in times.items()
+                  if isinstance(tasks[i], Compute) and tasks[i].phase != "update"
+                  and library_op(tasks[i].op))
+    return library, sum(times.values()) - library
 
 
 def plan_rows(cluster: str, gpus: int, log) -> list[dict]:
@@ -100,12 +117,14 @@ def plan_rows(cluster: str, gpus: int, log) -> list[dict]:
 def published_table(rows: list[dict]) -> str:
     lines = ["| torchtitan (published) | tokens/s per GPU | GiB | HiDup fsdp, layers recomputed "
              "| mode | step (ms) | tokens/s per GPU | error | peak (GiB, fp32 values) "
-             "| peak (GiB, bf16 values) |", "|---|---:|---:|---|---|---:|---:|---:|---:|---:|"]
+             "| peak (GiB, bf16 values) | library kernels (ms) | other kernels (ms) |",
+             "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['torchtitan']} | {r['published_tokens_per_gpu']:,} | "
                      f"{r['published_gib']} | {r['recompute']} | {r['mode']} | "
                      f"{r['step_ms']:.0f} | {r['tokens_per_gpu']:,.0f} | {r['error']:+.1%} | "
-                     f"{r['peak_gib']:.1f} | {r['peak_bf16_values_gib']:.1f} |")
+                     f"{r['peak_gib']:.1f} | {r['peak_bf16_values_gib']:.1f} | "
+                     f"{r['library_kernels_ms']:.0f} | {r['other_kernels_ms']:.0f} |")
     return "\n".join(lines)
 
 

@@ -158,6 +158,10 @@ def test_llama_table_sets_the_published_rows_beside_the_predictions(tmp_path, ca
     assert none["peak_gib"] > some["peak_gib"] > every["peak_gib"]
     assert none["peak_bf16_values_gib"] < none["peak_gib"]  # the forward's values at 2 bytes
     assert none["error"] == pytest.approx(none["tokens_per_gpu"] / 5762 - 1)
+    compiled = published[3]  # the same matmuls, the other kernels fused
+    assert compiled["library_kernels_ms"] == pytest.approx(none["library_kernels_ms"])
+    assert compiled["other_kernels_ms"] < none["other_kernels_ms"]
+    assert none["library_kernels_ms"] + none["other_kernels_ms"] <= none["step_ms"] + 1e-6
     chosen = [r for r in rows["plans"] if r["chosen"]]
     assert len(chosen) == 1 and chosen[0]["fits"] and chosen[0]["peak_gib"] <= 96
     assert "| eager | 5,762 | 82.4 | none |" in capsys.readouterr().out

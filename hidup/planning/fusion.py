@@ -54,7 +54,7 @@ def fused_groups(program: Program, profile) -> list[list[Compute]]:
     for task in program.tasks:
         if getattr(task, "id", None) in gone:
             continue
-        if _generated(task) and kernel_key(task) not in measured:
+        if generated(task) and kernel_key(task) not in measured:
             run.append(task)
             continue
         groups += _connected(run)
@@ -63,7 +63,7 @@ def fused_groups(program: Program, profile) -> list[list[Compute]]:
     return [g for g in groups if len(g) > 1]
 
 
-def _generated(task) -> bool:
+def generated(task) -> bool:
     """Whether Inductor generates the task's code: a forward or backward of an op no library
     runs (the optimizer's update runs outside the graph; conversions and waits end a stretch
     or are copies the cost model keeps apart)."""
