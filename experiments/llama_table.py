@@ -8,8 +8,9 @@ figures (`h100-8x-ib-bf16`; docs/profiles.md).
    layer recomputed, with every layer recomputed selectively (the matmuls' and attention's
    outputs kept, as torchtitan's policy keeps them) and whole, the eager row with the `graph`
    mode's host cost and the compile row with `compile`'s (its kernels fused as Inductor fuses
-   them), each with its peak memory with the values in float32
-   (as HiDup's executor holds them) and in bf16 (as torchtitan does), and its kernel time split
+   them), each with its peak memory with the values in float32 (HiDup's memory model; an upper
+   bound of what its executor holds under bf16 autocast) and in bf16 (as torchtitan keeps
+   them), and its kernel time split
    into library kernels (matmuls, attention) and the rest. The profile was built without these
    rows.
 2. HiDup's chosen plan beside `fsdp` (and `fsdp+tp` on a 2-D mesh) on each --gpus, each with the

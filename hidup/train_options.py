@@ -132,8 +132,9 @@ def parser() -> Parser:
     ap.add_argument("--eval-batches", type=int, default=d.eval_batches,
                     help="batches of --eval to score")
     ap.add_argument("--precision", choices=["fp32", "bf16"], default=d.precision,
-                    help="bf16: mixed precision, each op under torch.autocast in bfloat16 "
-                         "(weights, gradients, communication and the optimizer stay float32)")
+                    help="bf16: mixed precision, each op under torch.autocast in bfloat16, its "
+                         "output in the dtype autocast gives it, as in eager PyTorch (weights, "
+                         "their gradients and the optimizer stay float32)")
     ap.add_argument("--timeout", type=float, default=d.timeout,
                     help="seconds a collective may wait for a lost or stuck peer before the run "
                          "stops with an error (default 300)")

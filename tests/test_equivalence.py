@@ -135,7 +135,7 @@ def bf16_grads(rank, world, cases):
         spec = get_model(name, gpus=world)
         model = build_model(spec)
         graph = capture(model, batch_of(spec, seed=0))
-        strategy = fixed_strategy(strategy_name, graph, world)
+        strategy = one_d_strategy(graph, strategy_name, world, k)
         program = lower(graph, strategy, world, k, name)
         inputs = dict(zip([n.source for n in graph.user_inputs], batch_of(spec)))
         results = []
@@ -147,6 +147,24 @@ def bf16_grads(rank, world, cases):
                                    for p, g in ex.grads.items()}))
         out[(name, strategy_name, k)] = results
     return out
+
+
+def test_bf16_values_flow_as_in_eager_autocast():
+    """Under bf16 autocast each op's output keeps the dtype autocast gives it, as in eager
+    PyTorch (a matmul's output stays bf16 for the ops after it): with the batch split over the
+    ranks (data parallel, and the search's plan for llama:tiny), the loss equals eager autocast's
+    on one device to float32 rounding, closer than to the float32 run."""
+    cases = [("llama:tiny", "ddp", 1), ("llama:tiny", "search", 2)]
+    results = run_ranks(2, bf16_grads, cases)
+    spec = get_model("llama:tiny", gpus=2)
+    model = build_model(spec)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = float(model(*batch_of(spec)))
+    for case in cases:
+        for rank_result in results:
+            (loss, _), (loss32, _) = rank_result[case]
+            assert abs(loss - eager) <= 1e-6 * abs(eager), (case, loss, eager, loss32)
+            assert abs(loss32 - eager) > 1e-5 * abs(eager)  # bf16 rounding shows
 
 
 def test_bf16_autocast_matches_single_device_within_bf16_tolerance():

@@ -74,8 +74,9 @@ def peak_memory(program: Program, itemsize: int = 4,
     `program.optimizer`'s state (or `optimizer_bytes_per_param` bytes per local parameter
     element, where given). `value_itemsize` counts the forward's values (activations and
     gathered weights) at another size than the parameters, gradients and state: 2 for a run
-    that keeps them in bf16 with float32 master weights (not HiDup's executor, which keeps
-    values float32)."""
+    that keeps them all in bf16 with float32 master weights. HiDup's executor under bf16
+    autocast keeps each value in the dtype autocast gives it (bf16 or float32), between the
+    two counts."""
     if optimizer_bytes_per_param is None:
         optimizer_bytes_per_param = optimizer_cost(program.optimizer).states * itemsize
     tasks = program.tasks

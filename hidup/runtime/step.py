@@ -45,7 +45,9 @@ class StepSpec:
     # the process groups of the collectives, by their ranks: the world's, and on a 2-D mesh this
     # rank's row and column (empty with world size 1 or collectives stood in)
     group_names: dict[tuple[int, ...], str]
-    autocast: torch.dtype | None = None  # each node's forward under torch.autocast (bf16)
+    autocast: torch.dtype | None = None  # each node's forward under torch.autocast (bf16);
+    #   its output kept in autocast's dtype, as eager keeps it (activations and their gradients
+    #   in bf16 where autocast makes them so, weights and their gradients float32)
     device_type: str = "cpu"
     local_collectives: bool = False  # calibration: collectives stood in by local copies
 
@@ -159,8 +161,6 @@ class _TaskRunner:
             else nullcontext()
         with torch.enable_grad(), self.autocast(node), saving:
             out = self.callable(task, node)(leaves)
-        if self.spec.autocast is not None and out.is_floating_point():
-            out = out.float()  # values, collectives and gradients stay float32
         if tuple(out.shape) != task.out_shape:
             raise RuntimeError(f"node {task.node} ({task.op}) mb {task.mb}: local output shape "
                                f"{tuple(out.shape)}, the Program expects {task.out_shape}")
