@@ -29,7 +29,7 @@ __all__ = ["Plan", "plan", "parallelize", "Trainer"]
 def plan(model: torch.nn.Module, example_inputs: tuple | list, *, cluster: str, gpus: int,
          micro_batches: int | None = None, memory: float | None = None,
          optimizer: str = "adamw", strategy: str = SEARCH, mesh: tuple[int, int] | None = None,
-         name: str | None = None, recompute: str = "auto") -> Plan:
+         name: str | None = None, recompute: str = "auto", mode: str = "graph") -> Plan:
     """Plan `model` (whose `model(*example_inputs)` returns the loss; the inputs are one global
     batch) for `gpus` ranks of `cluster` (a shipped profile's name or a profile file).
 
@@ -43,14 +43,16 @@ def plan(model: torch.nn.Module, example_inputs: tuple | list, *, cluster: str, 
     first layers that make a plan fit where it does not fit otherwise (selectively: the
     matmuls' and attention's outputs kept; or whole); "none", "all", a count of first layers as
     text ("4") or layer names joined by commas ("layers.0,layers.1"), each also as
-    "selective:...". The same
+    "selective:...". `mode` is how hidup.parallelize will run the step ("graph", "compile",
+    "cuda-graphs"): on a profile with host figures its host cost, and for "compile" Inductor's
+    fused kernels, rank the plans. The same
     arguments give the plan `python -m hidup.planner` and `python -m simulator.predict`
     choose."""
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     profile = load_profile(cluster)
     goal = Goal(gpus, micro_batches, None if memory is None else float(memory), optimizer,
-                None if mesh is None else tuple(mesh), strategy, recompute=recompute)
+                None if mesh is None else tuple(mesh), strategy, recompute=recompute, mode=mode)
     graph = capture(model, tuple(example_inputs))
     chosen = select_plan(graph, profile, goal)
     where = str(cluster) if Path(str(cluster)).is_file() else profile.name

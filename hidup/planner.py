@@ -20,7 +20,7 @@ from hidup.planning.planfile import save_plan
 from hidup.planning.profile_file import load_profile
 from hidup.planning.select import DUPLEX_K, Goal, select_plan
 from hidup.strategy import describe, mesh_option
-from hidup.program import OPTIMIZERS, LoweringError, lower
+from hidup.program import MODES, OPTIMIZERS, LoweringError, lower
 
 log = logging.getLogger(__name__)
 PROG = "python -m hidup.planner"
@@ -47,6 +47,11 @@ def parse_args(argv=None):
     ap.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw",
                     help="the optimizer whose update time and state memory the plan is priced "
                          "with: the one hidup.train runs by default (default: adamw)")
+    ap.add_argument("--mode", choices=MODES, default="graph",
+                    help="the executor mode training will run (hidup.train's --compile, "
+                         "--cuda-graphs): its host time per task, where the profile has host "
+                         "figures, and for 'compile' Inductor's fused kernels rank the plans "
+                         "(default: %(default)s)")
     ap.add_argument("--beam", type=int, default=16, help="states kept per cut of the search")
     ap.add_argument("--exact", type=float, default=0.0, metavar="SECONDS",
                     help="time for the integer programme that proves the k=1 cost model's best "
@@ -77,10 +82,10 @@ def plan(args) -> dict:
     graph = capture_model(spec, batch)
     memory = args.memory * 2**30 if args.memory is not None else None
     goal = Goal(args.gpus, args.micro_batches, memory, args.optimizer, args.mesh,
-                beam=args.beam, exact=args.exact, recompute=args.recompute)
+                beam=args.beam, exact=args.exact, recompute=args.recompute, mode=args.mode)
     chosen = select_plan(graph, profile, goal)
     found, k = chosen.search, chosen.duplex_k
-    rows = {name: _times(graph, s, args.gpus, k, chosen.profile, args.optimizer)
+    rows = {name: _times(graph, s, args.gpus, k, chosen.profile, args.optimizer, args.mode)
             for name, s in chosen.candidates.items()}
     rows[chosen.strategy.name]["chosen_k"] = chosen.k
     limit = chosen.profile.device_memory
@@ -89,7 +94,8 @@ def plan(args) -> dict:
             "mesh": [machines, per], "chosen_mesh": [chosen.strategy.machines,
                                                      args.gpus // chosen.strategy.machines],
             "chosen_transposed": chosen.strategy.transposed,
-            "micro_batches": k, "optimizer": args.optimizer, "chosen": chosen.strategy.name,
+            "micro_batches": k, "optimizer": args.optimizer, "mode": args.mode,
+            "chosen": chosen.strategy.name,
             "chosen_k": chosen.k, "searched": chosen.searched,
             "description": describe(graph, chosen.strategy),
             "memory_limit_gib": None if limit is None else limit / 2**30,
@@ -103,7 +109,7 @@ def plan(args) -> dict:
             "strategy": chosen.strategy, "graph": graph}
 
 
-def _times(graph, strategy, world, k, profile, optimizer: str) -> dict:
+def _times(graph, strategy, world, k, profile, optimizer: str, mode: str) -> dict:
     out = {}
     for kk in (1, k):
         try:
@@ -112,7 +118,7 @@ def _times(graph, strategy, world, k, profile, optimizer: str) -> dict:
             out[f"k{kk}_ms"] = out[f"k{kk}_gib"] = None
             log.info("%s with k=%d cannot be lowered: %s", strategy.name, kk, exc)
             continue
-        out[f"k{kk}_ms"] = estimate(program, profile).step_time * 1e3
+        out[f"k{kk}_ms"] = estimate(program, profile, mode).step_time * 1e3
         out[f"k{kk}_gib"] = peak_memory(program).peak / 2**30
     return out
 

@@ -169,7 +169,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="executor mode to predict ('eager': plain PyTorch): its host time per "
                         "task, where the profile has host figures (GPU profiles; on a CPU cluster "
                         "the host runs the kernels), and with 'compile' the ops Inductor fuses "
-                        "priced as one kernel per group (docs/design.md) (default: %(default)s)")
+                        "priced as one kernel per group (docs/design.md); the search ranks its "
+                        "plans by it too (default: %(default)s)")
     p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw",
                    help="the optimizer training runs (hidup.train's default: adamw): its update "
                         "time and its state's memory count (default: %(default)s)")
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.strategy == SEARCH:
             goal = Goal(args.gpus, args.micro_batches,
                         None if args.memory is None else args.memory * 2**30, args.optimizer,
-                        mesh, recompute=args.recompute)
+                        mesh, recompute=args.recompute, mode=args.mode)
             report = compare(args.model, args.cluster, goal, args.batch, options)
             shown = report.predictions[report.chosen]
         else:

@@ -66,3 +66,23 @@ def test_the_planner_and_the_prediction_report_one_choice(capsys):
     assert planner.main(args) == 0
     planned = json.loads(capsys.readouterr().out)
     assert (planned["chosen"], planned["chosen_k"]) == (predicted["strategy"], predicted["k"])
+
+
+def test_the_executor_mode_ranks_the_plans():
+    """A goal's executor mode prices every plan the selection ranks (on a profile with host
+    figures, the mode's host time per task; for 'compile', Inductor's fused kernels): the chosen
+    plan's step is its estimate in that mode, not in graph mode's."""
+    from hidup.planning.estimate import estimate
+    from hidup.program import lower
+    spec = get_model("gpt:tiny", gpus=8)
+    graph = capture_model(spec, spec.batch)
+    profile = load_profile("h100-8x-ib-bf16")
+    graph_mode = select_plan(graph, profile, Goal(8))
+    for mode in ("compile", "cuda-graphs"):
+        chosen = select_plan(graph, profile, Goal(8, mode=mode))
+        program = lower(graph, chosen.strategy, 8, chosen.k, optimizer="adamw")
+        assert chosen.step_time == pytest.approx(estimate(program, profile, mode).step_time)
+        assert chosen.step_time != pytest.approx(estimate(program, profile).step_time)
+        assert chosen.step_time < graph_mode.step_time  # less host time per task than graph's
+    with pytest.raises(ValueError, match="mode='fast': give one of eager, graph, compile"):
+        select_plan(graph, profile, Goal(8, mode="fast"))

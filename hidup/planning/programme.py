@@ -71,6 +71,8 @@ class SearchOptions:
     recompute: frozenset[str] | None = None
     selective: bool = False  # those layers recomputed selectively (their matmuls' and
     #                          attention's outputs kept)
+    mode: str = "graph"  # the executor mode whose costs the estimate ranks plans by (its host
+    #   time per task where the profile has host figures; 'compile': Inductor's fused kernels)
 
 
 def recomputable_share(graph: Graph, recompute: frozenset[str] | None) -> dict[str, float]:

@@ -337,7 +337,7 @@ class Ranking:
     def rank(self, program, strategy: Strategy, name: str, dp_cost: float, kk: int) -> float:
         """Rank a plan lowered with kk micro-batches (`program`) that fits, by its estimate;
         the estimate's step time."""
-        est = estimate(program, self.profile)
+        est = estimate(program, self.profile, self.options.mode)
         self.ranked.append(Ranked(est.step_time, name, strategy, dp_cost, est, kk))
         self.fastest = min(self.fastest, est.step_time)
         return est.step_time
@@ -351,7 +351,7 @@ class Ranking:
         if strategy.recompute or strategy.selective or self.options.recompute is not None or \
                 not layers(self.graph) or memory.params + memory.optimizer > self.memory:
             return False
-        bound = estimate(program, self.profile).step_time
+        bound = estimate(program, self.profile, self.options.mode).step_time
         self.deferred.append((bound, len(self.deferred), strategy, name, dp_cost, kk,
                               memory.peak))
         return True

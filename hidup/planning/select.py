@@ -17,6 +17,7 @@ from hidup.graph.capture import Graph
 from hidup.planning.costs import Profile
 from hidup.planning.programme import SearchOptions
 from hidup.planning.search import Ranked, SearchResult, rank_plans, search
+from hidup.program import HOST_MODES
 from hidup.strategy import (ACROSS, FIXED, Strategy, fixed_strategies, fixed_strategy,
                             microbatch_split, parse_recompute, recomputing, selective_part)
 
@@ -42,6 +43,8 @@ class Goal:
     #   make a plan fit, where it does not, selectively or whole), 'none', 'all', a count of
     #   first layers, or layer names joined by commas, each also as 'selective:...'
     #   ('selective' alone: every layer; hidup.strategy.parse_recompute)
+    mode: str = "graph"  # the executor mode training runs in (hidup.program.HOST_MODES): its
+    #   host cost and, for 'compile', Inductor's fused kernels rank the plans
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ def select_plan(graph: Graph, profile: Profile, goal: Goal) -> Selection:
     selective = selective_part(goal.recompute)[0]
     options = SearchOptions(k=k, memory=profile.device_memory, optimizer=goal.optimizer,
                             machines=goal.mesh[0], beam=goal.beam, exact=goal.exact,
-                            recompute=recompute, selective=selective)
+                            recompute=recompute, selective=selective, mode=goal.mode)
     fixed = fixed_strategies(graph, goal.gpus, goal.mesh[0])
     found = None
     if goal.strategy == SEARCH:
@@ -143,6 +146,8 @@ def _settle(graph: Graph, profile: Profile, goal: Goal
     if goal.strategy != SEARCH and goal.strategy not in FIXED and goal.strategy not in ACROSS:
         raise ValueError(f"strategy={goal.strategy!r}: give '{SEARCH}' or one of "
                          f"{[*FIXED, *ACROSS]}")
+    if goal.mode not in HOST_MODES:
+        raise ValueError(f"mode={goal.mode!r}: give one of {', '.join(HOST_MODES)}")
     profile.check_world(goal.gpus)
     if goal.memory is not None:
         if not goal.memory > 0:
