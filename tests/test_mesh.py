@@ -182,7 +182,7 @@ def test_a_mesh_priced_far_over_the_other_has_only_its_best_plan_lowered(monkeyp
     machines), each with one micro-batch only: its estimate with one is over twice the fastest
     ranked, and with k micro-batches it is at least half that (HOPELESS). The search chooses
     what it chooses lowering them all."""
-    import hidup.planning.search as searching
+    import hidup.planning.ranking as ranking
     spec = get_model("bert-sgmoe:paper", gpus=16, layers=2)
     graph = capture_model(spec, spec.batch)
     profile = load_profile("v100-8x8-10gbps")
@@ -190,7 +190,7 @@ def test_a_mesh_priced_far_over_the_other_has_only_its_best_plan_lowered(monkeyp
     on_mesh = [name for name, _ in found.candidates if "-2d#" in name]
     assert sorted(on_mesh) == ["search-2d#0 k=1", "search-2d#0+across k=1",
                                "search-2d#0+sharded k=1"]
-    monkeypatch.setattr(searching, "_HOPELESS", float("inf"))
+    monkeypatch.setattr(ranking, "BEHIND", float("inf"))
     every = search(graph, 16, profile, SearchOptions(k=2, machines=2))
     assert len([name for name, _ in every.candidates if "-2d#" in name]) > 6
     assert every.candidates[0] == found.candidates[0]

@@ -19,7 +19,8 @@ from hidup.planning.memory import is_view, peak_memory
 from hidup.planning.planfile import PlanError, check, load_plan, save_plan
 from hidup.planning.profile_file import load_profile
 from hidup.planning.programme import SearchOptions
-from hidup.planning.search import DEFERRED, Ranking, search
+from hidup.planning.ranking import DEFERRED, Ranking
+from hidup.planning.search import search
 from hidup.planning.select import Goal, select_plan
 from hidup.program import Compute, Convert, lower
 from hidup.program.recompute import dropped, nondeterministic

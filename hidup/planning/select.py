@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 from hidup.graph.capture import Graph
 from hidup.planning.costs import Profile
 from hidup.planning.programme import SearchOptions
-from hidup.planning.search import Ranked, SearchResult, rank_plans, search
+from hidup.planning.ranking import Ranked, rank_plans
+from hidup.planning.search import SearchResult, search
 from hidup.program import HOST_MODES
 from hidup.strategy import (ACROSS, FIXED, Strategy, fixed_strategies, fixed_strategy,
                             microbatch_split, parse_recompute, recomputing, selective_part)

@@ -1,0 +1,256 @@
+"""The ranking of plans: each plan the search (hidup.planning.search) or a caller hands over is
+lowered with one micro-batch and with k, held to the memory limit, estimated
+(hidup.planning.estimate) in the executor's mode and ranked; a plan over the limit whose state
+fits is kept to be tried with layers recomputed (Ranking.recompute_deferred)."""
+from __future__ import annotations
+
+import logging
+import math
+from operator import attrgetter
+from typing import NamedTuple
+
+from hidup.graph.capture import Graph
+from hidup.planning.costs import Profile
+from hidup.planning.estimate import Estimate, estimate
+from hidup.planning.memory import peak_memory
+from hidup.planning.planfile import check
+from hidup.planning.programme import Search, SearchOptions
+from hidup.strategy import (Strategy, first_layers, layers, recomputing, sharded_storage,
+                            stored_across)
+from hidup.program.lowering import lower
+from hidup.program.tasks import LoweringError
+
+log = logging.getLogger(__name__)
+# On a 2-D mesh the search ranks the plans of the mesh's programme and of the 1-D one; where
+# one programme's best plan is priced over BEHIND times the other's, only that plan of it is
+# lowered and estimated (the estimate of the programme's plans differs from its price by -4% to
+# +33% on the paper's models at 16 and 64 GPUs, so such a plan is not expected to win). The same
+# holds for the plan with no communication (replicated_plan).
+BEHIND = 2.0
+# Nor is a plan lowered with more micro-batches where its estimate with one is over BEHIND
+# times the fastest ranked: k micro-batches do each kernel and collective of one at least once,
+# and the most they hide is the shorter of the two, so the estimate with k is at least half the
+# estimate with one. Such a count is HOPELESS: tried, and not expected to win.
+HOPELESS = "hopeless"
+
+
+
+class Ranked(NamedTuple):
+    """A plan the search lowered with `k` micro-batches and estimated, and that fits."""
+
+    step_time: float  # the fast estimate's (s)
+    name: str  # search#j, search-k1#j, search-2d#j, exact#0, search-replicated#0 (+sharded:
+    #   its parameters stored sharded; +resharded: also gathered again for the backward), or a
+    #   baseline's
+    strategy: Strategy
+    dp_cost: float  # the programme's own price of it (nan for a baseline)
+    estimate: Estimate
+    k: int
+
+
+DEFERRED = "deferred"  # Ranking.add's word for a plan over the limit kept to be recomputed
+
+
+
+def _plan_key(strategy: Strategy) -> tuple:
+    return (strategy.machines, strategy.transposed, tuple(strategy.placements.items()),
+            tuple(strategy.options.items()), tuple(sorted(strategy.reshard)),
+            tuple(sorted(strategy.across.items())), tuple(sorted(strategy.recompute)),
+            tuple(sorted(strategy.selective)))
+
+
+class Ranking:
+    """The plans lowered and estimated so far: each with one micro-batch and with k, each
+    variant that lowers and fits in memory kept (Duplex pays only where it hides more than it
+    costs)."""
+
+    def __init__(self, graph: Graph, world: int, profile: Profile, options: SearchOptions):
+        self.graph, self.world, self.profile, self.options = graph, world, profile, options
+        self.memory = math.inf if options.memory is None else options.memory
+        self.ranked: list[Ranked] = []
+        # plans ranked so far: count -> it fits (True, False, or DEFERRED)
+        self.seen: dict[tuple, dict[int, bool | str]] = {}
+        self.least = math.inf  # the smallest peak of a plan over the limit (bytes)
+        self.fastest = math.inf  # the smallest step time ranked (s)
+        # plans over the limit whose parameters and state fit, for recompute_deferred:
+        # (estimate without recomputation, order, strategy, name, dp_cost, k, peak)
+        self.deferred: list[tuple] = []
+        self.deferred_fit = True  # finals count a deferred plan as one that fits
+
+    def finals(self, dp: Search, finals, cost, keep: int, tag: str, at: list[int]) -> None:
+        """Rank the first `keep` distinct plans of `finals` that fit with a micro-batch count of
+        `at` (named TAG#j, the programme's `cost` of its label beside it), each lowered with k
+        and with one but where tried already."""
+        mine: list[tuple] = []
+        for j, label in enumerate(finals[:10 * keep]):
+            strategy = dp.strategy(label, "hidup" if dp.objective == "time" else "min-comm")
+            plan = _plan_key(strategy)
+            if plan in mine:
+                continue  # the same plan reached through another state
+            mine.append(plan)
+            if plan not in self.seen:
+                check(self.graph, strategy)
+            tried = self.add_stored(strategy, f"{tag}#{j}", cost(label), sorted({1, dp.k}))
+            keep -= any(tried[kk] is True or tried[kk] == HOPELESS
+                        or tried[kk] == DEFERRED and self.deferred_fit
+                        for kk in at)  # it fits: the DP's memory model is an estimate
+            if keep == 0:
+                break
+
+    def add_stored(self, strategy: Strategy, name: str, dp_cost: float,
+                   counts: list[int] | None = None) -> dict[int, bool | str]:
+        """Rank the plan and, where it keeps some parameter whole, the same plan with every such
+        parameter stored sharded (NAME+sharded; hidup.strategy.sharded_storage): where a
+        parameter lives is the search's decision too, priced by the estimate (gathers before
+        use, gradients reduce-scattered) and held to memory (state on the shards). Where that
+        does not fit with some count, also with each gathered weight freed after the forward and
+        gathered again for the backward (NAME+resharded). On a 2-D mesh, also with its
+        parameters stored sharded across the machines (NAME+across; hidup.strategy.
+        stored_across). Whether each count fits: any variant's."""
+        tried = dict(self.add(strategy, name, dp_cost, counts))
+        ranks = self.world // strategy.machines
+        variants = []
+        if strategy.machines > 1:  # stored sharded across the machines (NAME+across)
+            variants.append(self.add(stored_across(self.graph, strategy, ranks),
+                                     f"{name}+across", dp_cost, counts))
+        sharded = sharded_storage(self.graph, strategy, ranks)
+        if sharded is not strategy:
+            kept = self.add(sharded, f"{name}+sharded", dp_cost, counts)
+            variants.append(kept)
+            if not all(kept.values()):
+                variants.append(self.add(
+                    sharded_storage(self.graph, strategy, ranks, reshard=True),
+                    f"{name}+resharded", dp_cost, counts))
+        for fits in variants:
+            for kk, ok in fits.items():
+                tried[kk] = tried.get(kk, False) or ok
+        return tried
+
+    def add(self, strategy: Strategy, name: str, dp_cost: float, counts: list[int] | None = None,
+            seen: bool = True) -> dict[int, bool | str]:
+        """Estimate the plan with each micro-batch count of `counts` (default: 1 and k) not
+        tried yet (`seen`: remember it, so that a plan reached twice is lowered once); return
+        whether it fits, per count (DEFERRED: it does not, but its parameters and state do, so
+        recompute_deferred tries it with layers recomputed)."""
+        if self.options.recompute is not None:
+            strategy = recomputing(self.graph, strategy, self.options.recompute,
+                                   self.options.selective)
+        tried = self.seen.setdefault(_plan_key(strategy), {}) if seen else {}
+        counts = counts or sorted({1, self.options.k})
+        for kk in counts:
+            if kk in tried:
+                continue
+            tried[kk] = False
+            try:
+                program = lower(self.graph, strategy, self.world, kk,
+                                optimizer=self.options.optimizer)
+            except (LoweringError, ValueError) as exc:
+                log.info("plan %s with k=%d cannot be lowered: %s", name, kk, exc)
+                continue
+            memory = peak_memory(program)
+            if memory.peak > self.memory:
+                self.least = min(self.least, memory.peak)
+                log.info("plan %s with k=%d needs %.3g GiB per device: over the limit", name, kk,
+                         memory.peak / 2**30)
+                if self.defer_recomputed(strategy, name, dp_cost, kk, memory, program):
+                    tried[kk] = DEFERRED  # as it fits: ranked recomputed, or a faster plan is
+                    continue
+                # no larger count can fit where what any count holds (parameters and optimizer
+                # state) is over the limit, or where 1/k of every part would still be (each of
+                # the k micro-batches keeps its whole forward's activations for its backward)
+                for more in counts:
+                    if more > kk and (memory.params + memory.optimizer > self.memory
+                                      or memory.peak * kk > more * self.memory):
+                        tried[more] = False
+                continue
+            step_time = self.rank(program, strategy, name, dp_cost, kk)
+            tried[kk] = True
+            if self.options.objective == "time" and step_time > BEHIND * self.fastest:
+                for more in counts:
+                    if more > kk and more not in tried:
+                        log.info("plan %s not lowered with k=%d: %.4g s with k=%d, over %g "
+                                 "times the fastest ranked", name, more, step_time, kk,
+                                 BEHIND)
+                        tried[more] = HOPELESS
+        return tried
+
+    def rank(self, program, strategy: Strategy, name: str, dp_cost: float, kk: int) -> float:
+        """Rank a plan lowered with kk micro-batches (`program`) that fits, by its estimate;
+        the estimate's step time."""
+        est = estimate(program, self.profile, self.options.mode)
+        self.ranked.append(Ranked(est.step_time, name, strategy, dp_cost, est, kk))
+        self.fastest = min(self.fastest, est.step_time)
+        return est.step_time
+
+
+    def defer_recomputed(self, strategy: Strategy, name: str, dp_cost: float, kk: int,
+                         memory, program) -> bool:
+        """Where the plan does not fit with kk micro-batches but its parameters and optimizer
+        state do, keep it for `recompute_deferred` with its estimate without recomputation
+        (`program`'s); whether it was kept."""
+        if strategy.recompute or strategy.selective or self.options.recompute is not None or \
+                not layers(self.graph) or memory.params + memory.optimizer > self.memory:
+            return False
+        bound = estimate(program, self.profile, self.options.mode).step_time
+        self.deferred.append((bound, len(self.deferred), strategy, name, dp_cost, kk,
+                              memory.peak))
+        return True
+
+    def recompute_deferred(self) -> None:
+        """Rank each plan kept by defer_recomputed, fastest first, with the activations of the
+        fewest first layers recomputed in the backward that make it fit, selectively
+        (NAME+selective: the matmuls' and attention's outputs kept) and whole (NAME+recompute;
+        hidup.strategy.recompute), each priced by the estimate (the recomputed forward) and held
+        to memory. The count is guessed from what recomputing every layer saves, as if each
+        layer saved as much. Recomputing only adds work, so a plan whose estimate without it is
+        no faster than a plan ranked already is not tried."""
+        for bound, _, strategy, name, dp_cost, kk, peak in sorted(self.deferred):
+            fastest = min((r.step_time for r in self.ranked), default=math.inf)
+            if bound >= fastest:
+                log.info("plan %s with k=%d not recomputed: %.4g s without recomputation, "
+                         "%.4g s ranked already", name, kk, bound, fastest)
+                continue
+            # whole layers first: where recomputing all of them does not fit, selectively
+            # recomputing them (which keeps more) does not either
+            if self._fewest_layers(strategy, f"{name}+recompute", dp_cost, kk, peak, False):
+                self._fewest_layers(strategy, f"{name}+selective", dp_cost, kk, peak, True)
+        self.deferred = []
+
+    def _fewest_layers(self, strategy: Strategy, name: str, dp_cost: float, kk: int,
+                       peak: float, selective: bool) -> bool:
+        names = layers(self.graph)
+        every = recomputing(self.graph, strategy, names, selective)
+        try:
+            program = lower(self.graph, every, self.world, kk, optimizer=self.options.optimizer)
+        except (LoweringError, ValueError):
+            return False
+        least = peak_memory(program).peak
+        if least > self.memory:
+            self.least = min(self.least, least)
+            return False
+        n = math.ceil(len(names) * (peak - self.memory) / (peak - least))
+        for count in (n, n + 1):  # fewer than every layer
+            if count >= len(names):
+                break
+            plan = recomputing(self.graph, strategy, first_layers(self.graph, count), selective)
+            if self.add(plan, name, dp_cost, [kk])[kk]:
+                return True
+        self.rank(program, every, name, dp_cost, kk)  # every layer (lowered above): it fits
+        self.seen.setdefault(_plan_key(every), {})[kk] = True
+        return True
+
+
+def far_behind(price: float, least: float) -> bool:
+    """A plan (or a programme's best) priced over BEHIND times the least: not lowered."""
+    return price > BEHIND * least
+
+
+def rank_plans(graph: Graph, world: int, profile: Profile, plans: dict[str, Strategy],
+               options: SearchOptions = SearchOptions()) -> list[Ranked]:
+    """The given plans, each lowered with one micro-batch and with k, estimated and held to the
+    memory limit; fastest first."""
+    ranking = Ranking(graph, world, profile, options)
+    for name, strategy in plans.items():
+        ranking.add(strategy, name, math.nan, seen=False)
+    ranking.recompute_deferred()
+    return sorted(ranking.ranked, key=attrgetter("step_time"))
