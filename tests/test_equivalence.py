@@ -158,7 +158,7 @@ def test_bf16_values_flow_as_in_eager_autocast():
     results = run_ranks(2, bf16_grads, cases)
     spec = get_model("llama:tiny", gpus=2)
     model = build_model(spec)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         eager = float(model(*batch_of(spec)))
     for case in cases:
         for rank_result in results:
