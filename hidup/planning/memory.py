@@ -38,7 +38,7 @@ from operator import add, sub
 import torch
 
 from hidup.graph.placement import Shard
-from hidup.program.recompute import dropped
+from hidup.program.recompute import derivative_reads, dropped
 from hidup.program.tasks import Compute, Convert, Program, Wait, optimizer_cost
 
 _ACT, _GRAD = 0, 1  # the sweep's lists per kind, indexed by 'first written in backward'
@@ -135,8 +135,7 @@ def _scan(program: Program) -> tuple[dict[str, int], dict[str, int], dict[str, i
                 #   not the ones a recomputation wrote since (a weight gathered again excepted)
                 ins = ins[:1] + tuple(h if r == b else now_key for r, h, b, now_key in
                                       zip(raw, held, t.inputs[1:], ins[1:]))
-            used = ins if t.again else \
-                ins[:1] + tuple(key for key, read in zip(ins[1:], reads) if read)
+            used = ins if t.again else derivative_reads(ins, reads)
             if out is not None and reads[-1]:
                 last[out] = i
         for key in used:

@@ -151,5 +151,10 @@ def _read(task, forward: Compute | None) -> tuple[str, ...]:
             or forward is None or forward.reads is None:
         return inputs
     reads = forward.reads
-    kept = tuple(key for key, read in zip(inputs[1:], reads) if read)
-    return inputs[:1] + kept + ((forward.outputs[0],) if reads[-1] else ())
+    return derivative_reads(inputs, reads) + ((forward.outputs[0],) if reads[-1] else ())
+
+
+def derivative_reads(inputs: tuple[str, ...], reads: tuple[bool, ...]) -> tuple[str, ...]:
+    """Of a backward's input keys (its output's gradient, then its forward's inputs), those its
+    derivative reads (`reads`: Compute.reads of the forward, one per input, then its output)."""
+    return inputs[:1] + tuple(key for key, read in zip(inputs[1:], reads) if read)
