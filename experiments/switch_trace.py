@@ -1,6 +1,9 @@
 """The simulator against the real V100 traces (`../shared/traces/`): the traced model
 (`switch-trace:paper`) on 4 GPUs under DDP, under the plan the traced HiDup run executed (read
-from its trace, written as a plan file), and under `expert` beside DeepSpeed's and FastMoE's runs.
+from its trace, written as a plan file), and under `expert` beside DeepSpeed's and FastMoE's runs;
+and the HiDup prototype's run on 2 machines of 4 GPUs (`v100-2x4`, whose inter-machine links were
+fitted from that trace) under its own traced plan. Each run is predicted with the optimizer its
+trace ran.
 
 `python -m experiments.switch_trace` prints the derivation of the HiDup plan, the table (traced
 and predicted step, computation, communication, overlap; the error of the predicted step), and
@@ -57,7 +60,12 @@ def main(argv=None) -> int:
     ap.add_argument("--traces", type=Path, default=TRACES,
                     help="folder with ddp/hidup/deepspeed/fastmoe .json.gz (default: %(default)s)")
     ap.add_argument("--cluster", default="v100-1x4-nvlink",
-                    help="profile to predict with (default: %(default)s)")
+                    help="profile to predict the 4-GPU runs with (default: %(default)s)")
+    ap.add_argument("--two-machines", type=Path, default=TRACES.parent / "v100-2x4",
+                    help="folder with the HiDup prototype's trace on 2 machines of 4 GPUs "
+                         "(hidup.json.gz; skipped where absent) (default: %(default)s)")
+    ap.add_argument("--two-machine-cluster", default="v100-2x4",
+                    help="profile to predict that run with (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("out/switch_trace"),
                     help="folder for the plan, CSV and table (default: %(default)s)")
     args = ap.parse_args(argv)
@@ -68,32 +76,49 @@ def main(argv=None) -> int:
         return 2
 
 
-def _run(args) -> int:
-    args.out.mkdir(parents=True, exist_ok=True)
-    spec = get_model(MODEL, gpus=GPUS)
+def _traced_plan(events, gpus: int, where: str, path: Path) -> str:
+    """The plan the traced HiDup run executed on `gpus` GPUs, read from its trace, written to
+    `path` (its derivation printed); the plan file's path."""
+    spec = get_model(MODEL, gpus=gpus)
     graph = capture_model(spec, spec.batch)
-    traces = {name: load_trace(args.traces / f"{name}.json.gz")
-              for name in ("ddp", "hidup", "deepspeed", "fastmoe")}
-    plan, lines = derive_plan(traces["hidup"], graph, GPUS)
-    plan_path = args.out / "switch-trace-hidup-plan.json"
-    save_plan(plan_path, graph, plan, GPUS, spec.name, "v100-1x4-nvlink")  # where it was traced
-    print(f"The traced HiDup run's plan, read from its all-gathers ({plan_path}):")
+    plan, lines = derive_plan(events, graph, gpus)
+    save_plan(path, graph, plan, gpus, spec.name, where)  # the cluster it was traced on
+    print(f"The traced HiDup run's plan on {gpus} GPUs, read from its all-gathers ({path}):")
     print("\n".join("  " + line for line in lines))
     print("  everything else: the `expert` strategy (experts split across the GPUs, reached by "
           "all-to-all; the rest data parallel)\n")
+    return str(path)
 
-    runs = [  # system, trace, strategy, micro-batches, bucket MB, predicted run
-        ("DDP", "ddp", "ddp", 1, 25.0, "spmd"),
-        ("HiDup (traced plan, Duplex)", "hidup", str(plan_path), 2, 0.0, "duplex"),
-        ("DeepSpeed-MoE", "deepspeed", "expert", 1, 25.0, "spmd"),
-        ("FastMoE", "fastmoe", "expert", 1, 25.0, "spmd"),
+
+def _run(args) -> int:
+    args.out.mkdir(parents=True, exist_ok=True)
+    traces = {name: load_trace(args.traces / f"{name}.json.gz")
+              for name in ("ddp", "hidup", "deepspeed", "fastmoe")}
+    plan_path = _traced_plan(traces["hidup"], GPUS, "v100-1x4-nvlink",
+                             args.out / "switch-trace-hidup-plan.json")
+    runs = [  # system, trace, its events, GPUs, cluster, strategy, micro-batches, bucket MB,
+        #       predicted run
+        ("DDP", "ddp", traces["ddp"], GPUS, args.cluster, "ddp", 1, 25.0, "spmd"),
+        ("HiDup (traced plan, Duplex)", "hidup", traces["hidup"], GPUS, args.cluster, plan_path,
+         2, 0.0, "duplex"),
+        ("DeepSpeed-MoE", "deepspeed", traces["deepspeed"], GPUS, args.cluster, "expert", 1,
+         25.0, "spmd"),
+        ("FastMoE", "fastmoe", traces["fastmoe"], GPUS, args.cluster, "expert", 1, 25.0, "spmd"),
     ]
+    two = args.two_machines / "hidup.json.gz"
+    if two.is_file():  # 2 machines of 4: its inter-machine links were fitted from this trace
+        events = load_trace(two)
+        path = _traced_plan(events, 2 * GPUS, "v100-2x4",
+                            args.out / "switch-trace-hidup-2x4-plan.json")
+        runs.append(("HiDup on 2 x 4 (traced plan, Duplex)", "v100-2x4/hidup", events, 2 * GPUS,
+                     args.two_machine_cluster, path, 2, 0.0, "duplex"))
     rows = []
-    for system, trace, strategy, k, bucket, which in runs:
-        real, update = breakdown(traces[trace]), traced_update(traces[trace])
-        result = getattr(predict(MODEL, args.cluster, GPUS, strategy, None, k,
+    for system, trace, events, gpus, cluster, strategy, k, bucket, which in runs:
+        real, update = breakdown(events), traced_update(events)
+        result = getattr(predict(MODEL, cluster, gpus, strategy, None, k,
                                  SimOptions(optimizer=update.optimizer, bucket_mb=bucket)), which)
-        cmd = (f"--strategy {'PLAN' if strategy.endswith('.json') else strategy} "
+        cmd = (f"--gpus {gpus} --cluster {Path(cluster).name.removesuffix('.json')} "
+               f"--strategy {'PLAN' if strategy.endswith('.json') else strategy} "
                f"--optimizer {update.optimizer}"
                + (f" --micro-batches {k} --bucket-mb 0" if k > 1 else ""))
         rows.append({"system": system, "trace": f"{trace}.json.gz", "predict": cmd,
@@ -117,7 +142,7 @@ def _run(args) -> int:
             f"{r['predicted_communication_ms']:.1f} | {r['traced_overlap']:.0%} / "
             f"{r['predicted_overlap']:.0%} | {r['traced_update_ms']:.1f} / "
             f"{r['predicted_update_ms']:.1f} |")
-    print(f"switch-trace:paper on 4 GPUs, cluster {args.cluster} (traced / predicted):")
+    print("switch-trace:paper, traced / predicted:")
     print("\n".join(table))
     print("\nWhere each traced run's GPU time went (kernel milliseconds per step):")
     for name, events in traces.items():

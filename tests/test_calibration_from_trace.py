@@ -69,6 +69,8 @@ def test_fitted_profile_predicts_the_traced_steps_within_5_percent(tmp_path, cap
     assert [rows[t]["predict"].split("--optimizer ")[1].split()[0] for t in
             ("ddp.json.gz", "hidup.json.gz", "fastmoe.json.gz")] == ["sgd", "sgd", "adam"]
     assert float(rows["ddp.json.gz"]["traced_update_ms"]) == pytest.approx(6.81, abs=0.01)
+    two = rows["v100-2x4/hidup.json.gz"]  # the prototype on 2 machines, on the shipped v100-2x4
+    assert "--gpus 8 --cluster v100-2x4" in two["predict"] and abs(float(two["error"])) <= 0.1
     plan = json.loads((tmp_path / "st" / "switch-trace-hidup-plan.json").read_text())
     assert plan["placements"]["p_layers_0_linear1_weight"] == "S(0)"
 
