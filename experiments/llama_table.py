@@ -28,12 +28,11 @@ from pathlib import Path
 
 from hidup.cli import Parser
 from hidup.models import capture_model, get_model
-from hidup.graph.flops import library_op
-from hidup.planning.fusion import kernel_times
+from hidup.planning.fusion import generated, kernel_times
 from hidup.planning.memory import peak_memory
 from hidup.planning.profile_file import load_profile
 from hidup.planning.select import Goal, select_plan
-from hidup.program import Compute, Convert, lower
+from hidup.program import Compute, lower
 from hidup.strategy import fixed_strategy, layers, recomputing
 from simulator.predict import SimOptions, simulate
 
@@ -76,14 +75,13 @@ def published_rows(cluster: str, log) -> list[dict]:
 
 
 def kernel_split(program, profile, mode: str) -> tuple[float, float]:
-    """Seconds of the step's library kernels (matmuls, attention: hidup.graph.flops.library_op)
-    and of its other kernels (Inductor's generated code under `compile`, the optimizer's update
-    included) as `mode` prices them."""
+    """Seconds of the step's library kernels (the model's ops whose code Inductor does not
+    generate: matmuls, attention; hidup.planning.fusion.generated) and of its other kernels
+    (generated code under `compile`, local conversions and the optimizer's update included) as
+    `mode` prices them."""
     times = kernel_times(program, profile, mode)
-    tasks = {t.id: t for t in program.tasks if isinstance(t, (Compute, Convert))}
-    library = sum(s for i, s in times.items()
-                  if isinstance(tasks[i], Compute) and tasks[i].phase != "update"
-                  and library_op(tasks[i].op))
+    library = sum(times[t.id] for t in program.tasks if isinstance(t, Compute)
+                  and t.phase != "update" and not generated(t) and t.id in times)
     return library, sum(times.values()) - library
 
 

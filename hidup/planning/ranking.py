@@ -71,11 +71,15 @@ class Ranking:
         # plans ranked so far: count -> it fits (True, False, or DEFERRED)
         self.seen: dict[tuple, dict[int, bool | str]] = {}
         self.least = math.inf  # the smallest peak of a plan over the limit (bytes)
-        self.fastest = math.inf  # the smallest step time ranked (s)
         # plans over the limit whose parameters and state fit, for recompute_deferred:
         # (estimate without recomputation, order, strategy, name, dp_cost, k, peak)
         self.deferred: list[tuple] = []
         self.deferred_fit = True  # finals count a deferred plan as one that fits
+
+    @property
+    def fastest(self) -> float:
+        """The smallest step time ranked so far (s; infinite before any)."""
+        return min((r.step_time for r in self.ranked), default=math.inf)
 
     def finals(self, dp: Search, finals, cost, keep: int, tag: str, at: list[int]) -> None:
         """Rank the first `keep` distinct plans of `finals` that fit with a micro-batch count of
@@ -179,7 +183,6 @@ class Ranking:
         the estimate's step time."""
         est = estimate(program, self.profile, self.options.mode)
         self.ranked.append(Ranked(est.step_time, name, strategy, dp_cost, est, kk))
-        self.fastest = min(self.fastest, est.step_time)
         return est.step_time
 
 
@@ -205,10 +208,9 @@ class Ranking:
         layer saved as much. Recomputing only adds work, so a plan whose estimate without it is
         no faster than a plan ranked already is not tried."""
         for bound, _, strategy, name, dp_cost, kk, peak in sorted(self.deferred):
-            fastest = min((r.step_time for r in self.ranked), default=math.inf)
-            if bound >= fastest:
+            if bound >= self.fastest:
                 log.info("plan %s with k=%d not recomputed: %.4g s without recomputation, "
-                         "%.4g s ranked already", name, kk, bound, fastest)
+                         "%.4g s ranked already", name, kk, bound, self.fastest)
                 continue
             # whole layers first: where recomputing all of them does not fit, selectively
             # recomputing them (which keeps more) does not either

@@ -210,9 +210,9 @@ def parallelize(model: torch.nn.Module, plan, *, optimizer: Callable,
     step (forward, backward and collectives; not the optimizer's update) once as a CUDA graph and
     replay it. micro_batches overrides the plan's (1: plain SPMD, 2 or more: Duplex). autocast:
     a dtype such as torch.bfloat16 runs each op under torch.autocast, its output kept in the
-    dtype autocast gives it, as in eager PyTorch (weights and their gradients stay float32). example_inputs (a global batch) lets a fixed
-    strategy build at once instead of at the first step (a checkpoint can then be loaded before
-    any step). Parameters with requires_grad False are not updated.
+    dtype autocast gives it, as in eager PyTorch (weights and their gradients stay float32).
+    example_inputs (a global batch) lets a fixed strategy build at once instead of at the first
+    step (a checkpoint can then be loaded before any step). Parameters with requires_grad False are not updated.
 
     A model built under `torch.device("meta")` (no storage) is planned and run without its
     whole weights on any rank: each rank makes its own shards, module by module, with the
