@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from hidup.graph.placement import Partial, Placement, R, Shard
+from hidup.graph.placement import Partial, Placement, R, Shard, is_flat
 from hidup.program.tasks import (FIRST_BUCKET_BYTES, Compute, Convert, LoweringError, Wait,
                                  gkey, stored_key, vkey)
 
@@ -82,10 +82,11 @@ class GradientBuckets:
     def param_grad(self, t: str, home: Placement) -> None:
         """Parameter t's gradient is complete on this machine: a partial sum over its ranks goes
         to the world's all-reduce bucket; one that is whole there (a shard, or replicated) is
-        final on a 1-D mesh and goes to the mesh columns' bucket on a 2-D one."""
+        final on a 1-D mesh and goes to the mesh columns' bucket on a 2-D one. A flat one (read
+        over every rank) is complete where it is whole, else all-reduced over the world."""
         key = gkey(t, home, None)
         partial = isinstance(self.gplace(t, home), Partial)
-        if not partial and self.machines == 1:
+        if not partial and (self.machines == 1 or is_flat(home)):  # complete over every rank
             self.final[t] = key
             return
         self.final[t] = "grad:" + t

@@ -9,12 +9,16 @@ On a 2-D mesh (strategy.machines > 1) every machine runs the same step on its pa
 the strategy's conversions run inside each machine (collectives over mesh rows), and the
 machines' parameter gradients are summed across them: a gradient still partial inside a machine
 in one all-reduce over the world, one already complete there (a shard, or replicated) over
-its mesh column. The reported loss is summed the same way."""
+its mesh column. The reported loss is summed the same way. An op whose option is flat
+(hidup.graph.placement) runs over every rank instead, as on a 1-D mesh of them all: its
+conversions run over the world, and a tensor passes between a machine's placements and flat
+ones through its micro-batch split, which both hold alike (Lowering.steps)."""
 from __future__ import annotations
 
 from hidup.graph.capture import Graph
 from hidup.graph.flops import backward_flops, forward_flops
-from hidup.graph.placement import Partial, Placement, R, Replicate, Shard
+from hidup.graph.placement import (Partial, Placement, R, Replicate, Shard, flat, is_flat,
+                                   option_is_flat, plain)
 from hidup.graph.saved import backward_reads
 from hidup.strategy import Strategy, conversion, microbatch_split
 from hidup.program.buckets import GradientBuckets
@@ -56,7 +60,7 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation):
         self.scopes = {"row": (rows[0], rows if self.machines > 1 else ()),
                        "column": (columns[0], columns if self.world > 1 else ()),
                        "world": (tuple(range(world)), ())}
-        shapes = Shapes(graph, self.mbs_split, self.world, k * self.machines)
+        shapes = Shapes(graph, self.mbs_split, self.world, k * self.machines, self.machines)
         self.shape, self.nbytes = shapes.shape, shapes.nbytes  # (tensor, placement) -> local
         self._kernels: dict[str, tuple] = {}  # node -> kernel()
         self.home = {n.name: strategy.home(n.name) for n in graph.nodes}.__getitem__  # tensor ->
@@ -89,6 +93,27 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation):
         self.plan_recompute()
         self.across = dict(strategy.across)
         self.check_across()
+        self.check_flat()
+
+    def check_flat(self) -> None:
+        """Flat options need a 2-D mesh not turned around; a tensor crosses between a machine's
+        placements and flat ones only where it is split over the batch (parameters and what
+        is made of them once per step hold each scope's own gradient sums), and a parameter
+        or input lives in the scope its consumers read it in."""
+        flats = [n for n, o in self.s.options.items() if option_is_flat(o)]
+        if not flats:
+            return
+        if self.machines == 1 or self.s.transposed:
+            raise LoweringError(f"strategy {self.s.name}: op {flats[0]} runs over every rank "
+                                f"(a flat option), which needs a 2-D mesh of machines not turned "
+                                f"around; use its 1-D option instead")
+        for t, uses in self.uses.items():
+            scopes = {is_flat(p) for _, _, p in uses} | {is_flat(self.home(t))}
+            if len(scopes) > 1 and not isinstance(self.mbs_split.home(t), Shard):
+                raise LoweringError(f"strategy {self.s.name}: tensor {t} is read over a machine "
+                                    f"and over every rank, but it is not split over the batch "
+                                    f"(a parameter, or made of them), so it cannot pass between "
+                                    f"them; give its readers one scope")
 
     def add(self, task: Task) -> None:
         self.tasks.append(task)
@@ -111,13 +136,13 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation):
                 continue
             self._conversion_kinds(node.name)
             for t, p in zip(node.inputs, s.options[node.name].inputs):
-                if t in self.has_grad and p == R:
+                if t in self.has_grad and plain(p) == R:
                     kind = "P" if s.options[node.name].partial_gradient(p) else "R"
                     self.r_kinds.setdefault(t, set()).add(kind)
         for p in g.params:
             self._conversion_kinds(p.name)
         self.reduced_at = {t for t in self.has_grad if g.node(t).kind == "op"
-                           and self.home(t) == R and "P" in self.r_kinds.get(t, ())}
+                           and plain(self.home(t)) == R and "P" in self.r_kinds.get(t, ())}
         self.expected: dict[str, int] = {}
         mb_reads = set()  # (t, p, q) read joined or sliced: its backward adds to t's gradient
         for node in g.ops:
@@ -142,7 +167,7 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation):
                     self.expected[key] = self.expected.get(key, 0) + 1
 
     def _conversion_kinds(self, t: str) -> None:
-        if self.home(t) == R and any(p != R for p in self.converted(t)):
+        if plain(self.home(t)) == R and self.converted(t):
             self.r_kinds.setdefault(t, set()).add("R")  # a slice's gradient is all-gathered
 
     def out_grad(self, t: str, m: int | None) -> str:
@@ -152,12 +177,11 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation):
         return key + "+reduced" if t in self.reduced_at else key
 
     def gplace(self, t: str, p: Placement) -> Placement:
-        """Placement of the gradient of tensor t held as p."""
-        if isinstance(p, Partial):
-            return R
+        """Placement of the gradient of tensor t held as p (flat where p is)."""
         if isinstance(p, Shard):
             return p
-        return Partial() if "P" in self.r_kinds.get(t, ()) else R
+        g = R if isinstance(p, Partial) else Partial() if "P" in self.r_kinds.get(t, ()) else R
+        return flat(g) if is_flat(p) else g
 
     def converted(self, t: str, differentiated: bool = False) -> list[Placement]:
         """Placements that consumers (with `differentiated`: those whose backward runs) need t
@@ -170,6 +194,8 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation):
     def emit_convert(self, kind, t, src, dst, phase, m, in_key, out_key, shape, nbytes,
                      root_only=False, scope: str = "row") -> None:
         self.wait_for(in_key)  # its input complete: no collective still writing it
+        if scope == "row" and (is_flat(src) or is_flat(dst)):
+            scope = "world"  # a flat placement's conversion runs over every rank
         group, groups = self.scopes[scope] if kind in COLLECTIVES else ((), ())
         task = Convert(len(self.tasks), kind, t, src, dst, phase, m, shape, nbytes, group,
                        (in_key,), (out_key,), (out_key,) if root_only else (), groups)
@@ -183,16 +209,35 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation):
                 self.waited.add(cid)
                 self.add(Wait(len(self.tasks), cid))
 
-    def convert_for_consumers(self, t: str, m: int | None, skip: Placement | None = None
-                              ) -> None:
-        home = self.home(t)
+    def convert_for_consumers(self, t: str, m: int | None, skip: Placement | None = None,
+                              phase: str = "fwd", only=None) -> None:
+        """t (micro-batch m) from its home to each placement its consumers read (of `only`,
+        where given), but `skip`."""
+        made: set[str] = set()
         for p in self.converted(t):
-            if p == skip:
+            if p != skip and (only is None or p in only):
+                self.emit_steps(t, self.steps(t, self.home(t), p), phase, m, made)
+
+    def steps(self, t: str, src: Placement, dst: Placement) -> list[tuple]:
+        """The conversions that take t from src to dst: one, or between a machine's placements
+        and flat ones, three through t's micro-batch split c (Shard(b)), which a machine's
+        ranks (the machines splitting the batch) and every rank hold alike: src -> c in src's
+        scope, the same values as c in dst's (an alias), c -> dst."""
+        if is_flat(src) == is_flat(dst):
+            return [(src, dst)]
+        c = self.mbs_split.home(t)
+        cs, cd = (flat(c) if is_flat(src) else c), (flat(c) if is_flat(dst) else c)
+        return [step for step in ((src, cs), (cs, cd), (cd, dst)) if step[0] != step[1]]
+
+    def emit_steps(self, t: str, steps, phase: str, m: int | None, made: set[str]) -> None:
+        """Emit these conversions of t's value, each once among those sharing `made`."""
+        for src, dst in steps:
+            if vkey(t, dst, m) in made:
                 continue
-            kind = conversion(home, p)
-            nbytes = max(self.nbytes(t, home), self.nbytes(t, p))
-            self.emit_convert(kind, t, home, p, "fwd", m, vkey(t, home, m), vkey(t, p, m),
-                              self.shape(t, home), nbytes)
+            made.add(vkey(t, dst, m))
+            kind = "alias" if plain(src) == plain(dst) else conversion(src, dst)
+            self.emit_convert(kind, t, src, dst, phase, m, vkey(t, src, m), vkey(t, dst, m),
+                              self.shape(t, src), max(self.nbytes(t, src), self.nbytes(t, dst)))
 
     def in_keys(self, node, m) -> list[str]:
         opt, mb_opt = self.s.options[node.name], self.mbs_split.options[node.name]
@@ -269,8 +314,12 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation):
         """The loss of micro-batch m, replicated: summed over a machine's ranks where it is a
         partial sum there, and over the machines on a 2-D mesh (each has its part of the batch)."""
         t, home = self.g.loss, self.home(self.g.loss)
-        if home == R and self.machines == 1:
-            return vkey(t, R, m)
+        if home == R and self.machines == 1 or home == flat(R):
+            return vkey(t, home, m)
+        if is_flat(home):  # a partial sum over every rank
+            self.emit_convert("all_reduce", t, home, flat(R), "fwd", m, vkey(t, home, m),
+                              vkey(t, flat(R), m), self.shape(t, home), self.nbytes(t, home))
+            return vkey(t, flat(R), m)
         scope = "row" if self.machines == 1 else "world" if home != R else "column"
         out = vkey(t, R, m) if home != R else f"{vkey(t, R, m)}+machines"
         self.emit_convert("all_reduce", t, home if home != R else Partial(), R, "fwd", m,
@@ -320,7 +369,8 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation):
             key = "d" + self.read_key(t, p, q, m)
             outs.append(key)
             done.append((t, p, q, m))
-            if p == R and not opt.partial_gradient(p) and self.gplace(t, p) != R:  # a whole
+            if plain(p) == R and not opt.partial_gradient(p) and plain(self.gplace(t, p)) != R:
+                #   a whole
                 #   contribution to a Partial sum: one rank adds it
                 root.append(key)
         ins, out, fwd, nbytes, partial = self.kernel(node)  # the backward reads what the
@@ -349,18 +399,29 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation):
         elif self.g.node(t).kind == "param":
             self.param_grad(t, home)
         elif t in self.reduced_at:
-            self.emit_convert("all_reduce", t, Partial(), R, "bwd", m, key, self.out_grad(t, m),
+            self.emit_convert("all_reduce", t, self.gplace(t, home), home, "bwd", m, key, self.out_grad(t, m),
                               self.shape(t, home), self.nbytes(t, home))
 
     def grad_conversion(self, t, p, home, m) -> None:
+        """t's gradient, complete as read at p, back to its home (the forward's steps reversed,
+        each to a key of its own, since other readers' gradients may pass the same placement)."""
+        key, steps = gkey(t, p, m), self.steps(t, home, p)[::-1]
+        for a, b in [(b, a) for a, b in steps[:-1]]:
+            src, dst = self.gplace(t, a), self.gplace(t, b)
+            out = f"{gkey(t, b, m)}~{p}"
+            self.emit_convert("alias" if plain(src) == plain(dst) else conversion(src, dst), t,
+                              src, dst, "bwd", m, key, out, self.shape(t, a),
+                              max(self.nbytes(t, a), self.nbytes(t, b)))
+            key, p = out, b
         src, dst = self.gplace(t, p), self.gplace(t, home)
         root = isinstance(dst, Partial) and isinstance(src, Shard)
-        kind = "alias" if src == dst else conversion(src, R if root else dst)
+        kind = "alias" if src == dst else conversion(src, (flat(R) if is_flat(dst) else R)
+                                                     if root else dst)
         if kind == "reduce_scatter" and m is None and self.g.node(t).kind == "param":
             return self.scatter_grad(t, p, home)  # in a bucket
         nbytes = max(self.nbytes(t, p), self.nbytes(t, home))
         out = gkey(t, home, m)
-        self.emit_convert(kind, t, src, dst, "bwd", m, gkey(t, p, m), out, self.shape(t, p),
+        self.emit_convert(kind, t, src, dst, "bwd", m, key, out, self.shape(t, p),
                           nbytes, root)
         self.contributed(t, home, m)
 

@@ -15,7 +15,6 @@ import torch
 from hidup.graph.capture import Node
 from hidup.graph.placement import R
 from hidup.graph.saved import backward_reads
-from hidup.strategy import conversion
 from hidup.program.tasks import Compute, vkey
 
 RECOMPUTE = "recompute"  # the phase of a recomputed forward task and of its conversions
@@ -38,7 +37,7 @@ def nondeterministic(node: Node) -> bool:
 class Recomputation:
     """Lowering's activation-checkpointing part. It reads the Lowering's g, s, has_grad, once,
     mbs_split, regather and uses, and calls its add, wait_for, in_keys, kernel, gather_for,
-    gathered_key, mb_converted, home, shape, nbytes, converted and emit_convert."""
+    gathered_key, mb_converted and convert_for_consumers."""
 
     def plan_recompute(self) -> None:
         """Which ops each recomputed layer runs again: {layer: [nodes in forward order]}; and
@@ -98,15 +97,10 @@ class Recomputation:
         self.add(Compute(len(self.tasks), node.name, node.op, RECOMPUTE, m, flops, nbytes, ins,
                          out, keys, (vkey(node.name, opt.output, m),), opt, partial,
                          reads=self.reads(node)))
-        home = self.home(node.name)
         inside = {p for consumer, _, p in self.uses[node.name]
                   if consumer is not None and self.layer_of.get(consumer.name) == layer}
-        for p in self.converted(node.name):  # what the layer's recomputed ops read converted
-            if p in inside:
-                self.emit_convert(conversion(home, p), node.name, home, p, RECOMPUTE, m,
-                                  vkey(node.name, home, m), vkey(node.name, p, m),
-                                  self.shape(node.name, home),
-                                  max(self.nbytes(node.name, home), self.nbytes(node.name, p)))
+        # what the layer's recomputed ops read converted
+        self.convert_for_consumers(node.name, m, phase=RECOMPUTE, only=inside)
 
 
 def dropped(program) -> frozenset[int]:

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from hidup.graph.capture import Graph
-from hidup.graph.placement import Placement, Shard, ShardingOption
+from hidup.graph.placement import Placement, Shard, ShardingOption, is_flat, plain
 from hidup.strategy import Strategy
 
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
@@ -273,9 +273,13 @@ FIRST_BUCKET_BYTES = 2**20  # and its first one (torch.distributed's _DEFAULT_FI
 
 
 def tensor_shape(graph: Graph, mb_split: Strategy, t: str, p: Placement, world: int,
-                 k: int, q: Placement | None = None) -> tuple[int, ...]:
+                 k: int, q: Placement | None = None, machines: int = 1) -> tuple[int, ...]:
     """Local shape of tensor t held as p, split over micro-batches as q (default: as `mb_split`
-    holds it)."""
+    holds it). On a 2-D mesh of `machines` (`world`: a machine's ranks, `k`: the batch's parts,
+    micro-batches x machines) a flat placement is over every rank, on a micro-batch of the
+    whole batch."""
+    if is_flat(p):
+        p, world, k = plain(p), world * machines, k // machines
     return local_shape(graph.node(t).out.shape, p, mb_split.home(t) if q is None else q, world,
                        k, lambda: f"tensor {t} as {p}")
 
@@ -291,8 +295,9 @@ class Shapes:
     parts, each (tensor, placement) computed once: the search and the lowering ask thousands
     of times."""
 
-    def __init__(self, graph: Graph, mb_split: Strategy, world: int, k: int):
+    def __init__(self, graph: Graph, mb_split: Strategy, world: int, k: int, machines: int = 1):
         self.g, self.mb_split, self.world, self.k = graph, mb_split, world, k
+        self.machines = machines
         self._shapes: dict[tuple, tuple[int, ...]] = {}
         self._nbytes: dict[tuple, int] = {}
 
@@ -301,7 +306,8 @@ class Shapes:
         holds it)."""
         key = t, p, q
         if key not in self._shapes:
-            self._shapes[key] = tensor_shape(self.g, self.mb_split, t, p, self.world, self.k, q)
+            self._shapes[key] = tensor_shape(self.g, self.mb_split, t, p, self.world, self.k, q,
+                                             self.machines)
         return self._shapes[key]
 
     def nbytes(self, t: str, p: Placement, q: Placement | None = None) -> int:

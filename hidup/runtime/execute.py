@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from hidup.graph.capture import Graph
-from hidup.graph.placement import Partial, Placement, Shard
+from hidup.graph.placement import Partial, Placement, Shard, is_flat, plain
 from hidup.strategy import Strategy
 from hidup.program.tasks import MODES, Program, mesh_groups, task_label
 from hidup.runtime.passes import inductor_segments, with_hooks
@@ -134,7 +134,10 @@ class Executor:
             local = full_tensor(local, Shard(self.s.across[node]), self.p.machines,
                                 device_mesh(self.device, self.p.mesh, self.p.transposed
                                             ).get_group(0))
-        return full_tensor(local, self.s.home(node), self.per_machine, self.row_group)
+        home = self.s.home(node)
+        if is_flat(home):  # over every rank
+            return full_tensor(local, plain(home), self.p.world)
+        return full_tensor(local, home, self.per_machine, self.row_group)
 
 
 _MESHES: dict = {}

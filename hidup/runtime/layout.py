@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from hidup.graph.placement import Placement, Shard
+from hidup.graph.placement import Placement, Shard, is_flat, plain
 from hidup.program.tasks import mesh_position
 
 
@@ -27,9 +27,13 @@ def param_shard(full: torch.Tensor, strategy, node: str, rank: int, per_machine:
                 ) -> torch.Tensor:
     """World rank `rank`'s stored shard of parameter `node` (whole: `full`): its row's piece (the
     strategy's home over a row's `per_machine` ranks), and where the strategy stores it over the
-    mesh's dim 0 too (across the machines), its part's share of that piece."""
-    part, position = mesh_position(rank, per_machine * strategy.machines, strategy.machines,
-                                   strategy.transposed)
+    mesh's dim 0 too (across the machines), its part's share of that piece; a flat home is
+    over every rank."""
+    world = per_machine * strategy.machines
+    home = strategy.home(node)
+    if is_flat(home):  # over every rank
+        return shard_of(full, plain(home), None, 1, None, rank, world).contiguous()
+    part, position = mesh_position(rank, world, strategy.machines, strategy.transposed)
     x = shard_of(full, strategy.home(node), None, 1, None, position, per_machine)
     if node in strategy.across and strategy.machines > 1:
         x = x.chunk(strategy.machines, dim=strategy.across[node])[part]

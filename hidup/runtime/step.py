@@ -21,7 +21,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from hidup.graph import ops
 from hidup.graph.capture import Graph
-from hidup.graph.placement import Partial, R, Shard, ShardingOption
+from hidup.graph.placement import (Partial, R, Shard, ShardingOption, is_flat, option_is_flat,
+                                   plain_option)
 from hidup.strategy import Strategy, microbatch_split
 from hidup.program.tasks import (MB_CONVERSIONS, Compute, Convert, Program, Wait, stored_key,
                                  vkey)
@@ -126,11 +127,12 @@ class _TaskRunner:
         else:
             self.sgd(params, lr)
 
-    def accumulate(self, key: str, value: torch.Tensor, root_only: bool = False) -> None:
+    def accumulate(self, key: str, value: torch.Tensor, root_only: bool = False,
+                   flat: bool = False) -> None:
         """Add one contribution to a gradient (or set its first). In place, as autograd's
         AccumulateGrad does, into a buffer no other value shares (nor two of its own elements,
         as an expanded one does); else into a new one."""
-        if root_only and self.rank != 0:
+        if root_only and not self.first(flat):
             value = torch.zeros_like(value)
         if key not in self.env:
             self.env[key] = value
@@ -199,12 +201,15 @@ class _TaskRunner:
 
     def callable(self, task: Compute, node):
         """The node's local function (each task is traced once: nothing to keep)."""
-        root = (self.rank == 0 or task.option.output != Partial()) and \
-               (not task.mb_partial or task.mb in (0, None) and self.machine == 0)
-        ctx = ops.LocalContext(self.rank, self.world, task.in_shapes, task.out_shape,
+        flat = option_is_flat(task.option)  # over every rank, as on a 1-D mesh of them all
+        option = plain_option(task.option)
+        rank, world = (self.spec.rank, self.p.world) if flat else (self.rank, self.world)
+        root = (rank == 0 or option.output != Partial()) and \
+               (not task.mb_partial or task.mb in (0, None) and (flat or self.machine == 0))
+        ctx = ops.LocalContext(rank, world, task.in_shapes, task.out_shape,
                                node.out.shape, tuple(m.shape for m in node.in_metas(self.g)),
                                root, self.spec.device_type, self.whole)
-        return ops.local_callable(node, task.option, ctx)
+        return ops.local_callable(node, option, ctx)
 
     def whole(self, name: str) -> torch.Tensor | None:
         """Graph tensor `name` computed whole from the whole global batch (each op replicated),
@@ -236,7 +241,12 @@ class _TaskRunner:
                                         self.env[task.inputs[0]], allow_unused=True)
         for i, g in zip(wanted, grads):
             g = torch.zeros_like(leaves[i]) if g is None else g
-            self.accumulate(task.outputs[i], g, task.outputs[i] in task.root_only)
+            self.accumulate(task.outputs[i], g, task.outputs[i] in task.root_only,
+                            option_is_flat(task.option))
+
+    def first(self, flat: bool) -> bool:
+        """Is this rank the first of its row (of every rank, for a flat placement)?"""
+        return self.spec.rank == 0 if flat else self.rank == 0
 
     def env_device(self) -> torch.device:
         return next(iter(self.env.values())).device
@@ -253,6 +263,7 @@ class _TaskRunner:
     # -- conversions ------------------------------------------------------------------------
     def convert(self, task: Convert) -> None:
         root = bool(task.root_only)
+        flat = is_flat(task.src) or is_flat(task.dst)
         for key in task.outputs if task.phase == "recompute" else ():  # made again, not added to
             del self.env[key]
         if task.kind in MB_CONVERSIONS:
@@ -262,19 +273,20 @@ class _TaskRunner:
                 self.bucket_shards(task)
         x, out_key = self.env[task.inputs[0]], task.outputs[0]
         if task.kind == "alias":
-            self.accumulate(out_key, x, root)
+            self.accumulate(out_key, x, root, flat)
         elif task.kind == "slice":
-            self.accumulate(out_key, x.chunk(self.world, dim=task.dst.dim)[self.rank].contiguous(),
-                            root)
+            rank, world = (self.spec.rank, self.p.world) if flat else (self.rank, self.world)
+            self.accumulate(out_key, x.chunk(world, dim=task.dst.dim)[rank].contiguous(),
+                            root, flat)
         elif (n := len(self.members(task))) == 1:  # a group of one: the identity
-            self.pending[task.id] = lambda: self.accumulate(out_key, x, root)
+            self.pending[task.id] = lambda: self.accumulate(out_key, x, root, flat)
         else:
             pack, unpack = PACKING[task.kind]
             sent = pack(x, task, n)
             with fx_traceback.annotate({"task": task.id, "standin": True}):
                 result = self.collective(task, sent)
             self.pending[task.id] = lambda: self.accumulate(
-                out_key, unpack(self.wait(result), task, n), root)
+                out_key, unpack(self.wait(result), task, n), root, flat)
 
     def mb_conversion(self, task: Convert) -> None:
         """The micro-batches' parts of a tensor on this rank, joined (concatenated or summed),

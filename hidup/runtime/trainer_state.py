@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from hidup.graph.placement import R, Shard
+from hidup.graph.placement import R, Shard, is_flat, plain
 from hidup.runtime.execute import device_mesh
 from hidup.runtime.layout import param_shard
 
@@ -150,8 +150,8 @@ class TrainerState:
     def _full_shape(self, node: str, local: torch.Tensor) -> tuple[int, ...]:
         shape = list(local.shape)
         home = self.strategy.home(node)
-        if isinstance(home, Shard) and self.world > 1:
-            shape[home.dim] *= self.executor.per_machine  # split over a machine's ranks
+        if isinstance(home, Shard) and self.world > 1:  # split over a machine's ranks, or
+            shape[home.dim] *= self.world if is_flat(home) else self.executor.per_machine  # all
         if node in self.strategy.across and self.program.machines > 1:
             shape[self.strategy.across[node]] *= self.program.machines  # and across machines
         return tuple(shape)
@@ -175,13 +175,15 @@ class TrainerState:
         inside = self._placement(node)
         if self.program.machines == 1:
             return [inside]
+        if is_flat(self.strategy.home(node)):  # over every rank: DTensor's [S(d), S(d)]
+            return [inside, inside]
         across = self.strategy.across.get(node)
         return [R if across is None else Shard(across), inside]
 
     def _placement(self, node: str):
         """The DTensor placement of a parameter (and its optimizer states) inside a machine."""
         home = self.strategy.home(node)
-        return home if isinstance(home, Shard) and self.world > 1 else R
+        return plain(home) if isinstance(home, Shard) and self.world > 1 else R
 
     def _names_of_shards(self) -> dict[int, str]:
         return {id(t): n for n, t in self.executor.params.items()}

@@ -73,7 +73,8 @@ def conversion(src: Placement, dst: Placement) -> str | None:
     if isinstance(dst, Replicate):
         return "all_gather" if isinstance(src, Shard) else "all_reduce"
     if isinstance(dst, Shard):
-        return {Shard: "all_to_all", Partial: "reduce_scatter", Replicate: "slice"}[type(src)]
+        return "all_to_all" if isinstance(src, Shard) else "reduce_scatter" \
+            if isinstance(src, Partial) else "slice"
     raise ValueError(f"no conversion from {src} to {dst}: nothing becomes Partial")
 
 

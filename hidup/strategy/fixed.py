@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from hidup.graph.capture import Graph, Node
 from hidup.graph.flops import GROUPED_MM
-from hidup.graph.placement import R, Partial, Placement, Shard, ShardingOption
+from hidup.graph.placement import R, Partial, Placement, Shard, ShardingOption, flat, flat_option
 from hidup.strategy.base import Strategy, fitting_options, placed, propagate, splits_evenly
 from hidup.strategy.recompute import layers
 
@@ -148,7 +148,24 @@ FIXED = {"ddp": data_parallel, "fsdp": fully_sharded, "megatron": megatron,
 # on a 2-D mesh: the strategy inside each machine, data parallel across the machines (fsdp+tp:
 # with every parameter that can be stored sharded across the machines, as torchtitan's 2-D
 # FSDP + tensor parallelism)
-ACROSS = {"dp-megatron": "megatron", "dp-expert": "expert", "fsdp+tp": "megatron"}
+ACROSS = {"dp-megatron": "megatron", "dp-expert": "expert", "fsdp+tp": "megatron",
+          "tp+ep": "megatron"}
+
+
+def tensor_and_expert(graph: Graph, world: int, machines: int) -> Strategy:
+    """Megatron inside each machine with the batch split across the machines (dp-megatron),
+    except where expert parallelism over every GPU differs from data parallelism (the experts,
+    their dispatch and return): those ops run expert's options over the mesh flattened
+    (hidup.graph.placement's flat placements), so each GPU holds experts / GPUs of them,
+    reached by all-to-all over the world."""
+    tp = fixed_strategy("dp-megatron", graph, world, machines)
+    ep, dp = expert_parallel(graph, world), data_parallel(graph, world)
+    region = {n for n in ep.options if ep.options[n] != dp.options[n]}
+    read = {t for n in region for t in graph.node(n).inputs}
+    placements = {t: flat(ep.placements[t]) if t in read and graph.node(t).kind == "param"
+                  else p for t, p in tp.placements.items()}
+    options = {n: flat_option(ep.options[n]) if n in region else o for n, o in tp.options.items()}
+    return Strategy("tp+ep", placements, options, tp.notes, machines)
 
 
 def fixed_strategies(graph: Graph, world: int, machines: int = 1) -> dict[str, Strategy]:
@@ -180,6 +197,8 @@ def fixed_strategy(name: str, graph: Graph, world: int, machines: int = 1) -> St
                          f"parallel across machines: it needs a 2-D mesh of 2 or more machines "
                          f"that divides the {world} GPUs (--mesh MACHINESxGPUS), not "
                          f"{machines} machine(s)")
+    if name == "tp+ep":
+        return tensor_and_expert(graph, world, machines)
     inner = world // machines
     strategy = FIXED[ACROSS[name]](graph, inner)
     strategy = _as_named(name, graph, strategy, inner, machines)
