@@ -80,12 +80,14 @@ def simulate(graph: Graph, plan: Strategy, profile: Profile, gpus: int, k: int,
 
 
 def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | None = None,
-            k: int = DUPLEX_K, options: SimOptions = SimOptions()) -> Prediction:
-    """A zoo model captured, one strategy (a fixed one's name or a plan file) lowered for k=1
-    and for k micro-batches, and both simulated."""
+            k: int = DUPLEX_K, options: SimOptions = SimOptions(), machines: int = 1
+            ) -> Prediction:
+    """A zoo model captured, one strategy (a fixed one's name, of a 2-D mesh of `machines`
+    for dp-megatron, fsdp+tp, tp+ep..., or a plan file) lowered for k=1 and for k
+    micro-batches, and both simulated."""
     spec, profile, batch, graph = _setup(model, cluster, gpus, batch)
     profile.check_world(gpus)
-    plan = resolve_strategy(strategy, graph, gpus, profile.name)
+    plan = resolve_strategy(strategy, graph, gpus, profile.name, machines)
     if options.recompute != "auto":
         plan = recomputing(graph, plan, parse_recompute(options.recompute, graph),
                            selective_part(options.recompute)[0])
@@ -152,8 +154,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="world size (default: %(default)s)")
     p.add_argument("--strategy", metavar="NAME|PATH", default=SEARCH,
                    help=f"'{SEARCH}': HiDup's searched plan beside the fixed strategies; or one "
-                        f"strategy alone: a fixed one (ddp, fsdp, megatron, expert) or the path "
-                        f"of a plan file (default: %(default)s)")
+                        f"strategy alone: a fixed one (ddp, fsdp, megatron, expert; on --mesh "
+                        f"also dp-megatron, dp-expert, fsdp+tp, tp+ep) or the path of a plan "
+                        f"file (default: %(default)s)")
     p.add_argument("--batch", metavar="B", type=_positive, default=None,
                    help="global batch size (default: the model's own)")
     p.add_argument("--micro-batches", metavar="K", type=_positive, default=None,
@@ -162,9 +165,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", metavar="GIB", type=float, default=None,
                    help="device memory limit in GiB (default: the cluster profile's)")
     p.add_argument("--mesh", metavar="MACHINESxGPUS", default=None,
-                   help="the device mesh the search runs on beside the 1-D one, e.g. 2x4 "
-                        "(default: the cluster's machines x GPUs per machine when --gpus fills "
-                        "whole machines)")
+                   help="the device mesh the search runs on beside the 1-D one, e.g. 2x4, and "
+                        "a 2-D --strategy NAME's (default: the cluster's machines x GPUs per "
+                        "machine when --gpus fills whole machines)")
     p.add_argument("--mode", choices=HOST_MODES, default="graph",
                    help="executor mode to predict ('eager': plain PyTorch): its host time per "
                         "task, where the profile has host figures (GPU profiles; on a CPU cluster "
@@ -226,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             report = shown = predict(args.model, args.cluster, args.gpus, args.strategy,
                                      args.batch, args.micro_batches or DUPLEX_K,
-                                     replace(options, recompute=args.recompute))
+                                     replace(options, recompute=args.recompute),
+                                     mesh[0] if mesh else 1)
     except ValueError as exc:
         parser.exit(2, f"{PROG}: error: {' '.join(str(exc).split())}\n")
     if args.trace is not None:

@@ -13,7 +13,7 @@ import torch
 
 from hidup.graph.capture import Graph, TensorMeta, capture
 from hidup.graph.ops import node_options
-from hidup.graph.placement import Partial, parse_option, parse_placement
+from hidup.graph.placement import Partial, parse_option, parse_placement, plain_option
 from hidup.strategy import Strategy, describe, fixed_strategy, layers
 
 PLAN_FORMAT, PLAN_VERSION = "hidup-plan", 1
@@ -90,24 +90,25 @@ def example_inputs(metas: tuple[TensorMeta, ...]) -> tuple[torch.Tensor, ...]:
     return tuple(torch.zeros(m.shape, dtype=getattr(torch, m.dtype)) for m in metas)
 
 
-def resolve_strategy(arg: str, graph: Graph, world: int, cluster: str | None = None
-                     ) -> Strategy:
-    """A fixed strategy by name, or the plan file at a path (noted if searched for another
-    cluster than `cluster`)."""
+def resolve_strategy(arg: str, graph: Graph, world: int, cluster: str | None = None,
+                     machines: int = 1) -> Strategy:
+    """A fixed strategy by name (those of a 2-D mesh on `machines`), or the plan file at a path
+    (noted if searched for another cluster than `cluster`)."""
     path = Path(arg)
     if path.is_file():
         return load_plan(path, graph, world, cluster)
     if path.suffix == ".json" or "/" in arg:
         raise PlanError(f"plan file {arg} does not exist; give an existing plan file or a "
                         f"strategy name such as megatron")
-    return fixed_strategy(arg, graph, world)
+    return fixed_strategy(arg, graph, world, machines)
 
 
 def check(graph: Graph, strategy: Strategy) -> None:
-    """Every op's option is one its rule offers, and no parameter or input is Partial."""
+    """Every op's option is one its rule offers (over a machine's ranks, or flat: over every
+    rank), and no parameter or input is Partial."""
     for node in graph.ops:
         opt = strategy.options.get(node.name)
-        if opt is None or opt not in node_options(graph, node):
+        if opt is None or plain_option(opt) not in node_options(graph, node):
             raise PlanError(f"node {node.name} ({node.op}): option {opt} is not one of its options")
     for name, p in strategy.placements.items():
         if isinstance(p, Partial):

@@ -6,7 +6,7 @@ from collections import Counter
 
 from hidup.graph import ops
 from hidup.graph.capture import Graph, Node
-from hidup.graph.placement import R, Shard, ShardingOption
+from hidup.graph.placement import R, Shard, ShardingOption, option_is_flat, plain_option
 from hidup.strategy.base import Strategy
 from hidup.strategy.microbatch import microbatch_split
 from hidup.strategy.recompute import describe_recompute
@@ -21,6 +21,7 @@ def op_style(graph: Graph, node: Node, option: ShardingOption) -> str:
     """What an op's option does, in the words of the fixed strategies: 'expert parallel' (it reads
     experts split across the ranks: 3-d weights), 'tensor parallel' (other split weights), 'data
     parallel' (whole weights, the batch dim split), 'split otherwise', or 'replicated'."""
+    option = plain_option(option)
     split_weights = [graph.node(t) for t, p in zip(node.inputs, option.inputs)
                      if graph.node(t).kind == "param" and p != R]
     if split_weights:
@@ -34,12 +35,14 @@ def op_style(graph: Graph, node: Node, option: ShardingOption) -> str:
     return "split otherwise"
 
 
-def summarize(graph: Graph, strategy: Strategy) -> dict[str, int]:
+def summarize(graph: Graph, strategy: Strategy, flat: bool = False) -> dict[str, int]:
     """How many of the key ops (linear, einsum, embedding, convolution, attention) each style
-    (op_style) runs, in STYLES order, the styles used only."""
+    (op_style) runs, in STYLES order, the styles used only; with `flat`, of the ops that run
+    over every rank of a 2-D mesh (flat options), else of the others."""
     counts = {style: 0 for style in STYLES}
     for node in graph.ops:
-        if any(key in node.op for key in KEY_OPS):
+        if any(key in node.op for key in KEY_OPS) and \
+                option_is_flat(strategy.options[node.name]) == flat:
             counts[op_style(graph, node, strategy.options[node.name])] += 1
     return {style: n for style, n in counts.items() if n}
 
@@ -56,6 +59,10 @@ def describe(graph: Graph, strategy: Strategy) -> str:
     (style, n), rest = counts[0], counts[1:]
     what = f"all {n} key ops {style}" if not rest else \
         ", ".join([f"{n} key ops {style}"] + [f"{m} {s}" for s, m in rest])
+    flat = summarize(graph, strategy, flat=True)
+    if flat:  # some ops over every rank
+        what += f"; over all {strategy.machines} machines' GPUs: " + \
+            ", ".join(f"{m} key ops {s}" for s, m in flat.items())
     return across + what + storage(graph, strategy) + describe_recompute(graph, strategy) + \
         uncovered(graph)
 
@@ -100,5 +107,7 @@ def mesh_option(graph: Graph, strategy: Strategy, node: str) -> str:
     if strategy.machines == 1:
         return str(inner)
     outer = microbatch_split(graph, 1, machines=strategy.machines).options[node]
+    if option_is_flat(inner):  # over every rank: the same placement on both dimensions
+        outer = inner = plain_option(inner)
     ins = ", ".join(f"[{a}, {b}]" for a, b in zip(outer.inputs, inner.inputs))
     return f"({ins}) -> [{outer.output}, {inner.output}]"
