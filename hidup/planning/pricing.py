@@ -13,7 +13,10 @@ at 16-32 GPUs, where the backward's conversions share the link.) Objective 'comm
 
 On a 2-D mesh of `machines` (hidup.strategy) conversions are priced inside a machine, a gradient
 partial there is all-reduced over the world, and a parameter's gradient that is whole there over
-its mesh column, the columns sharing each machine's link."""
+its mesh column, the columns sharing each machine's link. A flat option (over every rank:
+hidup.graph.placement) converts over the world, its parameters' gradients are complete there or
+all-reduced over the world, and a tensor passes between a machine's placements and flat ones as
+the lowering passes it (through its micro-batch split: hidup.program.lowering's steps)."""
 from __future__ import annotations
 
 import math
@@ -21,7 +24,8 @@ from typing import NamedTuple
 
 from hidup.graph.capture import Node
 from hidup.graph.flops import backward_flops, forward_flops
-from hidup.graph.placement import Placement, R, Replicate, ShardingOption
+from hidup.graph.placement import Placement, R, Replicate, Shard, ShardingOption, flat, \
+    is_flat, plain
 from hidup.strategy import conversion
 from hidup.program.tasks import LoweringError
 
@@ -55,13 +59,21 @@ class Pricing:
         return self._converts[key]
 
     def _conversion_cost(self, t: str, src: Placement, dst: Placement) -> float:
+        if is_flat(src) != is_flat(dst):  # through t's micro-batch split, as the lowering
+            c = self.mbs.home(t)
+            if not isinstance(c, Shard):
+                raise LoweringError(f"tensor {t} is not split over the batch: it cannot pass "
+                                    f"between a machine's placements and flat ones")
+            cs, cd = (flat(c) if is_flat(src) else c), (flat(c) if is_flat(dst) else c)
+            return self._conversion_cost(t, src, cs) + self._conversion_cost(t, cd, dst)
         kind = conversion(src, dst)
         if kind is None:
             return 0.0
         size = max(self.nbytes(t, src), self.nbytes(t, dst))
         # the dual of a conversion to R runs only where the gradient comes back as a Partial
         # sum: partial_grad_cost charges it then
-        return self._collectives(kind, size, t in self.grads and dst != R, self.per_mb(t))
+        return self._collectives(kind, size, t in self.grads and plain(dst) != R,
+                                 self.per_mb(t), is_flat(dst))
 
     def partial_grad_cost(self, t: str, home: Placement) -> float:
         """Per micro-batch, making whole the Partial gradient of t's replicated value, which the
@@ -70,28 +82,37 @@ class Pricing:
         all-reduce where t's home is R (hidup.program.lowering's reduced_at)."""
         key = (self.alike[t], home, "grad")
         if key not in self._converts:
-            size = max(self.nbytes(t, home), self.nbytes(t, R))
-            kind = "all_reduce" if home == R else _DUAL[conversion(home, R)]
+            whole = flat(R) if is_flat(home) else R
+            size = max(self.nbytes(t, home), self.nbytes(t, whole))
+            kind = "all_reduce" if home == whole else _DUAL[conversion(home, whole)]
             if self.objective == "comm":
                 cost = float(size)
             else:
-                cost = self.row_time(kind, size)
+                cost = self.scope_time(kind, size, is_flat(home))
             self._converts[key] = cost * self.per_mb(t)
         return self._converts[key]
 
-    def _collectives(self, kind: str, size: int, backward: bool, share: float) -> float:
-        """A conversion's collective of `size` bytes, and its dual where the tensor has a
-        gradient, `share` of it per micro-batch (the layers' tensors repeat: computed once)."""
-        key = (kind, size, backward, share)
+    def _collectives(self, kind: str, size: int, backward: bool, share: float,
+                     over_all: bool = False) -> float:
+        """A conversion's collective of `size` bytes (over a mesh row, or `over_all` ranks),
+        and its dual where the tensor has a gradient, `share` of it per micro-batch (the
+        layers' tensors repeat: computed once)."""
+        key = (kind, size, backward, share, over_all)
         if key not in self._conversions:
             if self.objective == "comm":
                 cost = size * share * (kind != "slice")
             else:
-                fwd = 0.0 if kind == "slice" else self.row_time(kind, size)
-                bwd = self.row_time(_DUAL[kind], size) if backward else 0.0
+                fwd = 0.0 if kind == "slice" else self.scope_time(kind, size, over_all)
+                bwd = self.scope_time(_DUAL[kind], size, over_all) if backward else 0.0
                 cost = (fwd + bwd) * share
             self._conversions[key] = cost
         return self._conversions[key]
+
+    def scope_time(self, kind: str, size: int, over_all: bool) -> float:
+        """A collective over a mesh row (row_time), or over every rank."""
+        if not over_all:
+            return self.row_time(kind, size)
+        return sum(self.profile.collective_split(kind, size, self.everyone))
 
     def row_time(self, kind: str, size: int) -> float:
         """A conversion's collective over a mesh row, every row's at once: rows that cross the
@@ -130,9 +151,10 @@ class Pricing:
             param = self.g.node(t)
             if param.kind == "param":
                 size = self.nbytes(t, p)
-                if p == R and opt.output != R:  # its gradient is a Partial sum: all-reduced
+                if opt.partial_gradient(p):  # its gradient is a Partial sum: all-reduced
                     grads += self.reduction(size, self.everyone, ())
-                elif self.machines > 1 and self.first[t] == self.position[node.name]:
+                elif self.machines > 1 and self.first[t] == self.position[node.name] and \
+                        not is_flat(p):  # (a flat one is complete over every rank)
                     grads += self.reduction(size, self.column, self.columns)  # summed across
                 if self.first[t] == self.position[node.name]:  # its home: where it lives
                     held = (2 + self.optimizer.states) * size  # parameter, gradient, state

@@ -17,7 +17,9 @@ T += m + c. With one micro-batch the model is linear: hidup.planning.exact solve
 integer programme. The search (hidup.planning.search) lowers and ranks the programme's best plans.
 
 On a 2-D mesh of `machines` (hidup.strategy) the programme chooses each op's option over one
-machine's ranks, on its part of the batch (priced as hidup.planning.pricing says)."""
+machine's ranks, on its part of the batch, or (SearchOptions.flat) over every rank of the mesh
+flattened (hidup.graph.placement's flat options: experts split over every GPU beside attention
+split inside a machine), priced as hidup.planning.pricing says."""
 from __future__ import annotations
 
 import logging
@@ -27,7 +29,8 @@ from typing import NamedTuple
 
 from hidup.graph.capture import Graph, Node
 from hidup.graph.ops.registry import replicated
-from hidup.graph.placement import Partial, Placement, R, ShardingOption
+from hidup.graph.placement import (Partial, Placement, R, Shard, ShardingOption, flat_option,
+                                   is_flat)
 from hidup.planning.beam import Beam, _Label
 from hidup.planning.costs import Profile
 from hidup.planning.pricing import Pricing, _NodeCost
@@ -73,6 +76,8 @@ class SearchOptions:
     #                          attention's outputs kept)
     mode: str = "graph"  # the executor mode whose costs the estimate ranks plans by (its host
     #   time per task where the profile has host figures; 'compile': Inductor's fused kernels)
+    flat: bool = True  # on a 2-D mesh (not turned around), also each op's options over every
+    #   rank (flat placements), beside those over a machine's ranks
 
 
 def recomputable_share(graph: Graph, recompute: frozenset[str] | None) -> dict[str, float]:
@@ -142,7 +147,7 @@ class Search(Pricing, Beam):
         self._node_kinds: dict[str, tuple] = {}  # node -> what it costs alike with
         self._node_costs: dict[tuple, _NodeCost] = {}  # (node kind, option) -> node_cost
         self._conversions: dict[tuple, float] = {}  # _collectives' key -> seconds
-        shapes = Shapes(graph, self.mbs, self.world, k * machines)
+        shapes = Shapes(graph, self.mbs, self.world, k * machines, machines)
         self.shape, self.nbytes = shapes.shape, shapes.nbytes  # (tensor, placement) -> local
         # what prices each label's `plain` time: this programme at k = 1, another (the same
         # graph with one micro-batch) at k > 1; none for objective 'comm' at k > 1
@@ -165,7 +170,7 @@ class Search(Pricing, Beam):
     def extend(self, states, node: Node) -> dict[tuple, list[_Label]]:
         """Every label of every state, extended by every option of the node."""
         options = []
-        for opt in fitting_options(self.g, node, self.world):
+        for opt in self.node_options(node):
             try:
                 options.append((opt, *self.costs(node, opt)))
             except LoweringError:
@@ -185,6 +190,24 @@ class Search(Pricing, Beam):
                 self.add(out, untouched + touched,
                          self.advance(labels, node, opt, comm, cost, comm1, plain))
         return self.prune(out)
+
+    def node_options(self, node: Node) -> list[ShardingOption]:
+        """The node's options over a machine's ranks, and on a 2-D mesh with SearchOptions.flat
+        its options over every rank (flat)."""
+        opts = list(fitting_options(self.g, node, self.world))
+        if self.machines > 1 and self.options.flat and not self.options.transposed:
+            opts += [flat_option(o) for o in fitting_options(self.g, node,
+                                                             self.world * self.machines)]
+        return opts
+
+    def placeholder_home(self, t: str, want: Placement) -> Placement | None:
+        """Where a parameter, buffer or input lives, read first as `want`: there, but an input
+        read flat lives over a machine's ranks, split over the batch as the data loader gives
+        it (None where it is not: it cannot reach a flat placement)."""
+        if not is_flat(want) or self.g.node(t).kind != "input":
+            return want
+        home = self.mbs.home(t)
+        return home if isinstance(home, Shard) else None
 
     # A state (the key of the programme's labels at a cut) holds, for each tensor live at that
     # cut, its home placement and the placements it was converted to for earlier consumers: as
@@ -244,13 +267,16 @@ class Search(Pricing, Beam):
             elif value >= 0:
                 home, made = self._values[value]
             elif t in self.placeholders:  # an input or parameter goes where its first
-                if isinstance(want, Partial):  # consumer wants it
+                home = self.placeholder_home(t, want)  # consumer wants it
+                if isinstance(want, Partial) or home is None:
                     return None
-                home, made = want, _NOTHING
+                made = _NOTHING
             else:
                 return None
             if isinstance(want, Partial) and home != want:
                 return None
+            if is_flat(want) != is_flat(home) and not isinstance(self.mbs.home(t), Shard):
+                return None  # only a tensor split over the batch passes between the scopes
             if want != home and want not in made:
                 if duplex:
                     try:
@@ -350,7 +376,7 @@ class Search(Pricing, Beam):
         for node in self.g.ops:
             for t, p in zip(node.inputs, options[node.name].inputs):
                 if t in self.placeholders:
-                    placements.setdefault(t, p)
+                    placements.setdefault(t, self.placeholder_home(t, p))
         placements = {n.name: placements.get(n.name, R) for n in self.g.nodes if n.kind != "op"}
         return Strategy(name, placements, options, machines=self.machines,
                         transposed=self.options.transposed)
