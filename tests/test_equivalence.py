@@ -10,6 +10,7 @@ import torch
 from conftest import build_model, run_ranks
 
 from hidup.graph.capture import capture
+from hidup.graph.placement import flat, flat_option
 from hidup.models import get_model
 from hidup.planning.profile_file import load_profile
 from hidup.planning.programme import Search, SearchOptions, replicated_plan
@@ -186,6 +187,7 @@ def test_bf16_autocast_matches_single_device_within_bf16_tolerance():
 
 
 TURNED = "turned-"  # Strategy.transposed
+FLAT = "random-flat-"  # random, some layers over every rank
 # a 2-D mesh of 2 machines x 2 ranks: data parallel across, the strategy inside
 MESH_CASES = [("gpt:tiny", "dp-megatron", 1), ("gpt:tiny", "dp-megatron", 2),
               ("bert-sgmoe:tiny", "dp-expert", 2), ("gpt:tiny", "search-2d", 2),
@@ -195,6 +197,12 @@ MESH_CASES += [("gpt:tiny", "fsdp+tp", 1), ("gpt:tiny", "fsdp+tp", 2),
                ("bert-sgmoe:tiny", "fsdp+tp", 2), ("gpt:tiny", "fsdp+tp+recompute", 2),
                ("gpt:tiny", "fsdp+tp+selective", 2)]
 MESH_CASES += [(m, f"random-{seed}", 1 + seed % 2) for m in ("gpt:tiny", "bert-sgmoe:tiny")
+               for seed in range(4)]
+# ops over every rank (flat) beside ops over a machine's ranks: tp+ep (experts over every GPU,
+# Megatron inside a machine), and random strategies with random layers' ops over every rank
+MESH_CASES += [("bert-sgmoe:tiny", "tp+ep", 1), ("bert-sgmoe:tiny", "tp+ep", 2),
+               ("bert-sgmoe:tiny", "tp+ep+selective", 2)]
+MESH_CASES += [(m, f"{FLAT}{seed}", 1 + seed % 2) for m in ("gpt:tiny", "bert-sgmoe:tiny")
                for seed in range(4)]
 # the mesh turned around: the strategy across the machines (one GPU of each), data parallel
 # inside each (the mesh's groups are interleaved: rank = position * 2 + part)
@@ -220,6 +228,8 @@ def mesh_strategy(graph, name: str, world: int, k: int):
     if name == "search-2d":
         dp = Search(graph, world, load_profile("v100-8x8-10gbps"), SearchOptions(k=k, machines=2))
         return dp.strategy(dp.run()[0], "hidup")
+    if name.startswith(FLAT):
+        return random_flat(graph, world, k, random.Random(int(name.removeprefix(FLAT))))
     if name.startswith("random-"):
         inner = random_strategy(graph, world // 2, random.Random(int(name[7:])),
                                 divide=world * k)
@@ -230,6 +240,26 @@ def mesh_strategy(graph, name: str, world: int, k: int):
             return None
         return strategy
     return fixed_strategy(name, graph, world, machines=2)
+
+
+def random_flat(graph, world: int, k: int, rng):
+    """A random strategy on 2 machines whose ops in random layers take a random option over
+    every rank (flat), the others one over a machine's ranks (None where it does not lower)."""
+    inner = random_strategy(graph, world // 2, rng, divide=world * k)
+    every = random_strategy(graph, world, rng, divide=world * k)
+    chosen = set(rng.sample(sorted(layers(graph)), 1))
+    ops = {n.name for n in graph.ops if n.layer in chosen}
+    options = {n: flat_option(every.options[n]) if n in ops else o
+               for n, o in inner.options.items()}
+    read = {t for n in ops for t in graph.node(n).inputs if graph.node(t).kind == "param"}
+    homes = {t: flat(every.placements[t]) if t in read else p
+             for t, p in inner.placements.items()}
+    strategy = replace(inner, options=options, placements=homes, machines=2)
+    try:
+        lower(graph, strategy, world, k)
+    except (LoweringError, ValueError):
+        return None
+    return strategy
 
 
 @pytest.mark.slow

@@ -176,8 +176,9 @@ def test_plan_cli_mesh(capsys):
 
 
 def test_a_mesh_priced_far_over_the_other_has_only_its_best_plan_lowered(monkeypatch):
-    """bert-sgmoe:paper (2 layers) on 2 x 8 GPUs: the 2-D programme's best plan is priced over
-    twice the 1-D one's (the experts' gradients cross the 10 Gbit/s link), so the search lowers
+    """bert-sgmoe:paper (2 layers) on 2 x 8 GPUs, the 2-D programme without flat options (each
+    op over a machine's ranks): its best plan is priced over twice the 1-D one's (the experts'
+    gradients cross the 10 Gbit/s link), so the search lowers
     only its best (as it is, with its parameters stored sharded, and stored sharded across the
     machines), each with one micro-batch only: its estimate with one is over twice the fastest
     ranked, and with k micro-batches it is at least half that (HOPELESS). The search chooses
@@ -186,12 +187,12 @@ def test_a_mesh_priced_far_over_the_other_has_only_its_best_plan_lowered(monkeyp
     spec = get_model("bert-sgmoe:paper", gpus=16, layers=2)
     graph = capture_model(spec, spec.batch)
     profile = load_profile("v100-8x8-10gbps")
-    found = search(graph, 16, profile, SearchOptions(k=2, machines=2))
+    found = search(graph, 16, profile, SearchOptions(k=2, machines=2, flat=False))
     on_mesh = [name for name, _ in found.candidates if "-2d#" in name]
     assert sorted(on_mesh) == ["search-2d#0 k=1", "search-2d#0+across k=1",
                                "search-2d#0+sharded k=1"]
     monkeypatch.setattr(ranking, "BEHIND", float("inf"))
-    every = search(graph, 16, profile, SearchOptions(k=2, machines=2))
+    every = search(graph, 16, profile, SearchOptions(k=2, machines=2, flat=False))
     assert len([name for name, _ in every.candidates if "-2d#" in name]) > 6
     assert every.candidates[0] == found.candidates[0]
     best_2d = min(t for name, t in every.candidates if "-2d#" in name)

@@ -217,6 +217,8 @@ class GradientBuckets:
                                      out_keys[0], shapes[0], nbytes, scope=scope)
         for key in in_keys:
             self.wait_for(key)
+        if scope == "row" and (is_flat(src) or is_flat(dst)):
+            scope = "world"  # parameters stored over every rank
         group, groups = self.scopes[scope]
         task = Convert(len(self.tasks), kind, f"bucket({names[0]}..{names[-1]})", src, dst,
                        phase, None, shapes[0], nbytes, group, tuple(in_keys), tuple(out_keys),

@@ -405,18 +405,18 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation):
     def grad_conversion(self, t, p, home, m) -> None:
         """t's gradient, complete as read at p, back to its home (the forward's steps reversed,
         each to a key of its own, since other readers' gradients may pass the same placement)."""
-        key, steps = gkey(t, p, m), self.steps(t, home, p)[::-1]
+        key, steps, read = gkey(t, p, m), self.steps(t, home, p)[::-1], p
         for a, b in [(b, a) for a, b in steps[:-1]]:
             src, dst = self.gplace(t, a), self.gplace(t, b)
-            out = f"{gkey(t, b, m)}~{p}"
+            out = f"{gkey(t, b, m)}~{read}"
             self.emit_convert("alias" if plain(src) == plain(dst) else conversion(src, dst), t,
                               src, dst, "bwd", m, key, out, self.shape(t, a),
                               max(self.nbytes(t, a), self.nbytes(t, b)))
             key, p = out, b
         src, dst = self.gplace(t, p), self.gplace(t, home)
         root = isinstance(dst, Partial) and isinstance(src, Shard)
-        kind = "alias" if src == dst else conversion(src, (flat(R) if is_flat(dst) else R)
-                                                     if root else dst)
+        kind = "alias" if plain(src) == plain(dst) else conversion(
+            src, (flat(R) if is_flat(dst) else R) if root else dst)
         if kind == "reduce_scatter" and m is None and self.g.node(t).kind == "param":
             return self.scatter_grad(t, p, home)  # in a bucket
         nbytes = max(self.nbytes(t, p), self.nbytes(t, home))
