@@ -243,8 +243,9 @@ def mesh_strategy(graph, name: str, world: int, k: int):
 
 
 def random_flat(graph, world: int, k: int, rng):
-    """A random strategy on 2 machines whose ops in random layers take a random option over
-    every rank (flat), the others one over a machine's ranks (None where it does not lower)."""
+    """A random strategy on 2 machines whose ops in a random layer take a random option over
+    every rank (flat; their parameters stored sharded over every rank or not, as drawn), the
+    others one over a machine's ranks (None where it does not lower)."""
     inner = random_strategy(graph, world // 2, rng, divide=world * k)
     every = random_strategy(graph, world, rng, divide=world * k)
     chosen = set(rng.sample(sorted(layers(graph)), 1))
@@ -254,7 +255,8 @@ def random_flat(graph, world: int, k: int, rng):
     read = {t for n in ops for t in graph.node(n).inputs if graph.node(t).kind == "param"}
     homes = {t: flat(every.placements[t]) if t in read else p
              for t, p in inner.placements.items()}
-    strategy = replace(inner, options=options, placements=homes, machines=2)
+    strategy = replace(inner, options=options, placements=homes, machines=2,
+                       reshard=inner.reshard | every.reshard & read)
     try:
         lower(graph, strategy, world, k)
     except (LoweringError, ValueError):

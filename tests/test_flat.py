@@ -15,7 +15,7 @@ from hidup.planning.estimate import estimate
 from hidup.planning.profile_file import load_profile
 from hidup.planning.programme import Search, SearchOptions
 from hidup.program import Compute, Convert, LoweringError, lower
-from hidup.strategy import fixed_strategy
+from hidup.strategy import fixed_strategy, sharded_storage
 from hidup.strategy.describe import describe, mesh_option
 from hidup.graph.placement import Shard
 from simulator.engine import simulate
@@ -112,3 +112,27 @@ def test_the_programme_with_flat_options_never_prices_over_the_one_without(model
     assert best[True] <= best[False]
     if model == "bert-sgmoe:tiny":  # the experts over every GPU pay there
         assert best[True] < 0.8 * best[False], best
+
+
+def test_parameters_read_over_every_rank_are_stored_sharded_over_every_rank(moe):
+    """sharded_storage: a parameter a flat op reads whole (R@all) is stored S(d)@all (its dim
+    divided by every rank), gathered over the world in buckets before use, its gradient
+    turned into the shard there."""
+    dp = Search(moe, 4, two_by_two(), SearchOptions(k=2, machines=2))
+    plan = dp.strategy(dp.run()[0], "hidup")
+    whole = {p.name: plan.home(p.name) for p in moe.params if plan.home(p.name) in (R, FLAT_R)}
+    assert FLAT_R in whole.values()  # (on this tiny model the plan runs every op flat)
+    stored = sharded_storage(moe, plan, 2)
+    for name, home in whole.items():
+        shard = stored.home(name)
+        assert is_flat(shard) == is_flat(home) and isinstance(shard, Shard), name
+    program = lower(moe, stored, 4, k=2)
+    stored_flat = {n for n, h in whole.items() if h == FLAT_R and stored.home(n) != FLAT_R}
+    gathers = [t for t in program.collectives if t.kind == "all_gather" and t.mb is None
+               and t.phase == "fwd" and t.src in map(stored.home, stored_flat)]
+    names = {key.split("@")[0] for t in gathers for key in t.inputs}
+    assert names == stored_flat and len(gathers) < len(names)  # in buckets
+    assert all(t.group == (0, 1, 2, 3) and t.groups == () for t in gathers)
+    # each gradient ends on its shard over every rank (here sliced: this plan computes them
+    # whole on every rank), and nothing sums it across the machines
+    assert all(program.param_grads[n] == f"d{n}@{stored.home(n)}/*" for n in stored_flat)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from hidup.graph.placement import Partial, Placement, R, Shard, is_flat
+from hidup.graph.placement import Partial, Placement, R, Shard, flat, is_flat
 from hidup.program.tasks import (FIRST_BUCKET_BYTES, Compute, Convert, LoweringError, Wait,
                                  gkey, stored_key, vkey)
 
@@ -142,11 +142,13 @@ class GradientBuckets:
             for t in node.inputs:
                 first_use.setdefault(t, i)
         names = sorted((p.name for p in self.g.params
-                        if isinstance(self.home(p.name), Shard) and R in self.converted(p.name)),
+                        if isinstance(self.home(p.name), Shard)
+                        and self.whole(p.name) in self.converted(p.name)),
                        key=lambda t: first_use.get(t, -1))
         cap = min(self.bucket_bytes, max(FIRST_BUCKET_BYTES, sum(
-            self.nbytes(t, R) for t in names) // GATHER_BUCKETS))
-        closed, last = runs_under_cap(names, self.home, lambda t: self.nbytes(t, R), cap)
+            self.nbytes(t, self.whole(t)) for t in names) // GATHER_BUCKETS))
+        closed, last = runs_under_cap(names, self.home, lambda t: self.nbytes(t, self.whole(t)),
+                                      cap)
         self.gather_buckets: list[list[str]] = closed + ([last] if last else [])
         self.bucket_of = {t: i for i, bucket in enumerate(self.gather_buckets) for t in bucket}
         self.regather = {t for t in names if t in self.s.reshard}
@@ -171,14 +173,18 @@ class GradientBuckets:
         if not names:
             return
         home = self.home(names[0])
-        self.emit_bucket("all_gather", names, home, R, phase,
+        self.emit_bucket("all_gather", names, home, self.whole(names[0]), phase,
                          [vkey(t, home, None) for t in names],
                          [self.gathered_key(t, phase) for t in names],
                          [self.shape(t, home) for t in names])
 
     def gathered_key(self, t: str, phase: str) -> str:
         """The key of parameter t gathered whole: for the forward, or again for the backward."""
-        return vkey(t, R, None) + ("+again" if phase == "bwd" else "")
+        return vkey(t, self.whole(t), None) + ("+again" if phase == "bwd" else "")
+
+    def whole(self, t: str) -> Placement:
+        """Replicated, over a machine's ranks or (t living flat) over every rank."""
+        return flat(R) if is_flat(self.home(t)) else R
 
     def scatter_grad(self, t: str, p: Placement, home: Placement) -> None:
         """Parameter t's gradient, complete as a partial sum of its whole (read as p), joins the
@@ -211,7 +217,7 @@ class GradientBuckets:
         """One collective over the tensors `names` (one of them: a plain conversion) in the
         scope's groups; `nbytes`: their whole size (default: each gathered on a machine)."""
         if nbytes is None:
-            nbytes = sum(max(self.nbytes(t, R), self.nbytes(t, dst)) for t in names)
+            nbytes = sum(max(self.nbytes(t, self.whole(t)), self.nbytes(t, dst)) for t in names)
         if len(names) == 1:
             return self.emit_convert(kind, names[0], src, dst, phase, None, in_keys[0],
                                      out_keys[0], shapes[0], nbytes, scope=scope)

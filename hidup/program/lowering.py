@@ -250,8 +250,8 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation):
         for node in self.g.nodes:
             if node.kind != "op":
                 for m in self.mbs(node.name):
-                    self.convert_for_consumers(node.name, m,
-                                               R if node.name in gathered else None)
+                    self.convert_for_consumers(
+                        node.name, m, self.whole(node.name) if node.name in gathered else None)
         self.loss_keys: list[str] = []
         per_mb = [n for n in self.g.ops if n.name not in self.once or n.name in self.after_join]
         for node in self.g.ops:  # computed once per step, from parameters only
@@ -356,7 +356,7 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation):
         self.wait_for(grad_in)
         self.gather_for(node.inputs, "bwd")
         fwd_keys = tuple(  # what the forward read: a parameter resharded after it, gathered again
-            self.gathered_key(t, "bwd") if t in self.regather and p == R else key
+            self.gathered_key(t, "bwd") if t in self.regather and p == self.whole(t) else key
             for t, p, key in zip(node.inputs, opt.inputs, self.in_keys(node, m)))
         for t, key in zip(node.inputs, fwd_keys):  # read now, not as the forward saved them:
             if t in self.regather or node.name in self.again:  # wait for what made them again

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from hidup.graph.capture import Node
-from hidup.graph.placement import R
 from hidup.graph.saved import backward_reads
 from hidup.program.tasks import Compute, vkey
 
@@ -89,7 +88,8 @@ class Recomputation:
     def recompute_node(self, node: Node, m: int | None, layer: str) -> None:
         opt = self.s.options[node.name]
         self.gather_for(node.inputs, "bwd")
-        keys = tuple(self.gathered_key(t, "bwd") if t in self.regather and p == R else key
+        keys = tuple(self.gathered_key(t, "bwd") if t in self.regather and p == self.whole(t)
+                     else key
                      for t, p, key in zip(node.inputs, opt.inputs, self.in_keys(node, m)))
         for key in keys:
             self.wait_for(key)

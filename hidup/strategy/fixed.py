@@ -8,7 +8,8 @@ from dataclasses import replace
 
 from hidup.graph.capture import Graph, Node
 from hidup.graph.flops import GROUPED_MM
-from hidup.graph.placement import R, Partial, Placement, Shard, ShardingOption, flat, flat_option
+from hidup.graph.placement import (R, Partial, Placement, Shard, ShardingOption, flat,
+                                   flat_option, is_flat, plain)
 from hidup.strategy.base import Strategy, fitting_options, placed, propagate, splits_evenly
 from hidup.strategy.recompute import layers
 
@@ -124,14 +125,17 @@ def sharded_storage(graph: Graph, strategy: Strategy, world: int,
     memory, one more all-gather). The same strategy where nothing changes."""
     homes, whole, changed = dict(strategy.placements), [], False
     for param in graph.params:
-        if homes.get(param.name, R) != R or params is not None and param.name not in params:
+        home = homes.get(param.name, R)
+        if plain(home) != R or params is not None and param.name not in params:
             continue
+        n = world * strategy.machines if is_flat(home) else world  # a flat one: every rank
         shape = param.out.shape
-        dims = [d for d in range(len(shape)) if shape[d] % world == 0]
-        if not dims or world == 1:
+        dims = [d for d in range(len(shape)) if shape[d] % n == 0]
+        if not dims or n == 1:
             whole.append(param.name)
             continue
-        homes[param.name] = Shard(0 if 0 in dims else max(dims, key=lambda d: shape[d]))
+        shard = Shard(0 if 0 in dims else max(dims, key=lambda d: shape[d]))
+        homes[param.name] = flat(shard) if is_flat(home) else shard
         changed = True
     if not changed:
         return strategy
@@ -218,6 +222,8 @@ def stored_across(graph: Graph, strategy: Strategy, inner: int) -> Strategy:
                if strategy.options[node.name].partial_gradient(p)}
     for param in graph.params:
         home = strategy.home(param.name)
+        if is_flat(home):  # over every rank already
+            continue
         shape = list(param.out.shape)
         if isinstance(home, Shard):
             shape[home.dim] //= inner
