@@ -71,8 +71,12 @@ class FlatPartial(Partial):
 
 
 def is_flat(p: Placement) -> bool:
-    """Is p a placement over every rank of a 2-D mesh?"""
-    return isinstance(p, (FlatShard, FlatReplicate, FlatPartial))
+    """Is p a placement over every rank of a 2-D mesh? (By its exact type: DTensor's placement
+    types answer isinstance through a slow metaclass hook, and the search asks this a lot.)"""
+    return type(p) in _FLAT_TYPES
+
+
+_FLAT_TYPES = frozenset((FlatShard, FlatReplicate, FlatPartial))
 
 
 def flat(p: Placement) -> Placement:
