@@ -102,7 +102,10 @@ def test_own_model_with_adamw_trains_as_on_one_device(world):
 
 def _plan_named(how: str, model, world: int):
     """A searched plan, a 2-D one (dp-megatron, fsdp+tp: 2 machines; turned-NAME: the mesh
-    turned around), or a fixed strategy's name."""
+    turned around; flat-fsdp: dp-megatron whose second half of ops runs fsdp over every rank,
+    its parameters stored sharded over all of them), or a fixed strategy's name."""
+    if how == "flat-fsdp":
+        return _flat_fsdp(model, world)
     if how.removeprefix("turned-") in ("dp-megatron", "fsdp+tp"):
         from dataclasses import replace
 
@@ -114,6 +117,29 @@ def _plan_named(how: str, model, world: int):
         strategy = fixed_strategy(how.removeprefix("turned-"), graph, world, machines=2)
         return Plan.of(graph, replace(strategy, transposed=how.startswith("turned-")), world, 1)
     return searched_plan(model, world) if how == "searched" else how
+
+
+def _flat_fsdp(model, world: int):
+    from dataclasses import replace
+
+    from hidup.api import Plan
+    from hidup.graph.capture import capture
+    from hidup.graph.placement import flat, flat_option
+    from hidup.strategy import fixed_strategy
+
+    graph = capture(model, batches()[0])
+    inside = fixed_strategy("dp-megatron", graph, world, machines=2)
+    every = fixed_strategy("fsdp", graph, world)
+    late = {n.name for n in graph.ops[len(graph.ops) // 2:]}
+    read = {t for n in late for t in graph.node(n).inputs if graph.node(t).kind == "param"}
+    strategy = replace(
+        inside, name="flat-fsdp",
+        options={n: flat_option(every.options[n]) if n in late else o
+                 for n, o in inside.options.items()},
+        placements={t: flat(every.placements[t]) if t in read else p
+                    for t, p in inside.placements.items()},
+        reshard=every.reshard & read)
+    return Plan.of(graph, strategy, world, 2)
 
 
 def _state_bytes(model) -> float:
@@ -179,7 +205,8 @@ def _resume(rank, world, folder, steps, how):
     ("ddp", 2, "megatron", 4), ("megatron", 2, "searched", 4), ("searched", 4, "ddp", 2),
     ("dp-megatron", 4, "megatron", 2), ("ddp", 2, "dp-megatron", 4), ("fsdp", 2, "megatron", 4),
     ("fsdp+tp", 4, "ddp", 2), ("fsdp", 2, "fsdp+tp", 4), ("turned-fsdp+tp", 4, "fsdp+tp", 4),
-    ("fsdp", 2, "turned-fsdp+tp", 4)])
+    ("fsdp", 2, "turned-fsdp+tp", 4), ("flat-fsdp", 4, "megatron", 2),
+    ("fsdp", 2, "flat-fsdp", 4)])
 def test_checkpoint_resumes_under_another_plan_and_world_size(tmp_path, saved, world_saved,
                                                               resumed, world_resumed):
     want_losses, want_weights = eager()
