@@ -35,6 +35,7 @@ from hidup.planning.beam import Beam, _Label
 from hidup.planning.costs import Profile
 from hidup.planning.pricing import Pricing, _NodeCost
 from hidup.strategy import Strategy, fitting_options, microbatch_split
+from hidup.strategy.recompute import recomputable_share
 from hidup.program.tasks import LoweringError, Shapes, mesh_groups, optimizer_cost
 
 log = logging.getLogger(__name__)
@@ -78,25 +79,6 @@ class SearchOptions:
     #   time per task where the profile has host figures; 'compile': Inductor's fused kernels)
     flat: bool = True  # on a 2-D mesh (not turned around), also each op's options over every
     #   rank (flat placements), beside those over a machine's ranks
-
-
-def recomputable_share(graph: Graph, recompute: frozenset[str] | None) -> dict[str, float]:
-    """Per op whose output may be recomputed in the backward (read only inside its layer, a
-    layer the search may recompute: any where `recompute` is None, else those named), the share
-    of its output the programme counts as held: 1 / layers, as if every layer were recomputed and
-    one layer's activations were held at a time (the ranking lowers each plan and checks its
-    memory, recomputing only what it needs: Ranking.recompute_deferred)."""
-    names = {n.layer for n in graph.ops if n.layer}
-    if recompute is not None:
-        names &= recompute
-    if not names:
-        return {}
-    inside: dict[str, bool] = {}
-    for node in graph.ops:
-        for t in node.inputs:
-            inside[t] = inside.get(t, True) and node.layer == graph.node(t).layer
-    return {n.name: 1 / len(names) for n in graph.ops
-            if n.layer in names and inside.get(n.name, False) and n.name != graph.loss}
 
 
 class Search(Pricing, Beam):

@@ -12,24 +12,25 @@ in one all-reduce over the world, one already complete there (a shard, or replic
 its mesh column. The reported loss is summed the same way. An op whose option is flat
 (hidup.graph.placement) runs over every rank instead, as on a 1-D mesh of them all: its
 conversions run over the world, and a tensor passes between a machine's placements and flat
-ones through its micro-batch split, which both hold alike (Lowering.steps)."""
+ones through its micro-batch split, which both hold alike (hidup.program.scopes)."""
 from __future__ import annotations
 
 from hidup.graph.capture import Graph
 from hidup.graph.flops import backward_flops, forward_flops
 from hidup.graph.placement import (Partial, Placement, R, Replicate, Shard, flat, is_flat,
-                                   option_is_flat, plain)
+                                   plain)
 from hidup.graph.saved import backward_reads
-from hidup.strategy import Strategy, conversion, microbatch_split
+from hidup.strategy import Strategy, microbatch_split
 from hidup.program.buckets import GradientBuckets
 from hidup.program.microbatches import MicroBatches
 from hidup.program.recompute import Recomputation
+from hidup.program.scopes import Scopes
 from hidup.program.tasks import (BUCKET_BYTES, COLLECTIVES, Compute, Convert,
                                  LoweringError, Program, Task, Wait, gkey, mesh_groups,
                                  optimizer_cost, Shapes, vkey)
 
 
-class Lowering(MicroBatches, GradientBuckets, Recomputation):
+class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
     """Forward: node-major, micro-batch-minor; each conversion is issued right after its producer
     and waited for right before its consumer, so with k >= 2 one micro-batch's communication runs
     while the next one computes. Backward: the same in reverse, each gradient conversion issued as
@@ -94,26 +95,6 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation):
         self.across = dict(strategy.across)
         self.check_across()
         self.check_flat()
-
-    def check_flat(self) -> None:
-        """Flat options need a 2-D mesh not turned around; a tensor crosses between a machine's
-        placements and flat ones only where it is split over the batch (parameters and what
-        is made of them once per step hold each scope's own gradient sums), and a parameter
-        or input lives in the scope its consumers read it in."""
-        flats = [n for n, o in self.s.options.items() if option_is_flat(o)]
-        if not flats:
-            return
-        if self.machines == 1 or self.s.transposed:
-            raise LoweringError(f"strategy {self.s.name}: op {flats[0]} runs over every rank "
-                                f"(a flat option), which needs a 2-D mesh of machines not turned "
-                                f"around; use its 1-D option instead")
-        for t, uses in self.uses.items():
-            scopes = {is_flat(p) for _, _, p in uses} | {is_flat(self.home(t))}
-            if len(scopes) > 1 and not isinstance(self.mbs_split.home(t), Shard):
-                raise LoweringError(f"strategy {self.s.name}: tensor {t} is read over a machine "
-                                    f"and over every rank, but it is not split over the batch "
-                                    f"(a parameter, or made of them), so it cannot pass between "
-                                    f"them; give its readers one scope")
 
     def add(self, task: Task) -> None:
         self.tasks.append(task)
@@ -217,27 +198,6 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation):
         for p in self.converted(t):
             if p != skip and (only is None or p in only):
                 self.emit_steps(t, self.steps(t, self.home(t), p), phase, m, made)
-
-    def steps(self, t: str, src: Placement, dst: Placement) -> list[tuple]:
-        """The conversions that take t from src to dst: one, or between a machine's placements
-        and flat ones, three through t's micro-batch split c (Shard(b)), which a machine's
-        ranks (the machines splitting the batch) and every rank hold alike: src -> c in src's
-        scope, the same values as c in dst's (an alias), c -> dst."""
-        if is_flat(src) == is_flat(dst):
-            return [(src, dst)]
-        c = self.mbs_split.home(t)
-        cs, cd = (flat(c) if is_flat(src) else c), (flat(c) if is_flat(dst) else c)
-        return [step for step in ((src, cs), (cs, cd), (cd, dst)) if step[0] != step[1]]
-
-    def emit_steps(self, t: str, steps, phase: str, m: int | None, made: set[str]) -> None:
-        """Emit these conversions of t's value, each once among those sharing `made`."""
-        for src, dst in steps:
-            if vkey(t, dst, m) in made:
-                continue
-            made.add(vkey(t, dst, m))
-            kind = "alias" if plain(src) == plain(dst) else conversion(src, dst)
-            self.emit_convert(kind, t, src, dst, phase, m, vkey(t, src, m), vkey(t, dst, m),
-                              self.shape(t, src), max(self.nbytes(t, src), self.nbytes(t, dst)))
 
     def in_keys(self, node, m) -> list[str]:
         opt, mb_opt = self.s.options[node.name], self.mbs_split.options[node.name]
@@ -399,31 +359,8 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation):
         elif self.g.node(t).kind == "param":
             self.param_grad(t, home)
         elif t in self.reduced_at:
-            self.emit_convert("all_reduce", t, self.gplace(t, home), home, "bwd", m, key, self.out_grad(t, m),
-                              self.shape(t, home), self.nbytes(t, home))
-
-    def grad_conversion(self, t, p, home, m) -> None:
-        """t's gradient, complete as read at p, back to its home (the forward's steps reversed,
-        each to a key of its own, since other readers' gradients may pass the same placement)."""
-        key, steps, read = gkey(t, p, m), self.steps(t, home, p)[::-1], p
-        for a, b in [(b, a) for a, b in steps[:-1]]:
-            src, dst = self.gplace(t, a), self.gplace(t, b)
-            out = f"{gkey(t, b, m)}~{read}"
-            self.emit_convert("alias" if plain(src) == plain(dst) else conversion(src, dst), t,
-                              src, dst, "bwd", m, key, out, self.shape(t, a),
-                              max(self.nbytes(t, a), self.nbytes(t, b)))
-            key, p = out, b
-        src, dst = self.gplace(t, p), self.gplace(t, home)
-        root = isinstance(dst, Partial) and isinstance(src, Shard)
-        kind = "alias" if plain(src) == plain(dst) else conversion(
-            src, (flat(R) if is_flat(dst) else R) if root else dst)
-        if kind == "reduce_scatter" and m is None and self.g.node(t).kind == "param":
-            return self.scatter_grad(t, p, home)  # in a bucket
-        nbytes = max(self.nbytes(t, p), self.nbytes(t, home))
-        out = gkey(t, home, m)
-        self.emit_convert(kind, t, src, dst, "bwd", m, key, out, self.shape(t, p),
-                          nbytes, root)
-        self.contributed(t, home, m)
+            self.emit_convert("all_reduce", t, self.gplace(t, home), home, "bwd", m, key,
+                              self.out_grad(t, m), self.shape(t, home), self.nbytes(t, home))
 
     def run(self) -> Program:
         loss_keys = self.forward()

@@ -132,7 +132,7 @@ class _TaskRunner:
         """Add one contribution to a gradient (or set its first). In place, as autograd's
         AccumulateGrad does, into a buffer no other value shares (nor two of its own elements,
         as an expanded one does); else into a new one."""
-        if root_only and not self.first(flat):
+        if root_only and self.place(flat)[0] != 0:
             value = torch.zeros_like(value)
         if key not in self.env:
             self.env[key] = value
@@ -202,8 +202,7 @@ class _TaskRunner:
     def callable(self, task: Compute, node):
         """The node's local function (each task is traced once: nothing to keep)."""
         flat = option_is_flat(task.option)  # over every rank, as on a 1-D mesh of them all
-        option = plain_option(task.option)
-        rank, world = (self.spec.rank, self.p.world) if flat else (self.rank, self.world)
+        option, (rank, world) = plain_option(task.option), self.place(flat)
         root = (rank == 0 or option.output != Partial()) and \
                (not task.mb_partial or task.mb in (0, None) and (flat or self.machine == 0))
         ctx = ops.LocalContext(rank, world, task.in_shapes, task.out_shape,
@@ -244,9 +243,9 @@ class _TaskRunner:
             self.accumulate(task.outputs[i], g, task.outputs[i] in task.root_only,
                             option_is_flat(task.option))
 
-    def first(self, flat: bool) -> bool:
-        """Is this rank the first of its row (of every rank, for a flat placement)?"""
-        return self.spec.rank == 0 if flat else self.rank == 0
+    def place(self, flat: bool) -> tuple[int, int]:
+        """(rank, ranks) of this rank in its row, or (`flat`) among every rank."""
+        return (self.spec.rank, self.p.world) if flat else (self.rank, self.world)
 
     def env_device(self) -> torch.device:
         return next(iter(self.env.values())).device
@@ -262,8 +261,7 @@ class _TaskRunner:
 
     # -- conversions ------------------------------------------------------------------------
     def convert(self, task: Convert) -> None:
-        root = bool(task.root_only)
-        flat = is_flat(task.src) or is_flat(task.dst)
+        root, flat = bool(task.root_only), is_flat(task.src) or is_flat(task.dst)  # over all
         for key in task.outputs if task.phase == "recompute" else ():  # made again, not added to
             del self.env[key]
         if task.kind in MB_CONVERSIONS:
@@ -275,9 +273,9 @@ class _TaskRunner:
         if task.kind == "alias":
             self.accumulate(out_key, x, root, flat)
         elif task.kind == "slice":
-            rank, world = (self.spec.rank, self.p.world) if flat else (self.rank, self.world)
-            self.accumulate(out_key, x.chunk(world, dim=task.dst.dim)[rank].contiguous(),
-                            root, flat)
+            rank, world = self.place(flat)
+            self.accumulate(out_key, x.chunk(world, dim=task.dst.dim)[rank].contiguous(), root,
+                            flat)
         elif (n := len(self.members(task))) == 1:  # a group of one: the identity
             self.pending[task.id] = lambda: self.accumulate(out_key, x, root, flat)
         else:

@@ -92,3 +92,22 @@ def describe_recompute(graph: Graph, strategy: Strategy) -> str:
 
 def _span(names: list[str]) -> str:
     return ", ".join(names) if len(names) <= 3 else f"{names[0]} .. {names[-1]}"
+
+
+def recomputable_share(graph: Graph, recompute: frozenset[str] | None) -> dict[str, float]:
+    """Per op whose output may be recomputed in the backward (read only inside its layer, a
+    layer the search may recompute: any where `recompute` is None, else those named), the share
+    of its output the programme counts as held: 1 / layers, as if every layer were recomputed and
+    one layer's activations were held at a time (the ranking lowers each plan and checks its
+    memory, recomputing only what it needs: Ranking.recompute_deferred)."""
+    names = {n.layer for n in graph.ops if n.layer}
+    if recompute is not None:
+        names &= recompute
+    if not names:
+        return {}
+    inside: dict[str, bool] = {}
+    for node in graph.ops:
+        for t in node.inputs:
+            inside[t] = inside.get(t, True) and node.layer == graph.node(t).layer
+    return {n.name: 1 / len(names) for n in graph.ops
+            if n.layer in names and inside.get(n.name, False) and n.name != graph.loss}
