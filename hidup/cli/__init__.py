@@ -81,7 +81,8 @@ def _raise_again(unraisable) -> None:
 def exit_main(main) -> None:
     """`sys.exit(main())` for a command whose ranks may be interrupted mid-step: after Ctrl-C the
     process ends at once (os._exit, once stdout and stderr are flushed) rather than through
-    torch's C++ teardown, which warns of every collective the interrupt left in flight."""
+    torch's C++ teardown, which warns of every collective the interrupt left in flight. A rank
+    under the launcher (RANK set) ends so too, with main()'s code."""
     try:
         code = main()
     except SystemExit:
@@ -91,6 +92,12 @@ def exit_main(main) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(130)
+    if "RANK" in os.environ:  # a rank under the launcher: its work is done and flushed; torch's
+        # C++ teardown at exit may still abort ("terminate called without an active
+        # exception"), which would replace this exit code (a stopped run's 4) with the abort's
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code if isinstance(code, int) else 1)
     sys.exit(code)
 
 
