@@ -16,7 +16,7 @@ partial there is all-reduced over the world, and a parameter's gradient that is 
 its mesh column, the columns sharing each machine's link. A flat option (over every rank:
 hidup.graph.placement) converts over the world, its parameters' gradients are complete there or
 all-reduced over the world, and a tensor passes between a machine's placements and flat ones as
-the lowering passes it (through its micro-batch split: hidup.program.lowering's steps)."""
+the lowering passes it (through its micro-batch split: hidup.program.scopes.crossing)."""
 from __future__ import annotations
 
 import math
@@ -27,6 +27,7 @@ from hidup.graph.flops import backward_flops, forward_flops
 from hidup.graph.placement import Placement, R, Replicate, Shard, ShardingOption, flat, \
     is_flat, plain
 from hidup.strategy import conversion
+from hidup.program.scopes import crossing
 from hidup.program.tasks import LoweringError
 
 _DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all",
@@ -64,8 +65,8 @@ class Pricing:
             if not isinstance(c, Shard):
                 raise LoweringError(f"tensor {t} is not split over the batch: it cannot pass "
                                     f"between a machine's placements and flat ones")
-            cs, cd = (flat(c) if is_flat(src) else c), (flat(c) if is_flat(dst) else c)
-            return self._conversion_cost(t, src, cs) + self._conversion_cost(t, cd, dst)
+            return sum(self._conversion_cost(t, a, b) for a, b in crossing(c, src, dst)
+                       if plain(a) != plain(b))  # (the alias between the scopes is free)
         kind = conversion(src, dst)
         if kind is None:
             return 0.0

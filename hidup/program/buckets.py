@@ -37,7 +37,7 @@ def runs_under_cap(items: list, key, nbytes, cap: int) -> tuple[list[list], list
 class GradientBuckets:
     """Lowering's gradient reductions and update. It reads the Lowering's machines, buckets,
     bucket_bytes, flushed, final, scopes, optimizer, tasks, pending and waited, and calls its
-    home, gplace, shape, nbytes, wait_for and add."""
+    home, gplace, groups, shape, nbytes, wait_for and add."""
 
     # -- storage across the machines (a 2-D mesh's dim 0) ---------------------------------------
     def gather_across(self) -> None:
@@ -223,9 +223,7 @@ class GradientBuckets:
                                      out_keys[0], shapes[0], nbytes, scope=scope)
         for key in in_keys:
             self.wait_for(key)
-        if scope == "row" and (is_flat(src) or is_flat(dst)):
-            scope = "world"  # parameters stored over every rank
-        group, groups = self.scopes[scope]
+        group, groups = self.groups(scope, src, dst)
         task = Convert(len(self.tasks), kind, f"bucket({names[0]}..{names[-1]})", src, dst,
                        phase, None, shapes[0], nbytes, group, tuple(in_keys), tuple(out_keys),
                        (), groups, in_shapes=tuple(shapes))

@@ -175,14 +175,19 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
     def emit_convert(self, kind, t, src, dst, phase, m, in_key, out_key, shape, nbytes,
                      root_only=False, scope: str = "row") -> None:
         self.wait_for(in_key)  # its input complete: no collective still writing it
-        if scope == "row" and (is_flat(src) or is_flat(dst)):
-            scope = "world"  # a flat placement's conversion runs over every rank
-        group, groups = self.scopes[scope] if kind in COLLECTIVES else ((), ())
+        group, groups = self.groups(scope, src, dst) if kind in COLLECTIVES else ((), ())
         task = Convert(len(self.tasks), kind, t, src, dst, phase, m, shape, nbytes, group,
                        (in_key,), (out_key,), (out_key,) if root_only else (), groups)
         self.add(task)
         if task.collective:
             self.pending.setdefault(out_key, []).append(task.id)
+
+    def groups(self, scope: str, src: Placement, dst: Placement) -> tuple:
+        """(rank 0's group, every group) of a collective in `scope`; a row's between flat
+        placements runs over every rank."""
+        if scope == "row" and (is_flat(src) or is_flat(dst)):
+            scope = "world"
+        return self.scopes[scope]
 
     def wait_for(self, key: str) -> None:
         for cid in self.pending.get(key, []):

@@ -10,6 +10,24 @@ from hidup.strategy import conversion
 from hidup.program.tasks import LoweringError, gkey, vkey
 
 
+def crossing(c: Placement, src: Placement, dst: Placement) -> list[tuple]:
+    """The conversions that take a tensor whose micro-batch split is c (Shard(b)) from src to
+    dst: one, or between a machine's placements and flat ones, three through c, which a
+    machine's ranks (the machines splitting the batch) and every rank hold alike: src -> c in
+    src's scope, the same values as c in dst's (an alias), c -> dst. (The lowering runs them;
+    the search's programme prices them.)"""
+    if is_flat(src) == is_flat(dst):
+        return [(src, dst)]
+    cs, cd = (flat(c) if is_flat(src) else c), (flat(c) if is_flat(dst) else c)
+    return [step for step in ((src, cs), (cs, cd), (cd, dst)) if step[0] != step[1]]
+
+
+def step_kind(src: Placement, dst: Placement) -> str:
+    """What one of crossing's steps runs: an alias where src and dst are the same placement
+    (or the same in the two scopes), else their conversion."""
+    return "alias" if plain(src) == plain(dst) else conversion(src, dst)
+
+
 class Scopes:
     """Lowering's part for the two scopes of a 2-D mesh. It reads the Lowering's s (strategy),
     machines, uses, mbs_split, home, shape and nbytes, and calls its gplace, emit_convert,
@@ -36,15 +54,9 @@ class Scopes:
                                     f"them; give its readers one scope")
 
     def steps(self, t: str, src: Placement, dst: Placement) -> list[tuple]:
-        """The conversions that take t from src to dst: one, or between a machine's placements
-        and flat ones, three through t's micro-batch split c (Shard(b)), which a machine's
-        ranks (the machines splitting the batch) and every rank hold alike: src -> c in src's
-        scope, the same values as c in dst's (an alias), c -> dst."""
-        if is_flat(src) == is_flat(dst):
-            return [(src, dst)]
-        c = self.mbs_split.home(t)
-        cs, cd = (flat(c) if is_flat(src) else c), (flat(c) if is_flat(dst) else c)
-        return [step for step in ((src, cs), (cs, cd), (cd, dst)) if step[0] != step[1]]
+        """The conversions that take t from src to dst (crossing, through t's micro-batch
+        split)."""
+        return crossing(self.mbs_split.home(t), src, dst)
 
     def emit_steps(self, t: str, steps, phase: str, m: int | None, made: set[str]) -> None:
         """Emit these conversions of t's value, each once among those sharing `made`."""
@@ -52,8 +64,8 @@ class Scopes:
             if vkey(t, dst, m) in made:
                 continue
             made.add(vkey(t, dst, m))
-            kind = "alias" if plain(src) == plain(dst) else conversion(src, dst)
-            self.emit_convert(kind, t, src, dst, phase, m, vkey(t, src, m), vkey(t, dst, m),
+            self.emit_convert(step_kind(src, dst), t, src, dst, phase, m, vkey(t, src, m),
+                              vkey(t, dst, m),
                               self.shape(t, src), max(self.nbytes(t, src), self.nbytes(t, dst)))
 
     def grad_conversion(self, t, p, home, m) -> None:
@@ -63,14 +75,12 @@ class Scopes:
         for a, b in [(b, a) for a, b in steps[:-1]]:
             src, dst = self.gplace(t, a), self.gplace(t, b)
             out = f"{gkey(t, b, m)}~{read}"
-            self.emit_convert("alias" if plain(src) == plain(dst) else conversion(src, dst), t,
-                              src, dst, "bwd", m, key, out, self.shape(t, a),
-                              max(self.nbytes(t, a), self.nbytes(t, b)))
+            self.emit_convert(step_kind(src, dst), t, src, dst, "bwd", m, key, out,
+                              self.shape(t, a), max(self.nbytes(t, a), self.nbytes(t, b)))
             key, p = out, b
         src, dst = self.gplace(t, p), self.gplace(t, home)
         root = isinstance(dst, Partial) and isinstance(src, Shard)
-        kind = "alias" if plain(src) == plain(dst) else conversion(
-            src, (flat(R) if is_flat(dst) else R) if root else dst)
+        kind = step_kind(src, (flat(R) if is_flat(dst) else R) if root else dst)
         if kind == "reduce_scatter" and m is None and self.g.node(t).kind == "param":
             return self.scatter_grad(t, p, home)  # in a bucket
         nbytes = max(self.nbytes(t, p), self.nbytes(t, home))
