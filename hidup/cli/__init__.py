@@ -97,7 +97,7 @@ def exit_main(main) -> None:
         # exception"), which would replace this exit code (a stopped run's 4) with the abort's
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code if isinstance(code, int) else 1)
+        os._exit(0 if code is None else code if isinstance(code, int) else 1)  # as sys.exit
     sys.exit(code)
 
 
