@@ -16,6 +16,7 @@ from pathlib import Path
 from hidup import models
 from hidup.cli import RECOMPUTE_HELP, Parser, parse_mesh
 from hidup.graph.capture import Graph
+from hidup.graph.dtypes import run_dtypes
 from hidup.models import capture_model
 from hidup.planning.costs import Profile
 from hidup.planning.memory import peak_memory
@@ -42,6 +43,8 @@ class SimOptions:
     show_plan: bool = False  # the report lists every op's placements
     recompute: str = "auto"  # predict()'s strategy with these layers recomputed (parse_recompute;
     #   'auto' and 'none': as it is)
+    precision: str | None = None  # 'fp32' or 'bf16': the dtypes of the run's values
+    #   (hidup.graph.dtypes); None: the profile's
 
 
 def _setup(model: str, cluster: str, gpus: int, batch: int | None):
@@ -62,6 +65,8 @@ def simulate(graph: Graph, plan: Strategy, profile: Profile, gpus: int, k: int,
     reported)."""
     results, intervals, memory = [], [], []
     bucket = int(options.bucket_mb * 2 ** 20)
+    graph = run_dtypes(graph, options.precision or profile.precision or "fp32",
+                       profile.device or "cuda")
     for program in [lower(graph, plan, gpus, n, name, bucket_bytes=bucket,
                           optimizer=options.optimizer) for n in (1, k)]:
         started = time.perf_counter()

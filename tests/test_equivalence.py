@@ -10,6 +10,7 @@ import torch
 from conftest import build_model, run_ranks
 
 from hidup.graph.capture import capture
+from hidup.graph.dtypes import run_dtypes
 from hidup.graph.placement import flat, flat_option
 from hidup.models import get_model
 from hidup.planning.profile_file import load_profile
@@ -137,10 +138,12 @@ def bf16_grads(rank, world, cases):
         model = build_model(spec)
         graph = capture(model, batch_of(spec, seed=0))
         strategy = one_d_strategy(graph, strategy_name, world, k)
-        program = lower(graph, strategy, world, k, name)
         inputs = dict(zip([n.source for n in graph.user_inputs], batch_of(spec)))
         results = []
-        for dtype in (torch.bfloat16, None):
+        for dtype in (torch.bfloat16, None):  # the Program of the run's dtypes (bf16 gathers)
+            program = lower(run_dtypes(graph, "bf16" if dtype else "fp32", "cpu"), strategy,
+                            world, k, name)
+            assert program.compute if dtype and strategy_name == "fsdp" else True
             ex = Executor(graph, strategy, program, dict(model.named_parameters()),
                           buffers=dict(model.named_buffers()), autocast=dtype)
             loss = float(ex.step(inputs, update=False))
@@ -153,9 +156,10 @@ def bf16_grads(rank, world, cases):
 def test_bf16_values_flow_as_in_eager_autocast():
     """Under bf16 autocast each op's output keeps the dtype autocast gives it, as in eager
     PyTorch (a matmul's output stays bf16 for the ops after it): with the batch split over the
-    ranks (data parallel, and the search's plan for llama:tiny), the loss equals eager autocast's
-    on one device to float32 rounding, closer than to the float32 run."""
-    cases = [("llama:tiny", "ddp", 1), ("llama:tiny", "search", 2)]
+    ranks (data parallel, and the search's plan for llama:tiny) and the weights gathered in bf16
+    (fsdp: hidup.graph.dtypes), the loss equals eager autocast's on one device to float32
+    rounding, closer than to the float32 run."""
+    cases = [("llama:tiny", "ddp", 1), ("llama:tiny", "search", 2), ("llama:tiny", "fsdp", 2)]
     results = run_ranks(2, bf16_grads, cases)
     spec = get_model("llama:tiny", gpus=2)
     model = build_model(spec)

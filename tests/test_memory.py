@@ -63,10 +63,10 @@ def test_two_op_program_peak_is_pinned():
     assert str(report).startswith("peak 0.00 MiB at #6: params 0.00 MiB")
 
 
-def test_element_size_and_optimizer_state():
-    report = peak_memory(two_op_program(), itemsize=2, optimizer_bytes_per_param=8)
+def test_optimizer_state_given_per_parameter_element():
+    report = peak_memory(two_op_program(), optimizer_bytes_per_param=8)
     assert report.optimizer == 32 * 8  # Adam's two fp32 moments per parameter element
-    assert report.peak == 109 * 2 + 32 * 8
+    assert report.peak == 109 * 4 + 32 * 8
 
 
 def test_empty_program():
@@ -116,13 +116,21 @@ def test_duplex_keeps_every_micro_batch_activations(gpt):
 
 def test_the_backward_holds_only_what_each_derivative_reads(gpt):
     """A linear's derivative reads its input and weight, an add's nothing, a gelu's its input,
-    fused attention's its inputs and output (hidup.graph.saved, on fake CPU tensors); a view
-    holds no memory of its own. Holding every input and output instead holds more."""
+    fused attention's its inputs and output (hidup.graph.saved, on fake CPU tensors); autograd
+    also keeps tensors of the op's own: layer norm's mean and rstd, attention's log-sum-exp, the
+    loss's log-softmax of its logits. A view holds no memory of its own. Holding every input and
+    output instead holds more."""
     from dataclasses import replace
 
-    from hidup.graph.saved import backward_reads
+    from hidup.graph.saved import backward_reads, backward_saves
     from hidup.planning.memory import is_view
     reads = {n.op: backward_reads(gpt, n) for n in gpt.ops}
+    own = {n.op: backward_saves(gpt, n).own for n in gpt.ops}
+    logits = next(n for n in gpt.ops if n.op == "aten.cross_entropy_loss.default").inputs[0]
+    assert own["aten.cross_entropy_loss.default"] == gpt.node(logits).out.nbytes + 4
+    attention = next(n for n in gpt.ops if n.op == "aten.scaled_dot_product_attention.default")
+    assert own[attention.op] == attention.out.numel // attention.out.shape[-1] * 4  # (B, H, S)
+    assert own["aten.layer_norm.default"] == 512 and own["aten.linear.default"] == 0
     assert reads["aten.linear.default"] == (True, True, False, False)
     assert reads["aten.add.Tensor"] == (False, False, False)
     assert reads["aten.gelu.default"] == (True, False)
@@ -132,4 +140,4 @@ def test_the_backward_holds_only_what_each_derivative_reads(gpt):
     everything = replace(program, tasks=tuple(
         replace(t, reads=None) if isinstance(t, Compute) else t for t in program.tasks))
     held, all_kept = peak_memory(program), peak_memory(everything)
-    assert held.activations_peak == 327680 < all_kept.activations_peak == 401672
+    assert held.activations_peak == 332841 < all_kept.activations_peak == 401928

@@ -97,6 +97,9 @@ class Graph:
     # tensors that forward makes from nothing (torch.export lifts them as constants), by source:
     # the step reads them as it reads buffers
     constants: dict = field(default_factory=dict, compare=False, repr=False)
+    # the dtypes a run at a precision gives the values (hidup.graph.dtypes.RunDtypes; its op
+    # nodes' dtypes are then the run's); None: as captured
+    run: object = field(default=None, compare=False, repr=False)
     _index: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

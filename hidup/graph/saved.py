@@ -1,14 +1,16 @@
-"""What an op's derivative reads: which of its inputs and whether its output autograd keeps from
-the forward for the backward (a linear keeps its input and weight, an add nothing, an exp its
-output). The memory model holds only those for the backward (hidup.planning.memory).
+"""What autograd keeps of an op's forward for its backward: which of its inputs and whether its
+output (a linear keeps its input and weight, an add nothing, an exp its output), and the bytes of
+what else it keeps: tensors of its own (softmax's output inside a loss, attention's log-sum-exp,
+a dropout mask) and the copies autocast made of its inputs (a bf16 copy of a float32 weight).
+The memory model holds all of them until the op's backward (hidup.planning.memory).
 
-Found by running the op once on fake CPU tensors (no data, no memory; the CPU's kernels, so
-attention is the fused kernel that keeps its inputs and output) under a saved-tensors hook and
-matching what autograd packs with the op's inputs and output (or views of them). Tensors the op
-keeps of its own (softmax's, a dropout mask, attention's log-sum-exp) are not its inputs or
-output and are not counted. Where the op cannot run so, every input and the output
-count as read."""
+Found by running the op once on fake CPU tensors (no data, no memory) under a saved-tensors hook,
+its inputs at the dtypes the run computes them in (hidup.graph.dtypes), and matching what autograd
+packs with the op's inputs and output (or views of them). Where the op cannot run so, every input
+and the output count as kept and nothing else."""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -17,23 +19,38 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from hidup.graph.capture import Graph, Node, Ref
 
 
+class Saves(NamedTuple):
+    """What autograd keeps of one op's forward (at the node's whole shapes)."""
+
+    reads: tuple[bool, ...]  # per input, then for the output: kept (itself or a view of it)
+    copies: tuple[int, ...]  # per input: bytes of autocast's copy of it that is kept (0: none)
+    own: int  # bytes of the tensors of its own it keeps (not its inputs, output or copies)
+
+
 def backward_reads(graph: Graph, node: Node) -> tuple[bool, ...]:
-    """Per input of `node`, then for its output: does the node's derivative read it? Cached
-    per op, arguments and input shapes (the layers repeat)."""
-    by_node = graph.__dict__.setdefault("_backward_reads_of", {})
+    """Per input of `node`, then for its output: does the node's derivative read it?"""
+    return backward_saves(graph, node).reads
+
+
+def backward_saves(graph: Graph, node: Node) -> Saves:
+    """What autograd keeps of `node`'s forward. Cached per op, arguments and input shapes and
+    dtypes (the layers repeat)."""
+    by_node = graph.__dict__.setdefault("_backward_saves_of", {})
     if node.name not in by_node:
         metas = node.in_metas(graph)
+        casts = graph.run.casts.get(node.name) if graph.run is not None else None
+        dtypes = casts or tuple(m.dtype for m in metas)
         key = node.op, repr(node.args), repr(node.kwargs), node.out_index, \
-            tuple((m.shape, m.dtype) for m in metas)
-        cache = graph.__dict__.setdefault("_backward_reads", {})
+            tuple((m.shape, m.dtype) for m in metas), dtypes
+        cache = graph.__dict__.setdefault("_backward_saves", {})
         if key not in cache:
-            cache[key] = _probe(node, metas)
+            cache[key] = _probe(node, metas, dtypes)
         by_node[node.name] = cache[key]
     return by_node[node.name]
 
 
-def _probe(node: Node, metas) -> tuple[bool, ...]:
-    every = (True,) * (len(metas) + 1)
+def _probe(node: Node, metas, dtypes) -> Saves:
+    every = Saves((True,) * (len(metas) + 1), (0,) * len(metas), 0)
     if node.target is None or not node.out.is_float:
         return every
 
@@ -43,18 +60,26 @@ def _probe(node: Node, metas) -> tuple[bool, ...]:
     try:
         with FakeTensorMode(), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
                 lambda x: packed.append(x) or x, lambda x: x):
-            ins = [torch.empty(m.shape, dtype=getattr(torch, m.dtype)) for m in metas]
+            ins = [torch.empty(m.shape, dtype=getattr(torch, d)) for m, d in zip(metas, dtypes)]
             ins = [x.requires_grad_() if x.is_floating_point() else x for x in ins]
             out = node.target(*pytree.tree_map(place, node.args),
                               **pytree.tree_map(place, node.kwargs))
-    except Exception:  # an op fake tensors cannot run: count everything as read
+            if node.out_index is not None:
+                out = out[node.out_index]
+            if not isinstance(out, torch.Tensor):
+                return every
+            held = {id(_root(x)): _root(x) for x in packed}
+            copies = [str(x.dtype).removeprefix("torch.") != m.dtype
+                      for x, m in zip(ins, metas)]  # autocast's copy, not the value itself
+            reads = tuple(id(x) in held and not c for x, c in zip(ins, copies)) + \
+                (id(_root(out)) in held,)
+            kept = tuple(x.untyped_storage().nbytes() if c and id(x) in held else 0
+                         for x, c in zip(ins, copies))
+            mine = {id(x) for x in ins} | {id(_root(out))}
+            own = sum(x.untyped_storage().nbytes() for i, x in held.items() if i not in mine)
+    except Exception:  # an op fake tensors cannot run: count every input and its output
         return every
-    if node.out_index is not None:
-        out = out[node.out_index]
-    if not isinstance(out, torch.Tensor):
-        return every
-    held = {id(_root(x)) for x in packed}
-    return tuple(id(x) in held for x in ins) + (id(_root(out)) in held,)
+    return Saves(reads, kept, int(own))
 
 
 def _root(x: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,8 @@ PROFILE_FORMAT, PROFILE_VERSION = "hidup-profile", 2  # of the file Profile.to_d
 # the profile file's optional keys (what each holds: hidup.planning.profile_file), which to_dict
 # leaves out where the profile has none
 OPTIONAL_KEYS = {"provenance", "kernels", "collective_points", "kernel_quantiles", "host",
-                 "device_memory", "kernels_in_situ", "comm_lanes", "pair_points"}
+                 "device_memory", "kernels_in_situ", "comm_lanes", "pair_points", "precision",
+                 "device"}
 # two collectives in flight take at least as long as the larger alone and, measured, never more
 # than twice as long as one after the other: ratios outside are noise
 PAIR_RATIO_MIN, PAIR_RATIO_MAX = 0.5, 2.0
@@ -107,6 +108,10 @@ class Profile:
     comm_lanes: int = field(default=1, hash=False, compare=False)  # collectives in flight at
     #   once on a rank
     pair_points: list[list] | None = field(default=None, hash=False, compare=False)
+    precision: str | None = field(default=None, compare=False)  # what its kernels were timed
+    #   at and plans are made for unless told otherwise: 'fp32' (None) or 'bf16' (autocast)
+    device: str | None = field(default=None, compare=False)  # its devices' type as torch names
+    #   it, whose autocast policy gives the values' dtypes: 'cuda' (None) or 'cpu'
 
     @property
     def latency_slowdown(self) -> float:
@@ -305,7 +310,8 @@ class Profile:
                 doc[tier] = {k: {"alpha": c["alpha"], "bus_bandwidth": c["beta"]}
                              for k, c in doc[tier].items()}
         for key in OPTIONAL_KEYS:
-            if doc[key] is None or doc[key] is False or (key == "comm_lanes" and doc[key] == 1):
+            if doc[key] is None or doc[key] is False or (key == "comm_lanes" and doc[key] == 1) \
+                    or (key, doc[key]) in (("precision", "fp32"), ("device", "cuda")):
                 del doc[key]
         return doc
 

@@ -1,28 +1,31 @@
 """Peak memory of one rank's Program: which tensors PyTorch holds at each task when the tasks run in
 order, each value freed after its last use. One linear pass over the tasks, last uses precomputed.
 
-Rules (all sizes are numel x `itemsize`; the Program has no dtypes, so integer and boolean
-tensors are counted at `itemsize` too: bool masks and int32 over, int64 indices under at fp32):
+Rules (a value's size is its numel x the itemsize of its dtype in the run: Program.dtypes, as
+hidup.graph.dtypes finds them for the run's precision; float32 master weights under bf16):
 - parameters: every local shard (a key `name@placement/*` of a `program.param_grads` name that no
-  task writes) lives the whole step; so does the optimizer state: `program.optimizer`'s state
-  tensors (hidup.program.OPTIMIZERS) x `itemsize` bytes per local parameter element (0 for
-  plain SGD, 8 at fp32 for Adam's and AdamW's two moments), unless the caller gives
-  `optimizer_bytes_per_param` itself.
+  task writes) lives the whole step at its own dtype; so does the optimizer state:
+  `program.optimizer`'s state tensors (hidup.program.OPTIMIZERS), each the size and dtype of
+  the shard (0 for plain SGD, two for Adam's and AdamW's moments), unless the caller gives
+  `optimizer_bytes_per_param` itself. A parameter converted at its compute dtype
+  (Program.compute: gathered in bf16) is that dtype once converted; its gradient is its own.
 - inputs: every other value read but never written (user inputs, buffers) lives the whole step.
 - gradients: a key written by a backward Compute or Convert is one accumulated buffer, allocated at
-  its first write and freed after its last read; a final parameter gradient lives until the
-  'update' task has run.
+  its first write and freed after its last read, at its tensor's dtype; a final parameter gradient
+  lives until the 'update' task has run, and is then freed (as zero_grad(set_to_none=True)).
 - activations: a forward Compute's output, or a forward Convert's (allocated when the collective
   is issued), is freed after its last read; autograd also keeps what the node's derivative reads
   of its inputs (as its backward reads them: a weight freed after the forward is the one
-  gathered again) and of its output (Compute.reads; hidup.graph.saved) until that node's
-  backward task for the same micro-batch has run. Loss values live all step.
+  gathered again) and of its output (Compute.reads), and what else it saves (Compute.keeps: the
+  op's own tensors such as a loss's log-softmax or attention's log-sum-exp, autocast's copies of
+  its inputs; hidup.graph.saved), until that node's backward task for the same micro-batch has
+  run. Loss values live all step.
 - recomputation (activation checkpointing): a recomputed layer's first forward keeps nothing for
   the backward (its values are freed after their last forward read); its 'recompute' tasks
   write the values again, new ones that the backward holds as it holds a forward's.
-Not modelled: tensors autograd saves inside one op (softmax outputs, dropout masks), transient
-buffers of a task (an accumulation's sum, a gather's staging copy, the optimizer's temporaries:
-foreach Adam's sqrt(exp_avg_sq) of every shard at once), allocator caching and fragmentation.
+Not modelled: transient buffers inside a task (an accumulation's sum, a gather's staging copy,
+the optimizer's temporaries: foreach Adam's sqrt(exp_avg_sq) of every shard at once), allocator
+caching and fragmentation.
 A view (an op whose schema says its output aliases its input: view, transpose, expand, slice;
 not reshape or contiguous, which copy where they cannot view) holds no memory of its own: its
 base lives until the view's last use.
@@ -67,18 +70,11 @@ def _fmt(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
 
 
-def peak_memory(program: Program, itemsize: int = 4,
-                optimizer_bytes_per_param: int | None = None,
-                value_itemsize: int | None = None) -> MemoryReport:
+def peak_memory(program: Program, optimizer_bytes_per_param: int | None = None
+                ) -> MemoryReport:
     """The peak bytes one rank holds while the executor runs `program`'s tasks in order, with
     `program.optimizer`'s state (or `optimizer_bytes_per_param` bytes per local parameter
-    element, where given). `value_itemsize` counts the forward's values (activations and
-    gathered weights) at another size than the parameters, gradients and state: 2 for a run
-    that keeps them all in bf16 with float32 master weights. HiDup's executor under bf16
-    autocast keeps each value in the dtype autocast gives it (bf16 or float32), between the
-    two counts."""
-    if optimizer_bytes_per_param is None:
-        optimizer_bytes_per_param = optimizer_cost(program.optimizer).states * itemsize
+    element, where given)."""
     tasks = program.tasks
     numel, first, last = _scan(program)
     end = len(tasks) - 1
@@ -89,14 +85,59 @@ def peak_memory(program: Program, itemsize: int = 4,
     for key in program.loss_keys:
         last[key] = end
     names = set(program.param_grads)
-    params = inputs = 0
+    size = _Sizes(program, first.keys())
+    params = inputs = optimizer = 0
+    states = optimizer_cost(program.optimizer).states
     for key in last.keys() - first.keys():
         if key.split("@", 1)[0] in names and key.endswith("/*"):
-            params += numel[key]
+            params += numel[key] * size(key, False)
+            optimizer += numel[key] * (size(key, False) * states
+                                       if optimizer_bytes_per_param is None
+                                       else optimizer_bytes_per_param)
+        elif not key.startswith(_KEPT):
+            inputs += numel[key] * size(key, False)
+    return _sweep(tasks, numel, first, last, size, params, inputs, optimizer)
+
+
+class _Sizes:
+    """A value key's itemsize in the run: its tensor's dtype (Program.dtypes; a gradient key is
+    'd' + the value's key, or 'grad:' + the parameter's name); a parameter converted at its
+    compute dtype has that dtype once converted (a key some task writes), its stored shard and
+    its gradients their own. Where the Program
+    has no dtypes (hand-built in tests), 4 bytes."""
+
+    def __init__(self, program: Program, written):
+        self.dtypes, self.compute, self.written = program.dtypes, program.compute, written
+        self._cache: dict[tuple[str, bool], int] = {}
+
+    def __call__(self, key: str, grad: bool) -> int:
+        if (key, grad) not in self._cache:
+            self._cache[key, grad] = self._size(key, grad)
+        return self._cache[key, grad]
+
+    def _size(self, key: str, grad: bool) -> int:
+        if key.startswith(_KEPT):
+            return 1
+        if grad:
+            name = key[5:] if key.startswith("grad:") else key[1:] if key.startswith("d") \
+                else key
         else:
-            inputs += numel[key]
-    return _sweep(tasks, numel, first, last, (value_itemsize or itemsize, itemsize),
-                  params * itemsize, inputs * itemsize, params * optimizer_bytes_per_param)
+            name = key
+        tensor = name.split("@", 1)[0]
+        dtype = self.dtypes.get(tensor)
+        if dtype is None:
+            return 4
+        if tensor in self.compute and not grad and key in self.written:  # converted
+            dtype = self.compute[tensor]
+        return _itemsize(dtype)
+
+
+@lru_cache(maxsize=None)
+def _itemsize(dtype: str) -> int:
+    return getattr(torch, dtype).itemsize
+
+
+_KEPT = "saved:"  # the key of what autograd keeps of a forward beside its inputs and output
 
 
 def _scan(program: Program) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
@@ -124,12 +165,16 @@ def _scan(program: Program) -> tuple[dict[str, int], dict[str, int], dict[str, i
         if t.phase == "recompute":
             outs = tuple(_again(numel, now, key, i) if key in first else key for key in outs)
         if type(t) is Compute and t.phase in ("fwd", "recompute"):
-            saved[(t.node, t.mb)] = t.reads, outs[0], t.inputs, ins
+            saved[(t.node, t.mb)] = t.reads, outs[0], t.inputs, ins, t.keeps and f"{_KEPT}{i}"
             if t.id in gone:  # a recomputation dropped from the step: writes nothing, holds
                 continue  # nothing (its backward still reads what it read)
+            if t.keeps and t.reads is not None:
+                first[f"{_KEPT}{i}"], numel[f"{_KEPT}{i}"] = i, t.keeps
         used = ins
         if type(t) is Compute and t.phase == "bwd" and ins:
-            reads, out, raw, held = saved.pop((t.node, t.mb), (None, None, None, None))
+            reads, out, raw, held, kept = saved.pop((t.node, t.mb), (None,) * 5)
+            if kept in first:
+                last[kept] = i
             reads = reads or (True,) * len(ins)
             if not t.again and raw is not None:  # autograd holds the values its forward read,
                 #   not the ones a recomputation wrote since (a weight gathered again excepted)
@@ -225,19 +270,19 @@ def _converted_numel(t: Convert, n: int, world: int, k: int) -> int:
     return n  # all_reduce, all_to_all, alias
 
 
-def _sweep(tasks, numel, first, last, itemsizes, params, inputs, optimizer) -> MemoryReport:
+def _sweep(tasks, numel, first, last, size, params, inputs, optimizer) -> MemoryReport:
     """Allocate at first write, measure during the task, free after its last use: running sums,
-    activations and gradients (keys first written by a backward task) apart, each counted at
-    its itemsize (activations', gradients')."""
+    activations and gradients (keys first written by a backward task) apart, each key counted
+    at `size(key, is_gradient)` bytes per element."""
     n = len(tasks)
     grad = [getattr(t, "phase", "") == "bwd" for t in tasks]
     alloc = [[0] * n, [0] * n]  # [activations, gradients] allocated at each task
     free = [[0] * n, [0] * n]
     for key, i in first.items():
         g = grad[i]
-        size = numel[key] * itemsizes[g]
-        alloc[g][i] += size
-        free[g][max(last.get(key, i), i)] += size
+        nbytes = numel[key] * size(key, g)
+        alloc[g][i] += nbytes
+        free[g][max(last.get(key, i), i)] += nbytes
     during = []  # per kind: bytes live during each task
     for a, f in zip(alloc, free):
         before = accumulate(map(sub, a, f), initial=0)  # live before each task

@@ -33,6 +33,10 @@ _KEYS = {"format", "version", "name", "source", "collectives", "inter_node", "in
 # kernels_in_situ: true when calibration.ops timed the kernels in real steps, collectives on the
 # network: their times include what the transfers around them take from the device, so the
 # simulator does not slow them again by the interference factor;
+# precision: what the kernels were timed at, and what plans on the profile are made for unless
+# told otherwise: "fp32" (the default) or "bf16" (mixed precision under torch.autocast);
+# device: the devices' type as torch names it ("cuda", the default, or "cpu"), whose autocast
+# policy gives each value's dtype under bf16;
 # comm_lanes: how many collectives a rank runs at once (gloo's two worker threads: 2; NCCL's
 # stream: 1, the default);
 # pair_points: [tier, kind, group size, bytes, ratio] as measured by calibration.profile: two such
@@ -135,6 +139,10 @@ def from_dict(doc, where: str = "profile") -> Profile:
     if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
         raise ProfileError(f"{where}: comm_lanes must be a whole number >= 1 (collectives "
                            f"a rank runs at once), got {lanes!r}")
+    precision, device = doc.get("precision", "fp32"), doc.get("device", "cuda")
+    if precision not in ("fp32", "bf16") or device not in ("cuda", "cpu"):
+        raise ProfileError(f"{where}: precision must be \"fp32\" or \"bf16\" and device "
+                           f"\"cuda\" or \"cpu\", got {precision!r} and {device!r}")
     values = {k: _number(doc[k], k, where, zero_ok=k == "op_overhead") for k in _SCALARS}
     if values["gpus_per_node"] != int(values["gpus_per_node"]):
         raise ProfileError(f"{where}: gpus_per_node must be a whole number")
@@ -152,7 +160,8 @@ def from_dict(doc, where: str = "profile") -> Profile:
                    values["mem_bandwidth"], values["op_overhead"],
                    _collectives(doc["collectives"], where), int(values["gpus_per_node"]), inter,
                    slow["compute"], slow["communication"], provenance, kernels, points,
-                   spreads, host, memory, in_situ, slow.get("latency"), lanes, pairs)
+                   spreads, host, memory, in_situ, slow.get("latency"), lanes, pairs,
+                   precision, device)
 
 
 def _point(p, where: str, key: str = "collective_points", value: str = "seconds") -> list:

@@ -97,7 +97,7 @@ class GradientBuckets:
         one_dim = scope == "across"  # one dim per reduce-scatter bucket
         closed, self.buckets[scope] = runs_under_cap(
             self.buckets[scope] + [t], lambda p: self.across[p] if one_dim else None,
-            lambda p: self.nbytes(p, self.home(p)), cap)
+            lambda p: self.nbytes(p, self.home(p), grad=True), cap)
         for names in closed:
             self.flush_bucket(scope, names)
         if not self.buckets[scope]:  # t's bucket reached the cap
@@ -115,14 +115,15 @@ class GradientBuckets:
                                     ["grad:" + p for p in names],
                                     [self.shape(p, h) for p, h in zip(names, homes)],
                                     scope="column",
-                                    nbytes=sum(self.nbytes(p, h) for p, h in zip(names, homes)))
+                                    nbytes=sum(self.nbytes(p, h, grad=True)
+                                               for p, h in zip(names, homes)))
         for p, h in zip(names, homes):
             self.wait_for(gkey(p, h, None))
         group, groups = self.scopes[scope]
         task = Convert(len(self.tasks), "all_reduce", names[0] if len(names) == 1 else
                        f"bucket({names[0]}..{names[-1]})", Partial(), R, "bwd", None,
                        self.shape(names[0], homes[0]),
-                       sum(self.nbytes(p, h) for p, h in zip(names, homes)), group,
+                       sum(self.nbytes(p, h, grad=True) for p, h in zip(names, homes)), group,
                        tuple(gkey(p, h, None) for p, h in zip(names, homes)),
                        tuple("grad:" + p for p in names), (), groups)
         self.add(task)
@@ -193,7 +194,8 @@ class GradientBuckets:
             min(self.bucket_bytes, FIRST_BUCKET_BYTES)
         closed, self.scattered = runs_under_cap(self.scattered + [(t, p)],
                                                 lambda b: self.home(b[0]),
-                                                lambda b: self.nbytes(b[0], b[1]), cap)
+                                                lambda b: self.nbytes(b[0], b[1], grad=True),
+                                                cap)
         for bucket in closed:
             self.flush_scatter(bucket)
         if not self.scattered:  # t's bucket reached the cap
@@ -207,7 +209,8 @@ class GradientBuckets:
         self.emit_bucket("reduce_scatter", [t for t, _ in bucket], Partial(), home, "bwd",
                          [gkey(t, p, None) for t, p in bucket],
                          [gkey(t, home, None) for t, _ in bucket],
-                         [self.shape(t, p) for t, p in bucket])
+                         [self.shape(t, p) for t, p in bucket],
+                         nbytes=sum(self.nbytes(t, p, grad=True) for t, p in bucket))
         for t, _ in bucket:
             self.contributed(t, home, None)
 

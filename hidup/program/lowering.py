@@ -15,11 +15,13 @@ conversions run over the world, and a tensor passes between a machine's placemen
 ones through its micro-batch split, which both hold alike (hidup.program.scopes)."""
 from __future__ import annotations
 
+import math
+
 from hidup.graph.capture import Graph
 from hidup.graph.flops import backward_flops, forward_flops
 from hidup.graph.placement import (Partial, Placement, R, Replicate, Shard, flat, is_flat,
                                    plain)
-from hidup.graph.saved import backward_reads
+from hidup.graph.saved import backward_saves
 from hidup.strategy import Strategy, microbatch_split
 from hidup.program.buckets import GradientBuckets
 from hidup.program.microbatches import MicroBatches
@@ -27,7 +29,7 @@ from hidup.program.recompute import Recomputation
 from hidup.program.scopes import Scopes
 from hidup.program.tasks import (BUCKET_BYTES, COLLECTIVES, Compute, Convert,
                                  LoweringError, Program, Task, Wait, gkey, mesh_groups,
-                                 optimizer_cost, Shapes, vkey)
+                                 optimizer_cost, Shapes, stored_key, vkey)
 
 
 class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
@@ -240,19 +242,43 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
         for key in keys:
             self.wait_for(key)
         ins, out, flops, nbytes, partial = self.kernel(node)
+        reads, keeps = self.saves(node, keys, ins)
         self.add(Compute(
             len(self.tasks), node.name, node.op, "fwd", m, flops, nbytes, ins, out, tuple(keys),
-            (vkey(node.name, opt.output, m),), opt, partial, reads=self.reads(node)))
+            (vkey(node.name, opt.output, m),), opt, partial, reads=reads, keeps=keeps))
         self.convert_for_consumers(node.name, m)
         if node.name == self.g.loss:
             self.loss_keys.append(self._report_loss(m))
 
-    def reads(self, node) -> tuple[bool, ...] | None:
-        """What the node's derivative reads of its inputs and output, where it has a backward
-        (nothing, where the backward differentiates the node again: Recomputation.again)."""
+    def saves(self, node, keys, ins) -> tuple[tuple[bool, ...] | None, int]:
+        """What autograd keeps of the node's forward on these input keys of local shapes `ins`,
+        where it has a backward (nothing, where the backward differentiates the node again:
+        Recomputation.again): whether it keeps each input and its output, and the local bytes
+        of what else it keeps (hidup.graph.saved: its own tensors, scaled from the whole
+        shapes by the inputs' local share, and autocast's copies of the inputs; a parameter
+        the run converts at its compute dtype needs no copy: the converted value is kept)."""
         if node.name in self.again:
-            return (False,) * (len(node.inputs) + 1)
-        return backward_reads(self.g, node) if node.name in self.has_grad else None
+            return (False,) * (len(node.inputs) + 1), 0
+        if node.name not in self.has_grad:
+            return None, 0
+        saves = backward_saves(self.g, node)
+        reads, keeps = list(saves.reads), 0
+        for i, (t, key, copy, shape) in enumerate(zip(node.inputs, keys, saves.copies, ins)):
+            if copy and self.computed_at_run_dtype(t, key):
+                reads[i] = True
+            elif copy:
+                keeps += copy * math.prod(shape) // max(1, self.g.node(t).out.numel)
+        if saves.own:
+            whole = sum(m.numel for m in node.in_metas(self.g))
+            keeps += saves.own * sum(map(math.prod, ins)) // max(1, whole)
+        return tuple(reads), keeps
+
+    def computed_at_run_dtype(self, t: str, key: str) -> bool:
+        """Is `key` parameter t converted at the dtype its readers compute it in (the executor
+        casts a stored parameter before converting it; hidup.graph.dtypes.RunDtypes.compute)?"""
+        run = self.g.run
+        return run is not None and t in run.compute and key != stored_key(
+            t, self.home(t), t in self.s.across and self.machines > 1)
 
     def kernel(self, node) -> tuple:
         """The node's forward kernel, the same for every micro-batch: (input shapes, output
@@ -365,15 +391,20 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
             self.param_grad(t, home)
         elif t in self.reduced_at:
             self.emit_convert("all_reduce", t, self.gplace(t, home), home, "bwd", m, key,
-                              self.out_grad(t, m), self.shape(t, home), self.nbytes(t, home))
+                              self.out_grad(t, m), self.shape(t, home),
+                              self.nbytes(t, home, grad=True))
 
     def run(self) -> Program:
         loss_keys = self.forward()
         final = self.backward()
         self.update()
+        run = self.g.run
         return Program(self.model, self.g.fingerprint, self.s.name, self.ranks, self.k,
                        tuple(self.tasks), tuple(loss_keys), final, self.optimizer.name,
-                       self.machines, self.s.transposed, self.updates)
+                       self.machines, self.s.transposed, self.updates,
+                       "fp32" if run is None else run.precision,
+                       {n.name: n.out.dtype for n in self.g.nodes},
+                       {} if run is None else dict(run.compute))
 
 
 def lower(graph: Graph, strategy: Strategy, world: int, k: int = 1, model: str = "",

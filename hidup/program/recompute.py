@@ -94,9 +94,10 @@ class Recomputation:
         for key in keys:
             self.wait_for(key)
         ins, out, flops, nbytes, partial = self.kernel(node)
+        reads, keeps = self.saves(node, keys, ins)
         self.add(Compute(len(self.tasks), node.name, node.op, RECOMPUTE, m, flops, nbytes, ins,
                          out, keys, (vkey(node.name, opt.output, m),), opt, partial,
-                         reads=self.reads(node)))
+                         reads=reads, keeps=keeps))
         inside = {p for consumer, _, p in self.uses[node.name]
                   if consumer is not None and self.layer_of.get(consumer.name) == layer}
         # what the layer's recomputed ops read converted

@@ -76,14 +76,15 @@ class Scopes:
             src, dst = self.gplace(t, a), self.gplace(t, b)
             out = f"{gkey(t, b, m)}~{read}"
             self.emit_convert(step_kind(src, dst), t, src, dst, "bwd", m, key, out,
-                              self.shape(t, a), max(self.nbytes(t, a), self.nbytes(t, b)))
+                              self.shape(t, a), max(self.nbytes(t, a, grad=True),
+                                                    self.nbytes(t, b, grad=True)))
             key, p = out, b
         src, dst = self.gplace(t, p), self.gplace(t, home)
         root = isinstance(dst, Partial) and isinstance(src, Shard)
         kind = step_kind(src, (flat(R) if is_flat(dst) else R) if root else dst)
         if kind == "reduce_scatter" and m is None and self.g.node(t).kind == "param":
             return self.scatter_grad(t, p, home)  # in a bucket
-        nbytes = max(self.nbytes(t, p), self.nbytes(t, home))
+        nbytes = max(self.nbytes(t, p, grad=True), self.nbytes(t, home, grad=True))
         out = gkey(t, home, m)
         self.emit_convert(kind, t, src, dst, "bwd", m, key, out, self.shape(t, p),
                           nbytes, root)

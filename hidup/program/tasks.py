@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from hidup.graph.capture import Graph
 from hidup.graph.placement import Placement, Shard, ShardingOption, is_flat, plain
 from hidup.strategy import Strategy
@@ -94,6 +96,9 @@ class Compute:
     # a backward's: it differentiates its node's forward again from the inputs it reads (an op
     # whose output a selectively recomputed layer kept; its first forward kept nothing)
     again: bool = False
+    # a forward's: local bytes autograd keeps for its backward beside its inputs and output
+    # (tensors of the op's own, autocast's copies of its inputs; hidup.graph.saved)
+    keeps: int = 0
 
     def __str__(self) -> str:
         mb = "*" if self.mb is None else self.mb
@@ -176,6 +181,13 @@ class Program:
     transposed: bool = False
     # buffer node -> the replicated value forward writes into it (BatchNorm's running statistics)
     buffer_updates: dict[str, str] = field(default_factory=dict, hash=False)
+    precision: str = "fp32"  # the run's: fp32, or bf16 (mixed, under torch.autocast)
+    # tensor -> the dtype of its values in the run (a parameter's: its master weights', its
+    # gradient's and its optimizer state's); empty: as captured
+    dtypes: dict[str, str] = field(default_factory=dict, hash=False)
+    # parameter -> the dtype the run converts (gathers, slices) it at, where not its own: its
+    # readers compute it so (hidup.graph.dtypes.RunDtypes.compute)
+    compute: dict[str, str] = field(default_factory=dict, hash=False)
 
     @property
     def mesh(self) -> tuple[int, int]:
@@ -310,8 +322,18 @@ class Shapes:
                                              self.machines)
         return self._shapes[key]
 
-    def nbytes(self, t: str, p: Placement, q: Placement | None = None) -> int:
-        key = t, p, q
+    def nbytes(self, t: str, p: Placement, q: Placement | None = None,
+               grad: bool = False) -> int:
+        """Bytes of t held as p (split over micro-batches as q) at the dtype the run gives its
+        values, or (`grad`) its gradients: a parameter converted at its compute dtype
+        (hidup.graph.dtypes) has its gradient reduced at its own."""
+        key = t, p, q, grad
         if key not in self._nbytes:
-            self._nbytes[key] = math.prod(self.shape(t, p, q)) * self.g.node(t).out.itemsize
+            self._nbytes[key] = math.prod(self.shape(t, p, q)) * self.itemsize(t, grad)
         return self._nbytes[key]
+
+    def itemsize(self, t: str, grad: bool = False) -> int:
+        compute = self.g.run.compute if self.g.run is not None else {}
+        if t in compute and not grad:
+            return getattr(torch, compute[t]).itemsize
+        return self.g.node(t).out.itemsize

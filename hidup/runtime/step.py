@@ -73,6 +73,11 @@ class _TaskRunner:
         # rank's block (shard_of), so that joined they make this rank's shard
         self.rank_blocks = any(isinstance(t, Convert) and t.kind in MB_CONVERSIONS
                                for t in self.p.tasks)
+        # stored parameter shards converted at their compute dtype (bf16 gathers, as FSDP2's
+        # mixed precision; Program.compute), and the dtype of each parameter's gradient
+        self.cast = {stored_key(t, self.s.home(t), t in self.s.across and self.p.machines > 1):
+                     getattr(torch, d) for t, d in self.p.compute.items()}
+        self.master = {n.name: getattr(torch, n.out.dtype) for n in self.g.params}
 
     def __call__(self, params, buffers, inputs, lr):
         """params, buffers, inputs: lists in the graph's order (this rank's parameter shards, the
@@ -238,8 +243,12 @@ class _TaskRunner:
         if out.requires_grad and wanted:
             grads = torch.autograd.grad(out, [leaves[i] for i in wanted],
                                         self.env[task.inputs[0]], allow_unused=True)
+        node = self.g.node(task.node)
         for i, g in zip(wanted, grads):
             g = torch.zeros_like(leaves[i]) if g is None else g
+            master = self.master.get(node.inputs[i])
+            if master is not None and g.dtype != master:  # reduced at the parameter's dtype
+                g = g.to(master)
             self.accumulate(task.outputs[i], g, task.outputs[i] in task.root_only,
                             option_is_flat(task.option))
 
@@ -269,7 +278,7 @@ class _TaskRunner:
         if len(task.inputs) > 1:
             return self.bucket_all_reduce(task) if task.kind == "all_reduce" else \
                 self.bucket_shards(task)
-        x, out_key = self.env[task.inputs[0]], task.outputs[0]
+        x, out_key = self.read(task.inputs[0]), task.outputs[0]
         if task.kind == "alias":
             self.accumulate(out_key, x, root, flat)
         elif task.kind == "slice":
@@ -285,6 +294,11 @@ class _TaskRunner:
                 result = self.collective(task, sent)
             self.pending[task.id] = lambda: self.accumulate(
                 out_key, unpack(self.wait(result), task, n), root, flat)
+
+    def read(self, key: str) -> torch.Tensor:
+        """A conversion's input: a stored parameter shard at its compute dtype (self.cast)."""
+        value = self.env[key]
+        return value.to(self.cast[key]) if key in self.cast else value
 
     def mb_conversion(self, task: Convert) -> None:
         """The micro-batches' parts of a tensor on this rank, joined (concatenated or summed),
@@ -326,7 +340,7 @@ class _TaskRunner:
         reduce-scattered into shards, as one flat buffer (an FSDP bucket): rank r's block of
         the buffer is each tensor's r-th chunk along its shard dim, flattened, one after
         another."""
-        parts = [self.env[key] for key in task.inputs]
+        parts = [self.read(key) for key in task.inputs]
         n = len(self.members(task))
         if n == 1:  # a group of one: each is already whole, or its own shard
             self.pending[task.id] = lambda: [self.accumulate(key, p)

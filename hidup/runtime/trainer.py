@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hidup.graph.capture import TensorMeta, capture
+from hidup.graph.dtypes import run_dtypes
 from hidup.graph.placement import Shard
 from hidup.planning.planfile import Plan, PlanError, check
 from hidup.planning.planfile import example_inputs as zeros_like_inputs
@@ -120,7 +121,10 @@ class Trainer(TrainerState):
             name, optimizer_name = type(self._model).__name__, None
         if optimizer_name is None:  # priced as what the factory makes (tried on a scalar)
             optimizer_name = kind_of(self._factories[0]([torch.zeros(1)])) or "adamw"
-        program = lower(graph, strategy, self.world, k, name, optimizer=optimizer_name)
+        # the Program of the run's dtypes: under bf16 autocast, parameters gathered in bf16
+        precision = "bf16" if self.options.autocast == torch.bfloat16 else "fp32"
+        program = lower(run_dtypes(graph, precision, self.device.type), strategy, self.world, k,
+                        name, optimizer=optimizer_name)
         # on the run's device (NCCL broadcasts device tensors only), by the graph's names: tied
         # weights (one tensor under two names) are one placeholder
         named = dict(self._model.named_parameters(remove_duplicate=False))
@@ -175,8 +179,9 @@ class Trainer(TrainerState):
             if grad is not None and id(shard) in trainable:
                 shard.grad = grad.reshape(shard.shape)
         self.optimizer.step()
-        for shard in self._trainable:
+        for shard in self._trainable:  # freed once used, as zero_grad(set_to_none=True)
             shard.grad = None
+        self.executor.grads = {}
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.steps += 1
