@@ -165,7 +165,9 @@ def test_recomputation_holds_less_and_costs_the_forward_again(gpt):
     # the first layer's activations are freed in the forward; the last layer's too, but it is
     # recomputed as soon as the backward starts, where the peak is: it saves little more (the
     # recomputations that nothing reads, dropped, count 2 x 8192 less)
-    assert peaks == [327680, 196608, 163844 - 2 * 8192]
+    # (+ what autograd keeps of the ops' own live at each peak: layer norms' mean and rstd,
+    # attentions' log-sum-exp, the loss's log-softmax; hidup.graph.saved)
+    assert peaks == [327680 + 5161, 196608 + 3099, 163844 - 2 * 8192 + 2062]
     extra = [t for t in again[2].tasks if isinstance(t, Compute) and t.phase == "recompute"]
     times = [estimate(p, profile).step_time for p in (plain, again[2])]
     forward = sum(profile.compute_time(t) for t in extra if t.id not in dropped(again[2]))
