@@ -8,13 +8,14 @@ figures (`h100-8x-ib-bf16`; docs/profiles.md).
    layer recomputed, with every layer recomputed selectively (the matmuls' and attention's
    outputs kept, as torchtitan's policy keeps them) and whole, the eager row with the `graph`
    mode's host cost and the compile row with `compile`'s (its kernels fused as Inductor fuses
-   them), each with its peak memory with the values in float32 (HiDup's memory model; an upper
-   bound of what its executor holds under bf16 autocast) and in bf16 (as torchtitan keeps
-   them), and its kernel time split
-   into library kernels (matmuls, attention) and the rest. The profile was built without these
-   rows.
-2. HiDup's chosen plan beside `fsdp` (and `fsdp+tp` on a 2-D mesh) on each --gpus, each with the
-   layers it recomputes to fit the device (the planner's choice: hidup.planning.select).
+   them), each with its peak memory at the profile's precision (bf16: each value at the dtype
+   autocast gives it, float32 master weights, gradients and optimizer state, parameters gathered
+   in bf16, as FSDP2's mixed precision; hidup.graph.dtypes) beside the published peak, and its
+   kernel time split into library kernels (matmuls, attention) and the rest. The profile was
+   built without these rows.
+2. HiDup's chosen plan beside `fsdp` with every layer recomputed selectively (torchtitan's
+   configuration) and the fixed strategies' best ranked runs (`fsdp`, and `fsdp+tp` on a 2-D
+   mesh, each with the layers it recomputes to fit the device) on each --gpus.
 
 `python -m experiments.llama_table [--gpus 8 64] [--out DIR]` prints both tables and writes them
 (Markdown) and the rows (JSON) to --out."""
@@ -27,9 +28,9 @@ import time
 from pathlib import Path
 
 from hidup.cli import Parser
+from hidup.graph.dtypes import run_dtypes
 from hidup.models import capture_model, get_model
 from hidup.planning.fusion import generated, kernel_times
-from hidup.planning.memory import peak_memory
 from hidup.planning.profile_file import load_profile
 from hidup.planning.select import Goal, select_plan
 from hidup.program import Compute, lower
@@ -37,6 +38,7 @@ from hidup.strategy import fixed_strategy, layers, recomputing
 from simulator.predict import SimOptions, simulate
 
 MODEL, SEQ, PER_GPU = "llama:8b", 8192, 2
+TORCHTITAN = "fsdp, every layer selective"  # torchtitan's configuration
 PUBLISHED = (("eager", "graph", 5762, 82.4), ("torch.compile", "compile", 6667, 77.0))
 
 
@@ -59,15 +61,15 @@ def published_rows(cluster: str, log) -> list[dict]:
             started = time.perf_counter()
             run = simulate(graph, plan, profile, 8, 1, SimOptions("adamw", mode), MODEL)
             step = run.spmd.step_time
-            program = lower(graph, plan, 8, 1, MODEL, optimizer="adamw")
-            bf16 = peak_memory(program, value_itemsize=2)  # as torchtitan keeps them: bf16 values
+            program = lower(run_dtypes(graph, profile.precision or "fp32"), plan, 8, 1, MODEL,
+                            optimizer="adamw")
             library, other = kernel_split(program, profile, mode)
             rows.append({"torchtitan": label, "published_tokens_per_gpu": tokens,
                          "published_gib": gib, "mode": mode, "recompute": recompute,
                          "step_ms": step * 1e3, "tokens_per_gpu": tokens_per_gpu(step),
                          "error": tokens_per_gpu(step) / tokens - 1,
                          "peak_gib": run.memory[0].peak / 2**30,
-                         "peak_bf16_values_gib": bf16.peak / 2**30,
+                         "memory_error": run.memory[0].peak / 2**30 / gib - 1,
                          "library_kernels_ms": library * 1e3, "other_kernels_ms": other * 1e3})
             log(f"{label} ({mode}), recompute {recompute}: {step * 1e3:.0f} ms a step, "
                 f"simulated in {time.perf_counter() - started:.1f} s")
@@ -94,9 +96,10 @@ def plan_rows(cluster: str, gpus: int, log) -> list[dict]:
     log(f"{gpus} GPUs: planned in {time.perf_counter() - started:.1f} s, chose "
         f"{chosen.strategy.name} with k={chosen.k}")
     wanted = {"hidup", "fsdp", "fsdp+tp", chosen.strategy.name}
+    hand = recomputing(graph, fixed_strategy("fsdp", graph, gpus), layers(graph), selective=True)
     rows = []
-    for name, strategy in chosen.candidates.items():
-        if name not in wanted:
+    for name, strategy in [(TORCHTITAN, hand), *chosen.candidates.items()]:
+        if name not in wanted | {TORCHTITAN}:
             continue
         run = simulate(graph, strategy, chosen.profile, gpus, chosen.duplex_k,
                        SimOptions("adamw"), MODEL)
@@ -115,14 +118,14 @@ def plan_rows(cluster: str, gpus: int, log) -> list[dict]:
 
 def published_table(rows: list[dict]) -> str:
     lines = ["| torchtitan (published) | tokens/s per GPU | GiB | HiDup fsdp, layers recomputed "
-             "| mode | step (ms) | tokens/s per GPU | error | peak (GiB, fp32 values) "
-             "| peak (GiB, bf16 values) | library kernels (ms) | other kernels (ms) |",
+             "| mode | step (ms) | tokens/s per GPU | error | peak (GiB) | error "
+             "| library kernels (ms) | other kernels (ms) |",
              "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['torchtitan']} | {r['published_tokens_per_gpu']:,} | "
                      f"{r['published_gib']} | {r['recompute']} | {r['mode']} | "
                      f"{r['step_ms']:.0f} | {r['tokens_per_gpu']:,.0f} | {r['error']:+.1%} | "
-                     f"{r['peak_gib']:.1f} | {r['peak_bf16_values_gib']:.1f} | "
+                     f"{r['peak_gib']:.1f} | {r['memory_error']:+.1%} | "
                      f"{r['library_kernels_ms']:.0f} | {r['other_kernels_ms']:.0f} |")
     return "\n".join(lines)
 
@@ -146,8 +149,8 @@ def main(argv=None) -> int:
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cluster", default="h100-8x-ib-bf16",
                     help="profile of a cluster of 8-GPU machines (default: %(default)s)")
-    ap.add_argument("--gpus", type=int, nargs="+", default=[8, 64],
-                    help="GPU counts of the plan table, multiples of 8 (default: 8 64)")
+    ap.add_argument("--gpus", type=int, nargs="+", default=[8, 64, 128],
+                    help="GPU counts of the plan table, multiples of 8 (default: 8 64 128)")
     ap.add_argument("--out", type=Path, default=Path("out/llama_table"),
                     help="folder for the tables (Markdown) and rows (JSON) "
                          "(default: %(default)s)")

@@ -29,7 +29,8 @@ __all__ = ["Plan", "plan", "parallelize", "Trainer"]
 def plan(model: torch.nn.Module, example_inputs: tuple | list, *, cluster: str, gpus: int,
          micro_batches: int | None = None, memory: float | None = None,
          optimizer: str = "adamw", strategy: str = SEARCH, mesh: tuple[int, int] | None = None,
-         name: str | None = None, recompute: str = "auto", mode: str = "graph") -> Plan:
+         name: str | None = None, recompute: str = "auto", mode: str = "graph",
+         precision: str | None = None) -> Plan:
     """Plan `model` (whose `model(*example_inputs)` returns the loss; the inputs are one global
     batch) for `gpus` ranks of `cluster` (a shipped profile's name or a profile file).
 
@@ -45,14 +46,17 @@ def plan(model: torch.nn.Module, example_inputs: tuple | list, *, cluster: str, 
     text ("4") or layer names joined by commas ("layers.0,layers.1"), each also as
     "selective:...". `mode` is how hidup.parallelize will run the step ("graph", "compile",
     "cuda-graphs"): on a profile with host figures its host cost, and for "compile" Inductor's
-    fused kernels, rank the plans. The same
+    fused kernels, rank the plans. `precision` ("fp32" or "bf16": mixed precision under
+    torch.autocast, float32 master weights; default: the profile's) sets the dtype each value,
+    collective and memory is counted at; train a bf16 plan with autocast=torch.bfloat16. The same
     arguments give the plan `python -m hidup.planner` and `python -m simulator.predict`
     choose."""
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     profile = load_profile(cluster)
     goal = Goal(gpus, micro_batches, None if memory is None else float(memory), optimizer,
-                None if mesh is None else tuple(mesh), strategy, recompute=recompute, mode=mode)
+                None if mesh is None else tuple(mesh), strategy, recompute=recompute, mode=mode,
+                precision=precision)
     graph = capture(model, tuple(example_inputs))
     chosen = select_plan(graph, profile, goal)
     where = str(cluster) if Path(str(cluster)).is_file() else profile.name

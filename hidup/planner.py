@@ -14,6 +14,7 @@ from pathlib import Path
 
 from hidup.cli import RECOMPUTE_HELP, Parser, parse_mesh
 from hidup.models import capture_model, get_model, names
+from hidup.graph.dtypes import run_dtypes
 from hidup.planning.estimate import estimate
 from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import save_plan
@@ -52,6 +53,10 @@ def parse_args(argv=None):
                          "--cuda-graphs): its host time per task, where the profile has host "
                          "figures, and for 'compile' Inductor's fused kernels rank the plans "
                          "(default: %(default)s)")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default=None,
+                    help="the dtypes values, collectives and memory are counted at (bf16: mixed "
+                         "precision under torch.autocast, float32 master weights, as "
+                         "hidup.train --precision bf16 runs; default: the cluster profile's)")
     ap.add_argument("--beam", type=int, default=16, help="states kept per cut of the search")
     ap.add_argument("--exact", type=float, default=0.0, metavar="SECONDS",
                     help="time for the integer programme that proves the k=1 cost model's best "
@@ -82,10 +87,12 @@ def plan(args) -> dict:
     graph = capture_model(spec, batch)
     memory = args.memory * 2**30 if args.memory is not None else None
     goal = Goal(args.gpus, args.micro_batches, memory, args.optimizer, args.mesh,
-                beam=args.beam, exact=args.exact, recompute=args.recompute, mode=args.mode)
+                beam=args.beam, exact=args.exact, recompute=args.recompute, mode=args.mode,
+                precision=args.precision)
     chosen = select_plan(graph, profile, goal)
     found, k = chosen.search, chosen.duplex_k
-    rows = {name: _times(graph, s, args.gpus, k, chosen.profile, args.optimizer, args.mode)
+    typed = run_dtypes(graph, chosen.goal.precision, chosen.profile.device or "cuda")
+    rows = {name: _times(typed, s, args.gpus, k, chosen.profile, args.optimizer, args.mode)
             for name, s in chosen.candidates.items()}
     rows[chosen.strategy.name]["chosen_k"] = chosen.k
     limit = chosen.profile.device_memory

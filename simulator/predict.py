@@ -173,6 +173,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="the device mesh the search runs on beside the 1-D one, e.g. 2x4, and "
                         "a 2-D --strategy NAME's (default: the cluster's machines x GPUs per "
                         "machine when --gpus fills whole machines)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default=None,
+                   help="the dtypes values, collectives and memory are counted at (bf16: mixed "
+                        "precision under torch.autocast, float32 master weights; default: the "
+                        "cluster profile's)")
     p.add_argument("--mode", choices=HOST_MODES, default="graph",
                    help="executor mode to predict ('eager': plain PyTorch): its host time per "
                         "task, where the profile has host figures (GPU profiles; on a CPU cluster "
@@ -223,12 +227,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--memory {args.memory}: must be a positive number of GiB")
     mesh = None if args.mesh is None else parse_mesh(args.mesh, args.gpus, parser.error)
     options = SimOptions(args.optimizer, args.mode, args.bucket_mb, args.monte_carlo, args.noise,
-                         args.show_plan)
+                         args.show_plan, precision=args.precision)
     try:
         if args.strategy == SEARCH:
             goal = Goal(args.gpus, args.micro_batches,
                         None if args.memory is None else args.memory * 2**30, args.optimizer,
-                        mesh, recompute=args.recompute, mode=args.mode)
+                        mesh, recompute=args.recompute, mode=args.mode,
+                        precision=args.precision)
             report = compare(args.model, args.cluster, goal, args.batch, options)
             shown = report.predictions[report.chosen]
         else:

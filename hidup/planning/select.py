@@ -4,16 +4,18 @@ through every door.
 
 HiDup's Duplex-aware search runs on the cluster's device mesh (machines x GPUs per machine where
 the GPUs fill whole machines) and over every GPU, with the fixed strategies that apply (ddp,
-megatron, expert; dp-megatron and dp-expert on a 2-D mesh) as its baselines; every plan is
-lowered with one micro-batch and with k, held to a device's memory and ranked by the planner's
-estimate of the step (hidup.planning.estimate: the simulator's rules, in one pass). The fastest
-that fits is chosen: a searched plan (named 'hidup') or a fixed strategy that no searched plan
-beat."""
+megatron, expert; dp-megatron and dp-expert on a 2-D mesh) as its baselines, each also with every
+layer recomputed, selectively (as torchtitan runs fsdp) or whole, where that might win
+(hidup.planning.ranking.Ranking.recompute_hand); every plan is lowered with one micro-batch and
+with k, held to a device's memory and ranked by the planner's estimate of the step
+(hidup.planning.estimate: the simulator's rules, in one pass). The fastest that fits is
+chosen: a searched plan (named 'hidup') or a fixed strategy that no searched plan beat."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
 from hidup.graph.capture import Graph
+from hidup.graph.dtypes import check_precision, run_dtypes
 from hidup.planning.costs import Profile
 from hidup.planning.programme import SearchOptions
 from hidup.planning.ranking import Ranked, rank_plans
@@ -41,11 +43,15 @@ class Goal:
     beam: int = 16  # states the search keeps per cut
     exact: float = 0.0  # seconds for the integer programme's proof of the k = 1 plan (0: none)
     recompute: str = "auto"  # activation checkpointing: 'auto' (the fewest first layers that
-    #   make a plan fit, where it does not, selectively or whole), 'none', 'all', a count of
+    #   make a plan fit, where it does not, selectively or whole; a fixed strategy also with
+    #   every layer recomputed, selectively or whole), 'none', 'all', a count of
     #   first layers, or layer names joined by commas, each also as 'selective:...'
     #   ('selective' alone: every layer; hidup.strategy.parse_recompute)
     mode: str = "graph"  # the executor mode training runs in (hidup.program.HOST_MODES): its
     #   host cost and, for 'compile', Inductor's fused kernels rank the plans
+    precision: str | None = None  # 'fp32' or 'bf16' (autocast, float32 master weights): the
+    #   dtypes the plans' values, collectives and memory are counted at (hidup.graph.dtypes);
+    #   None: the profile's
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,7 @@ class Selection:
 def select_plan(graph: Graph, profile: Profile, goal: Goal) -> Selection:
     """The plan to run for `goal` on `profile` (a ValueError says why there is none)."""
     goal, profile, k, notes = _settle(graph, profile, goal)
+    graph = run_dtypes(graph, goal.precision, profile.device or "cuda")
     recompute = None if goal.recompute == "auto" else parse_recompute(goal.recompute, graph)
     selective = selective_part(goal.recompute)[0]
     options = SearchOptions(k=k, memory=profile.device_memory, optimizer=goal.optimizer,
@@ -124,7 +131,8 @@ def select_plan(graph: Graph, profile: Profile, goal: Goal) -> Selection:
 
 def _as_ranked(name: str, strategy: Strategy, ranked) -> Strategy:
     """Fixed strategy `name` as its fastest ranked run holds it: with the layers it recomputes
-    (the goal's, or NAME+recompute's where it fits only so); as given where none fits."""
+    (the goal's, or NAME+recompute's or NAME+selective's where that is its fastest that fits);
+    as given where none fits."""
     best = next((r.strategy for r in ranked
                  if r.name in (name, f"{name}+recompute", f"{name}+selective")), strategy)
     return replace(best, name=name)
@@ -147,6 +155,8 @@ def _settle(graph: Graph, profile: Profile, goal: Goal
     if goal.strategy != SEARCH and goal.strategy not in FIXED and goal.strategy not in ACROSS:
         raise ValueError(f"strategy={goal.strategy!r}: give '{SEARCH}' or one of "
                          f"{[*FIXED, *ACROSS]}")
+    goal = replace(goal, precision=check_precision(goal.precision or profile.precision
+                                                   or "fp32"))
     if goal.mode not in HOST_MODES:
         raise ValueError(f"mode={goal.mode!r}: give one of {', '.join(HOST_MODES)}")
     profile.check_world(goal.gpus)

@@ -1,0 +1,222 @@
+"""The memory model against real peaks: each case trains on gloo ranks of this CPU with
+`hidup.parallelize` (AdamW) and the peak of live tensor memory per rank during a step, optimizer
+included, is printed beside the memory model's prediction for the same Program
+(hidup.planning.memory.peak_memory).
+
+The measured peak: what a rank holds between steps (its parameter shards, buffers, optimizer
+state and the batch; the user's model is dropped, as a run that builds it on the meta device
+never holds it), plus the most bytes the CPU allocator had handed out beyond that during one
+step, as torch.profiler's memory events report them (every allocation and free of the step's
+tensors, the kernels' temporaries included). It is measured on a step after the first (traced,
+optimizer state made).
+
+`python -m experiments.memory_accuracy [--cases NAME ...] [--out DIR]` prints the table (one
+row per case and rank) and the median and largest error; with --out it writes the rows as JSON.
+`transformers` is a test dependency (the dev extra): the cases of its models need it."""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hidup.cli import Parser
+
+PROFILE = "cpu-gloo-loopback"
+WORLD = 2
+
+
+@dataclass(frozen=True)
+class Case:
+    """One run: a model, a plan (a fixed strategy or the search's), micro-batches, which layers
+    are recomputed ('none', 'all', 'selective': every layer), the precision."""
+
+    model: str
+    strategy: str
+    k: int = 1
+    recompute: str = "none"
+    precision: str = "fp32"
+
+    @property
+    def name(self) -> str:
+        extra = "" if self.recompute == "none" else f" recompute={self.recompute}"
+        return f"{self.model} {self.strategy} k={self.k}{extra} {self.precision}"
+
+
+# two `transformers` families at a size where the step's tensors, not the allocator's small
+# blocks, make the peak
+HF_LLAMA = dict(vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128,
+                use_cache=False)
+HF_GPT2 = dict(vocab_size=2048, n_positions=128, n_embd=256, n_layer=4, n_head=8,
+               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+HF = {"hf-llama": ("LlamaConfig", "LlamaForCausalLM", HF_LLAMA),
+      "hf-gpt2": ("GPT2Config", "GPT2LMHeadModel", HF_GPT2)}
+HF_BATCH, HF_SEQ = 8, 128
+
+CASES = [Case(m, s, k, r) for m in ("gpt:small", "bert-sgmoe:small")
+         for s, k, r in (("ddp", 1, "none"), ("ddp", 2, "none"), ("fsdp", 2, "none"),
+                         ("megatron", 1, "none"), ("search", 2, "none"), ("ddp", 2, "all"))] + \
+    [Case(m, s, k, r, p) for m in HF
+     for s, k, r, p in (("ddp", 1, "none", "fp32"), ("fsdp", 2, "selective", "fp32"),
+                        ("megatron", 2, "none", "fp32"), ("search", 2, "none", "fp32"),
+                        ("fsdp", 2, "none", "bf16"))]
+
+
+def build(model: str, seed: int = 0):
+    """(module whose forward returns the loss, one global batch) for a zoo name or HF."""
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    if model in HF:
+        import transformers
+
+        from experiments.third_party import WithLoss
+        config, cls, settings = HF[model]
+        module = WithLoss(getattr(transformers, cls)(getattr(transformers, config)(**settings)),
+                          ("input_ids", "labels"))
+        ids = torch.randint(0, settings["vocab_size"], (HF_BATCH, HF_SEQ), generator=gen)
+        return module.train(), (ids, ids.clone())
+    from hidup.models import get_model
+    spec = get_model(model, gpus=WORLD)
+    return spec.build().train(), tuple(spec.inputs(spec.batch, gen))
+
+
+def measure(case: Case, rank: int) -> dict:
+    """Train the case on this rank; its predicted and measured peak bytes."""
+    import hidup
+    from hidup.graph.capture import capture
+    from hidup.planning.memory import peak_memory
+    from hidup.planning.planfile import Plan
+    from hidup.planning.profile_file import load_profile
+    from hidup.planning.select import Goal, select_plan
+    from hidup.strategy import fixed_strategy, layers, recomputing
+
+    model, batch = build(case.model)
+    graph = capture(model, batch)
+    if case.strategy == "search":
+        goal = Goal(WORLD, micro_batches=case.k, recompute="none", precision=case.precision)
+        strategy = select_plan(graph, load_profile(PROFILE), goal).strategy
+    else:
+        strategy = fixed_strategy(case.strategy, graph, WORLD)
+    if case.recompute != "none":
+        strategy = recomputing(graph, strategy, layers(graph), case.recompute == "selective")
+    plan = Plan.of(graph, strategy, WORLD, case.k, PROFILE, case.model, "adamw")
+    trainer = hidup.parallelize(model, plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+                                device="cpu", autocast=torch.bfloat16
+                                if case.precision == "bf16" else None)
+    del model
+    trainer.step(*batch)  # traced; the optimizer's state made
+    gc.collect()
+    held = _held(trainer, batch)
+    peak = held + _step_peak(trainer, batch)
+    predicted = peak_memory(trainer.program)
+    return {"case": case.name, "rank": rank, "predicted_mib": predicted.peak / 2**20,
+            "measured_mib": peak / 2**20, "held_mib": held / 2**20,
+            "error": predicted.peak / peak - 1, "plan": strategy.name}
+
+
+def _held(trainer, batch) -> int:
+    """Bytes of the distinct storages a rank holds between steps."""
+    tensors = [*trainer.executor.params.values(), *trainer.executor.buffers, *batch]
+    for state in trainer.optimizer.state.values():
+        tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]
+    seen = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _step_peak(trainer, batch) -> int:
+    """The most bytes the allocator had handed out beyond what it held at the start of one
+    step (torch.profiler's memory events)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        trainer.step(*batch)
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        events = json.loads(Path(path).read_text())["traceEvents"]
+    events = [e["args"] for e in events
+              if e.get("name") == "[memory]" and "Total Allocated" in e.get("args", {})]
+    if not events:
+        return 0
+    # the allocator's running total carries over what earlier profiled steps allocated and
+    # freed unprofiled: count from where this step started
+    start = events[0]["Total Allocated"] - events[0]["Bytes"]
+    return max(0, *(e["Total Allocated"] - start for e in events))
+
+
+def _rank(rank: int, store: str, cases: list[Case], out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    rows = []
+    try:
+        for case in cases:
+            rows.append(measure(case, rank))
+            if rank == 0:
+                print(f"  {case.name}: done", file=sys.stderr, flush=True)
+        Path(out_dir, f"{rank}.json").write_text(json.dumps(rows))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # hidup.train's ranks end so too: no C++ teardown after the work is done
+
+
+def run(cases: list[Case]) -> list[dict]:
+    """Every case on WORLD gloo ranks; one row per case and rank."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        store = os.path.join(out_dir, "store")
+        mp.spawn(_rank, args=(store, cases, out_dir), nprocs=WORLD, join=True)
+        rows = [json.loads(Path(out_dir, f"{r}.json").read_text()) for r in range(WORLD)]
+    return [row for pair in zip(*rows) for row in pair]
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| case | plan | rank | predicted (MiB) | measured (MiB) | error |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['case']} | {r['plan']} | {r['rank']} | {r['predicted_mib']:.1f} | "
+              f"{r['measured_mib']:.1f} | {r['error']:+.1%} |" for r in rows]
+    errors = [abs(r["error"]) for r in rows]
+    lines.append(f"\n{len(rows)} ranks: median |error| {statistics.median(errors):.1%}, largest "
+                 f"{max(errors):.1%}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    names = {c.name: c for c in CASES}
+    ap = Parser(prog="python -m experiments.memory_accuracy", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", nargs="+", metavar="NAME", default=None,
+                    help=f"run only the cases whose name starts with one of these (e.g. "
+                         f"'gpt:small ddp'); default: all {len(CASES)}")
+    ap.add_argument("--out", type=Path, default=None, help="folder for rows.json")
+    args = ap.parse_args(argv)
+    cases = CASES if args.cases is None else \
+        [c for c in CASES if any(c.name.startswith(n) for n in args.cases)]
+    if not cases:
+        ap.error(f"--cases {' '.join(args.cases)}: no case starts so; the cases: "
+                 f"{'; '.join(names)}")
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start and stop lines
+    print(f"{len(cases)} cases on {WORLD} gloo ranks...", file=sys.stderr, flush=True)
+    rows = run(cases)
+    print(table(rows))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "rows.json").write_text(json.dumps([asdict(c) for c in cases] and rows,
+                                                       indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
