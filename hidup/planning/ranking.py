@@ -1,7 +1,9 @@
 """The ranking of plans: each plan the search (hidup.planning.search) or a caller hands over is
 lowered with one micro-batch and with k, held to the memory limit, estimated
 (hidup.planning.estimate) in the executor's mode and ranked; a plan over the limit whose state
-fits is kept to be tried with layers recomputed (Ranking.recompute_deferred)."""
+fits is kept to be tried with layers recomputed (Ranking.recompute_deferred). The configurations
+a user would pick by hand (the fixed strategies: Ranking.add_hand) are also tried with every
+layer recomputed, selectively as torchtitan runs fsdp, or whole (Ranking.recompute_hand)."""
 from __future__ import annotations
 
 import logging
@@ -75,6 +77,11 @@ class Ranking:
         # (estimate without recomputation, order, strategy, name, dp_cost, k, peak)
         self.deferred: list[tuple] = []
         self.deferred_fit = True  # finals count a deferred plan as one that fits
+        # hand configurations (add_hand) to try with every layer recomputed: (strategy, name)
+        self.hand: list[tuple[Strategy, str]] = []
+        # (plan key, k) -> the estimate of a plan lowered with k that fits, or that is over the
+        # limit with its parameters and state within it (s): a bound for it recomputed
+        self.estimated: dict[tuple, float] = {}
 
     @property
     def fastest(self) -> float:
@@ -183,8 +190,46 @@ class Ranking:
         the estimate's step time."""
         est = estimate(program, self.profile, self.options.mode)
         self.ranked.append(Ranked(est.step_time, name, strategy, dp_cost, est, kk))
+        self.estimated[_plan_key(strategy), kk] = est.step_time
         return est.step_time
 
+    def add_hand(self, strategy: Strategy, name: str) -> None:
+        """Rank a configuration a user would pick by hand (a fixed strategy, NAME) as it is (not
+        remembered as seen, so that it keeps its name where a searched plan is the same) and,
+        where the goal leaves recomputation to the planner and the model has layers, keep it for
+        recompute_hand: with every layer recomputed, selectively or whole."""
+        self.add(strategy, name, math.nan, seen=False)
+        if self.options.recompute is None and layers(self.graph) and not (
+                strategy.recompute or strategy.selective):
+            self.hand.append((strategy, name))
+
+    def recompute_hand(self) -> None:
+        """Rank each configuration kept by add_hand with every layer recomputed selectively
+        (NAME+selective: as torchtitan runs fsdp) and, where that does not fit, whole
+        (NAME+recompute), with each micro-batch count at which it might be chosen, each held to
+        memory. Recomputing only adds work, so a variant is no faster than the plan as it is
+        with the same count: tried only where that estimate (the ranked one where the plan
+        fits, else defer_recomputed's) is below the fastest ranked, which leaves out a plan
+        that fits as it is and the counts at which it cannot win. A count the plan was not
+        estimated with does not lower, holds parameters and state over the limit (nothing
+        recomputed fits), or is hopeless (k micro-batches take at least half of one's time):
+        not tried either. With k, a selectively recomputed plan can be the only one that fits:
+        its plan as it is was then deferred with an estimate, and it is tried whenever it can
+        win. Whole layers recompute what selective ones do and more: tried only where selective
+        ones do not fit and recompute_deferred ranked no NAME+recompute with that count (its
+        fewest first layers recomputed whole are no slower than all of them)."""
+        names = layers(self.graph)
+        for strategy, name in self.hand:
+            for kk in sorted({1, self.options.k}):
+                if self.estimated.get((_plan_key(strategy), kk), math.inf) >= self.fastest:
+                    continue
+                if self.add(recomputing(self.graph, strategy, names, True),
+                            f"{name}+selective", math.nan, [kk])[kk] is True:
+                    continue
+                if not any(r.name == f"{name}+recompute" and r.k == kk for r in self.ranked):
+                    self.add(recomputing(self.graph, strategy, names, False),
+                             f"{name}+recompute", math.nan, [kk])
+        self.hand = []
 
     def defer_recomputed(self, strategy: Strategy, name: str, dp_cost: float, kk: int,
                          memory, program) -> bool:
@@ -195,6 +240,7 @@ class Ranking:
                 not layers(self.graph) or memory.params + memory.optimizer > self.memory:
             return False
         bound = estimate(program, self.profile, self.options.mode).step_time
+        self.estimated[_plan_key(strategy), kk] = bound
         self.deferred.append((bound, len(self.deferred), strategy, name, dp_cost, kk,
                               memory.peak))
         return True
@@ -206,7 +252,8 @@ class Ranking:
         hidup.strategy.recompute), each priced by the estimate (the recomputed forward) and held
         to memory. The count is guessed from what recomputing every layer saves, as if each
         layer saved as much. Recomputing only adds work, so a plan whose estimate without it is
-        no faster than a plan ranked already is not tried."""
+        no faster than a plan ranked already is not tried. Then the hand configurations
+        (recompute_hand), against the fastest ranked by then."""
         for bound, _, strategy, name, dp_cost, kk, peak in sorted(self.deferred):
             if bound >= self.fastest:
                 log.info("plan %s with k=%d not recomputed: %.4g s without recomputation, "
@@ -217,6 +264,7 @@ class Ranking:
             if self._fewest_layers(strategy, f"{name}+recompute", dp_cost, kk, peak, False):
                 self._fewest_layers(strategy, f"{name}+selective", dp_cost, kk, peak, True)
         self.deferred = []
+        self.recompute_hand()
 
     def _fewest_layers(self, strategy: Strategy, name: str, dp_cost: float, kk: int,
                        peak: float, selective: bool) -> bool:
@@ -249,10 +297,11 @@ def far_behind(price: float, least: float) -> bool:
 
 def rank_plans(graph: Graph, world: int, profile: Profile, plans: dict[str, Strategy],
                options: SearchOptions = SearchOptions()) -> list[Ranked]:
-    """The given plans, each lowered with one micro-batch and with k, estimated and held to the
-    memory limit; fastest first."""
+    """The given plans (hand configurations: Ranking.add_hand), each lowered with one
+    micro-batch and with k, estimated and held to the memory limit, and recomputed where it
+    might pay (Ranking.recompute_deferred); fastest first."""
     ranking = Ranking(graph, world, profile, options)
     for name, strategy in plans.items():
-        ranking.add(strategy, name, math.nan, seen=False)
+        ranking.add_hand(strategy, name)
     ranking.recompute_deferred()
     return sorted(ranking.ranked, key=attrgetter("step_time"))

@@ -52,8 +52,9 @@ def search(graph: Graph, world: int, profile: Profile, options: SearchOptions = 
            baselines: dict[str, Strategy] | None = None) -> SearchResult:
     """The best plan: the dynamic programme's `keep` cheapest plans with k micro-batches, its
     `keep` cheapest with one (its `keep` best either way are among them), the plan with no
-    communication (every op replicated: search-replicated#0; replicated_plan) and the `baselines`,
-    each lowered with k and with one, ranked by the fast estimate (objective 'comm': by its own
+    communication (every op replicated: search-replicated#0; replicated_plan) and the `baselines`
+    (also with every layer recomputed where that might win: Ranking.recompute_hand), each
+    lowered with k and with one, ranked by the fast estimate (objective 'comm': by its own
     count). The programme prices every plan with k micro-batches and with one and keeps what is
     best either way, so that a search for Duplex finds the plans a plain search finds. On a 2-D
     mesh of `machines` > 1 it runs on the mesh, on the mesh turned around (_meshes) and over
@@ -102,8 +103,8 @@ def _search(graph: Graph, world: int, profile: Profile, options: SearchOptions,
     whole = replicated_plan(one_d) if timed and one_d is not None else None
     if whole is not None and not far_behind(one_d.plain.price(whole), least):
         ranking.add(whole, "search-replicated#0", one_d.plain.price(whole))
-    for name, strategy in baselines.items():
-        ranking.add(strategy, name, math.nan, seen=False)
+    for name, strategy in baselines.items():  # also recomputed (Ranking.recompute_hand)
+        ranking.add_hand(strategy, name)
     ranking.recompute_deferred()
     if not ranking.ranked and ranking.deferred_fit:  # the plans over the limit that would
         # fit recomputed do not: rank more of the programmes' plans, as they fit or not
