@@ -61,4 +61,4 @@ def plan(model: torch.nn.Module, example_inputs: tuple | list, *, cluster: str, 
     chosen = select_plan(graph, profile, goal)
     where = str(cluster) if Path(str(cluster)).is_file() else profile.name
     return Plan.of(graph, chosen.strategy, gpus, chosen.k, where, name or type(model).__name__,
-                   optimizer, goal.memory)
+                   optimizer, goal.memory, chosen.goal.precision)

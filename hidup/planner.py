@@ -106,6 +106,7 @@ def plan(args) -> dict:
             "chosen_k": chosen.k, "searched": chosen.searched,
             "description": describe(graph, chosen.strategy),
             "memory_limit_gib": None if limit is None else limit / 2**30,
+            "precision": chosen.goal.precision,
             "duplex": chosen.k > 1, "notes": list(chosen.notes),
             "search_seconds": found.seconds if found else 0.0,
             "labels": found.states if found else 0,
@@ -192,7 +193,7 @@ def main(argv=None) -> int:
         if args.out:
             save_plan(args.out, res["graph"], res["strategy"], args.gpus, res["model"],
                       res["cluster"], micro_batches=res["chosen_k"],
-                      optimizer=args.optimizer)
+                      optimizer=args.optimizer, precision=res["precision"])
     except (ValueError, OSError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

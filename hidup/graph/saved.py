@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from hidup.graph.capture import Graph, Node, Ref
 
@@ -25,6 +26,9 @@ class Saves(NamedTuple):
     reads: tuple[bool, ...]  # per input, then for the output: kept (itself or a view of it)
     copies: tuple[int, ...]  # per input: bytes of autocast's copy of it that is kept (0: none)
     own: int  # bytes of the tensors of its own it keeps (not its inputs, output or copies)
+    alias: bool = False  # its output shares its first input's memory (at these dtypes, on a
+    #   contiguous input): a view, or a composite that views where it can (reshape,
+    #   contiguous, a cast to the dtype it has, dropout with p = 0)
 
 
 def backward_reads(graph: Graph, node: Node) -> tuple[bool, ...]:
@@ -77,9 +81,11 @@ def _probe(node: Node, metas, dtypes) -> Saves:
                          for x, c in zip(ins, copies))
             mine = {id(x) for x in ins} | {id(_root(out))}
             own = sum(x.untyped_storage().nbytes() for i, x in held.items() if i not in mine)
+            alias = bool(ins) and StorageWeakRef(out.untyped_storage()) == \
+                StorageWeakRef(ins[0].untyped_storage())
     except Exception:  # an op fake tensors cannot run: count every input and its output
         return every
-    return Saves(reads, kept, int(own))
+    return Saves(reads, kept, int(own), alias)
 
 
 def _root(x: torch.Tensor) -> torch.Tensor:

@@ -192,7 +192,7 @@ def _scan(program: Program) -> tuple[dict[str, int], dict[str, int], dict[str, i
                 if key not in numel:  # a parameter or an input: no task writes it
                     numel[key] = math.prod(shape)
             _written(numel, first, ((outs[0], t.out_shape),), i)
-            if ins and is_view(t.op):
+            if ins and (t.alias or is_view(t.op)):
                 views.append((outs[0], ins[0]))
         elif t.op == "hidup.ones":
             _written(numel, first, ((outs[0], t.out_shape),), i)

@@ -38,6 +38,8 @@ class Plan:
     optimizer: str = "adamw"
     graph: Graph | None = field(default=None, repr=False)  # None when loaded from a file
     memory: float | None = None  # the device memory limit it was planned within (bytes), if given
+    precision: str = "fp32"  # the dtypes it was planned at: "fp32", or "bf16" (autocast, float32
+    #   master weights): hidup.parallelize runs it under bf16 autocast unless told otherwise
 
     def describe(self) -> str:
         """The plan in one line: what its ops do, and Duplex or not."""
@@ -56,7 +58,8 @@ class Plan:
         """Write the plan file (as `python -m hidup.planner --out` does: hidup.train reads it)."""
         save_plan(Path(path), self.graph, self.strategy, self.gpus, self.model, self.cluster,
                   micro_batches=self.micro_batches, inputs=self.inputs,
-                  fingerprint=self.fingerprint, optimizer=self.optimizer, memory=self.memory)
+                  fingerprint=self.fingerprint, optimizer=self.optimizer, memory=self.memory,
+                  precision=self.precision)
 
     @classmethod
     def load(cls, path: str | Path, model: torch.nn.Module | None = None) -> Plan:
@@ -74,15 +77,16 @@ class Plan:
         strategy = load_plan(path, graph, doc["world"], doc=doc)
         return cls(strategy, doc["world"], int(doc.get("micro_batches") or 1),
                    doc.get("cluster"), inputs, doc["fingerprint"], doc.get("model") or "model",
-                   doc.get("optimizer") or "adamw", graph, doc.get("memory"))
+                   doc.get("optimizer") or "adamw", graph, doc.get("memory"),
+                   _precision(path, doc))
 
     @classmethod
     def of(cls, graph: Graph, strategy: Strategy, gpus: int, micro_batches: int,
            cluster: str | None = None, model: str = "model", optimizer: str = "adamw",
-           memory: float | None = None) -> Plan:
+           memory: float | None = None, precision: str = "fp32") -> Plan:
         """The plan that runs `strategy` for a captured graph (its inputs and fingerprint)."""
         return cls(strategy, gpus, micro_batches, cluster, tuple(n.out for n in graph.user_inputs),
-                   graph.fingerprint, model, optimizer, graph, memory)
+                   graph.fingerprint, model, optimizer, graph, memory, precision)
 
 
 def example_inputs(metas: tuple[TensorMeta, ...]) -> tuple[torch.Tensor, ...]:
@@ -123,7 +127,7 @@ def check(graph: Graph, strategy: Strategy) -> None:
 def save_plan(path: Path, graph: Graph | None, strategy: Strategy, world: int, model: str,
               cluster: str | None = None, micro_batches: int | None = None,
               inputs=None, fingerprint: str | None = None, optimizer: str | None = None,
-              memory: float | None = None) -> None:
+              memory: float | None = None, precision: str = "fp32") -> None:
     """Write the plan file: the strategy, and the model (its fingerprint and the shapes of the
     global batch), world size and cluster it is for; where known, the micro-batches and the
     optimizer it was planned with. Without `graph`, `fingerprint` and `inputs` must be given."""
@@ -135,6 +139,7 @@ def save_plan(path: Path, graph: Graph | None, strategy: Strategy, world: int, m
            "mesh": [strategy.machines, world // strategy.machines] if strategy.machines > 1
            else [world], "cluster": cluster,
            "micro_batches": micro_batches, "optimizer": optimizer, "memory": memory,
+           "precision": precision,
            "inputs": [{"shape": list(m.shape), "dtype": m.dtype} for m in inputs or ()],
            "strategy": strategy.name,
            "placements": {n: str(p) for n, p in strategy.placements.items()},
@@ -160,6 +165,15 @@ def read_plan(path: Path) -> dict:
         raise PlanError(f"plan file {path}: version {doc.get('version')}, this HiDup reads version "
                         f"{PLAN_VERSION}; re-create the plan")
     return doc
+
+
+def _precision(path: Path, doc: dict) -> str:
+    """The precision a plan file records (files before it was recorded: fp32)."""
+    precision = doc.get("precision") or "fp32"
+    if precision not in ("fp32", "bf16"):
+        raise PlanError(f"plan file {path}: precision {precision!r}; a plan is made for \"fp32\" "
+                        f"or \"bf16\"")
+    return precision
 
 
 def load_plan(path: Path, graph: Graph | None, world: int, cluster: str | None = None,

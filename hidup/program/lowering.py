@@ -22,6 +22,12 @@ from hidup.graph.flops import backward_flops, forward_flops
 from hidup.graph.placement import (Partial, Placement, R, Replicate, Shard, flat, is_flat,
                                    plain)
 from hidup.graph.saved import backward_saves
+
+# views whose output is not contiguous: a composite that views a contiguous input copies theirs
+_STRIDED = frozenset(f"aten.{op}" for op in (
+    "transpose.int", "permute.default", "expand.default", "slice.Tensor", "select.int", "t.default",
+    "as_strided.default", "diagonal.default", "narrow.default", "unfold.default",
+    "movedim.int"))
 from hidup.strategy import Strategy, microbatch_split
 from hidup.program.buckets import GradientBuckets
 from hidup.program.microbatches import MicroBatches
@@ -245,7 +251,8 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
         reads, keeps = self.saves(node, keys, ins)
         self.add(Compute(
             len(self.tasks), node.name, node.op, "fwd", m, flops, nbytes, ins, out, tuple(keys),
-            (vkey(node.name, opt.output, m),), opt, partial, reads=reads, keeps=keeps))
+            (vkey(node.name, opt.output, m),), opt, partial, reads=reads, keeps=keeps,
+            alias=self.aliases(node)))
         self.convert_for_consumers(node.name, m)
         if node.name == self.g.loss:
             self.loss_keys.append(self._report_loss(m))
@@ -272,6 +279,15 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
             whole = sum(m.numel for m in node.in_metas(self.g))
             keeps += saves.own * sum(map(math.prod, ins)) // max(1, whole)
         return tuple(reads), keeps
+
+    def aliases(self, node) -> bool:
+        """Does the node's output share its first input's memory in the run: a composite that
+        views where it can (hidup.graph.saved: reshape, contiguous, a cast to the dtype the
+        value has, dropout with p = 0), on an input that is contiguous (not made by a view that
+        reorders or repeats elements)? Views by schema the memory model knows itself."""
+        if not node.inputs or self.g.node(node.inputs[0]).op in _STRIDED:
+            return False
+        return node.out.is_float and backward_saves(self.g, node).alias
 
     def computed_at_run_dtype(self, t: str, key: str) -> bool:
         """Is `key` parameter t converted at the dtype its readers compute it in (the executor

@@ -99,6 +99,9 @@ class Compute:
     # a forward's: local bytes autograd keeps for its backward beside its inputs and output
     # (tensors of the op's own, autocast's copies of its inputs; hidup.graph.saved)
     keeps: int = 0
+    # a forward's: its output shares its first input's memory (a composite that views there:
+    # hidup.program.lowering.Lowering.aliases); views by schema are known by their op
+    alias: bool = False
 
     def __str__(self) -> str:
         mb = "*" if self.mb is None else self.mb

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -122,6 +122,9 @@ class Trainer(TrainerState):
         if optimizer_name is None:  # priced as what the factory makes (tried on a scalar)
             optimizer_name = kind_of(self._factories[0]([torch.zeros(1)])) or "adamw"
         # the Program of the run's dtypes: under bf16 autocast, parameters gathered in bf16
+        if self.options.autocast is None and self._plan is not None and \
+                self._plan.precision == "bf16":  # run as planned
+            self.options = replace(self.options, autocast=torch.bfloat16)
         precision = "bf16" if self.options.autocast == torch.bfloat16 else "fp32"
         program = lower(run_dtypes(graph, precision, self.device.type), strategy, self.world, k,
                         name, optimizer=optimizer_name)
