@@ -2,7 +2,8 @@
 Strategy.recompute, the forward of each op recomputed keeps nothing for the backward, and right
 before the layer's first backward task of a micro-batch its ops run again ('recompute' tasks, in
 forward order, with the conversions the layer's own ops read), writing the same value keys; the
-backward reads those. A weight freed after the forward is read as gathered again for the backward.
+backward reads those. Its ops held once per step after a join of the micro-batches (a router's
+sort) run again once, before the first backward of those, from the join kept from the forward. A weight freed after the forward is read as gathered again for the backward.
 
 The executor runs a forward task whose (node, micro-batch) has a recompute task without autograd
 (hidup.runtime.step); the memory model frees its output after its last read in the forward and
@@ -64,12 +65,16 @@ class Recomputation:
         self.recomputed_at: set[tuple[str, int | None]] = set()
 
     def recomputable(self, node: Node) -> bool:
-        """An op whose backward runs, per micro-batch, reading no micro-batches joined or sliced,
-        drawing no random numbers, and not the loss."""
+        """An op whose backward runs, drawing no random numbers, not the loss, and run per
+        micro-batch or once per step after a join of them (the joined value, kept from the
+        forward, is what its recomputation reads: Lowering.after_join), reading no micro-batch
+        sliced from a value held once per step (made again only by the forward's slice)."""
         mb_in = self.mbs_split.options[node.name].inputs
         return (node.name in self.has_grad and node.name != self.g.loss
-                and node.name not in self.once and not nondeterministic(node)
-                and not any(self.mb_converted(t, q) for t, q in zip(node.inputs, mb_in)))
+                and (node.name not in self.once or node.name in self.after_join)
+                and not nondeterministic(node)
+                and not any(self.mb_converted(t, q) and not self.joined(t, q)
+                            for t, q in zip(node.inputs, mb_in)))
 
     def heavy(self, node: Node) -> bool:
         """Does selective recomputation keep the op's output: a compute-heavy op (at least 16 FLOPs
@@ -77,13 +82,16 @@ class Recomputation:
         return node.flops >= 16 * max(node.out.numel, 1)
 
     def recompute_before(self, node: Node, m: int | None) -> None:
-        """Before node's backward for micro-batch m: its layer's forward again, once."""
+        """Before node's backward for micro-batch m: its layer's forward again, once; for m None
+        (an op once per step, after a join) the layer's ops once per step, before its first
+        backward of them, else the layer's ops of each micro-batch, before its first of those."""
         layer = self.layer_of.get(node.name)
         if layer is None or (layer, m) in self.recomputed_at:
             return
         self.recomputed_at.add((layer, m))
         for n in self.recomputed.get(layer, ()):
-            self.recompute_node(n, m, layer)
+            if (n.name in self.once) == (m is None):
+                self.recompute_node(n, m, layer)
 
     def recompute_node(self, node: Node, m: int | None, layer: str) -> None:
         opt = self.s.options[node.name]
@@ -97,9 +105,11 @@ class Recomputation:
         reads, keeps = self.saves(node, keys, ins)
         self.add(Compute(len(self.tasks), node.name, node.op, RECOMPUTE, m, flops, nbytes, ins,
                          out, keys, (vkey(node.name, opt.output, m),), opt, partial,
-                         reads=reads, keeps=keeps))
-        inside = {p for consumer, _, p in self.uses[node.name]
-                  if consumer is not None and self.layer_of.get(consumer.name) == layer}
+                         reads=reads, keeps=keeps, alias=self.aliases(node)))
+        inside = {p for consumer, i, p in self.uses[node.name]
+                  if consumer is not None and self.layer_of.get(consumer.name) == layer
+                  and not self.mb_converted(node.name,  # a join's reader reads the kept join
+                                            self.mbs_split.options[consumer.name].inputs[i])}
         # what the layer's recomputed ops read converted
         self.convert_for_consumers(node.name, m, phase=RECOMPUTE, only=inside)
 
