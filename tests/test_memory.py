@@ -142,4 +142,4 @@ def test_the_backward_holds_only_what_each_derivative_reads(gpt):
     everything = replace(program, tasks=tuple(
         replace(t, reads=None) if isinstance(t, Compute) else t for t in program.tasks))
     held, all_kept = peak_memory(program), peak_memory(everything)
-    assert held.activations_peak == 332841 < all_kept.activations_peak == 401928
+    assert held.activations_peak == 332841 < all_kept.activations_peak == 352776
