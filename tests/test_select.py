@@ -8,6 +8,7 @@ import torch
 
 import hidup
 from hidup import planner
+from hidup.graph.dtypes import run_dtypes
 from hidup.models import capture_model, get_model
 from hidup.planning.planfile import read_plan
 from hidup.planning.profile_file import load_profile
@@ -80,7 +81,9 @@ def test_the_executor_mode_ranks_the_plans():
     graph_mode = select_plan(graph, profile, Goal(8))
     for mode in ("compile", "cuda-graphs"):
         chosen = select_plan(graph, profile, Goal(8, mode=mode))
-        program = lower(graph, chosen.strategy, 8, chosen.k, optimizer="adamw")
+        # at the profile's precision (bf16: hidup.graph.dtypes), as the selection prices it
+        program = lower(run_dtypes(graph, profile.precision), chosen.strategy, 8, chosen.k,
+                        optimizer="adamw")
         assert chosen.step_time == pytest.approx(estimate(program, profile, mode).step_time)
         assert chosen.step_time != pytest.approx(estimate(program, profile).step_time)
         assert chosen.step_time < graph_mode.step_time  # less host time per task than graph's
