@@ -209,7 +209,8 @@ def fit_profile(args, ranks: Ranks, kernel_points, link_points, factors, prov,
                       collective_points=[[t, kind, n, b, sec] for t, kind, n, b, sec in link_points],
                       device_memory=prov.get("device_memory"), interference_latency=factors[2],
                       comm_lanes=lanes,
-                      pair_points=[list(p) for p in pair_points] or None)
+                      pair_points=[list(p) for p in pair_points] or None,
+                      device=ranks.device.type)  # its autocast policy types a bf16 run
     lines = [_roofline_line(flops, mem, overhead, roof)]
     summary = {"name": args.name, "out": str(args.out), "flops": flops, "mem_bandwidth": mem,
                "op_overhead": overhead, "roofline_fit": _fit_dict(roof), "collectives": {},

@@ -61,7 +61,7 @@ def published_rows(cluster: str, log) -> list[dict]:
             started = time.perf_counter()
             run = simulate(graph, plan, profile, 8, 1, SimOptions("adamw", mode), MODEL)
             step = run.spmd.step_time
-            program = lower(run_dtypes(graph, profile.precision or "fp32"), plan, 8, 1, MODEL,
+            program = lower(run_dtypes(graph, profile.precision), plan, 8, 1, MODEL,
                             optimizer="adamw")
             library, other = kernel_split(program, profile, mode)
             rows.append({"torchtitan": label, "published_tokens_per_gpu": tokens,

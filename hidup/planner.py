@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hidup.cli import RECOMPUTE_HELP, Parser, parse_mesh
 from hidup.models import capture_model, get_model, names
-from hidup.graph.dtypes import run_dtypes
+from hidup.graph.dtypes import PRECISIONS, run_dtypes
 from hidup.planning.estimate import estimate
 from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import save_plan
@@ -53,7 +53,7 @@ def parse_args(argv=None):
                          "--cuda-graphs): its host time per task, where the profile has host "
                          "figures, and for 'compile' Inductor's fused kernels rank the plans "
                          "(default: %(default)s)")
-    ap.add_argument("--precision", choices=["fp32", "bf16"], default=None,
+    ap.add_argument("--precision", choices=list(PRECISIONS), default=None,
                     help="the dtypes values, collectives and memory are counted at (bf16: mixed "
                          "precision under torch.autocast, float32 master weights, as "
                          "hidup.train --precision bf16 runs; default: the cluster profile's)")
@@ -91,7 +91,7 @@ def plan(args) -> dict:
                 precision=args.precision)
     chosen = select_plan(graph, profile, goal)
     found, k = chosen.search, chosen.duplex_k
-    typed = run_dtypes(graph, chosen.goal.precision, chosen.profile.device or "cuda")
+    typed = run_dtypes(graph, chosen.goal.precision, chosen.profile.device)
     rows = {name: _times(typed, s, args.gpus, k, chosen.profile, args.optimizer, args.mode)
             for name, s in chosen.candidates.items()}
     rows[chosen.strategy.name]["chosen_k"] = chosen.k

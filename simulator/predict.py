@@ -16,7 +16,7 @@ from pathlib import Path
 from hidup import models
 from hidup.cli import RECOMPUTE_HELP, Parser, parse_mesh
 from hidup.graph.capture import Graph
-from hidup.graph.dtypes import run_dtypes
+from hidup.graph.dtypes import PRECISIONS, run_dtypes
 from hidup.models import capture_model
 from hidup.planning.costs import Profile
 from hidup.planning.memory import peak_memory
@@ -65,8 +65,7 @@ def simulate(graph: Graph, plan: Strategy, profile: Profile, gpus: int, k: int,
     reported)."""
     results, intervals, memory = [], [], []
     bucket = int(options.bucket_mb * 2 ** 20)
-    graph = run_dtypes(graph, options.precision or profile.precision or "fp32",
-                       profile.device or "cuda")
+    graph = run_dtypes(graph, options.precision or profile.precision, profile.device)
     for program in [lower(graph, plan, gpus, n, name, bucket_bytes=bucket,
                           optimizer=options.optimizer) for n in (1, k)]:
         started = time.perf_counter()
@@ -173,7 +172,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the device mesh the search runs on beside the 1-D one, e.g. 2x4, and "
                         "a 2-D --strategy NAME's (default: the cluster's machines x GPUs per "
                         "machine when --gpus fills whole machines)")
-    p.add_argument("--precision", choices=["fp32", "bf16"], default=None,
+    p.add_argument("--precision", choices=list(PRECISIONS), default=None,
                    help="the dtypes values, collectives and memory are counted at (bf16: mixed "
                         "precision under torch.autocast, float32 master weights; default: the "
                         "cluster profile's)")

@@ -57,6 +57,12 @@ class Ref:
     index: int
 
 
+def fill(template, tensors):
+    """Replace every Ref in a node's args/kwargs by the matching tensor."""
+    return pytree.tree_map(lambda a: tensors[a.index] if isinstance(a, Ref) else a, template,
+                           is_leaf=lambda a: isinstance(a, Ref))
+
+
 @dataclass(frozen=True)
 class Node:
     """One graph node: a parameter, a buffer, a user input, or one ATen op call."""

@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hidup.graph.capture import Graph, Node, Ref, TensorMeta
+from hidup.graph.capture import Graph, Node, TensorMeta, fill
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # a run's precision -> its autocast dtype
 
@@ -50,14 +50,23 @@ class RunDtypes:
 def run_dtypes(graph: Graph, precision: str, device_type: str = "cuda") -> Graph:
     """`graph` with each op's output dtype as a run at `precision` gives it (autocast's policy
     for `device_type`) and its `run` (RunDtypes) set; the graph itself where precision is fp32
-    and nothing of the model's runs under an autocast block of its own."""
+    and nothing of the model's runs under an autocast block of its own. Made once per graph,
+    precision and device (the planner, the simulator and the tables ask again)."""
     check_precision(precision)
     if graph.run is not None and (graph.run.precision, graph.run.device_type) == \
             (precision, device_type):
         return graph
-    dtype = PRECISIONS[precision]
-    if dtype is None and all(n.autocast is None for n in graph.nodes):
+    if PRECISIONS[precision] is None and all(n.autocast is None for n in graph.nodes):
         return graph
+    made = graph.__dict__.setdefault("_run_dtypes", {})
+    if (precision, device_type) not in made:
+        made[precision, device_type] = _typed(graph, precision, device_type)
+    return made[precision, device_type]
+
+
+def _typed(graph: Graph, precision: str, device_type: str) -> Graph:
+    """run_dtypes' graph, made: each op probed once per distinct call (the layers repeat)."""
+    dtype = PRECISIONS[precision]
     outs: dict[str, TensorMeta] = {}
     casts: dict[str, tuple[str, ...]] = {}
     cache: dict[tuple, tuple] = {}
@@ -115,9 +124,6 @@ def _probe(node: Node, metas, dtype, device_type: str) -> tuple[str | None, tupl
     off) on `device_type`; (None, ()) where fake tensors cannot run it (its dtypes stay)."""
     if node.target is None:
         return None, ()
-
-    def place(a):
-        return ins[a.index] if isinstance(a, Ref) else a
     device = torch.device(device_type)
     was_on, was_dtype = torch.is_autocast_enabled(device_type), \
         torch.get_autocast_dtype(device_type)
@@ -131,8 +137,8 @@ def _probe(node: Node, metas, dtype, device_type: str) -> tuple[str | None, tupl
             if dtype is not None:
                 torch.set_autocast_dtype(device_type, dtype)
             with mode:
-                out = node.target(*pytree.tree_map(place, _on(node.args, device)),
-                                  **pytree.tree_map(place, _on(node.kwargs, device)))
+                out = node.target(*fill(_on(node.args, device), ins),
+                                  **fill(_on(node.kwargs, device), ins))
     except Exception:  # an op fake tensors cannot run: its captured dtypes
         return None, ()
     finally:

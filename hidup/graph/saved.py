@@ -13,11 +13,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from hidup.graph.capture import Graph, Node, Ref
+from hidup.graph.capture import Graph, Node, fill
 
 
 class Saves(NamedTuple):
@@ -57,17 +56,13 @@ def _probe(node: Node, metas, dtypes) -> Saves:
     every = Saves((True,) * (len(metas) + 1), (0,) * len(metas), 0)
     if node.target is None or not node.out.is_float:
         return every
-
-    def place(a):
-        return ins[a.index] if isinstance(a, Ref) else a
     packed: list[torch.Tensor] = []
     try:
         with FakeTensorMode(), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
                 lambda x: packed.append(x) or x, lambda x: x):
             ins = [torch.empty(m.shape, dtype=getattr(torch, d)) for m, d in zip(metas, dtypes)]
             ins = [x.requires_grad_() if x.is_floating_point() else x for x in ins]
-            out = node.target(*pytree.tree_map(place, node.args),
-                              **pytree.tree_map(place, node.kwargs))
+            out = node.target(*fill(node.args, ins), **fill(node.kwargs, ins))
             if node.out_index is not None:
                 out = out[node.out_index]
             if not isinstance(out, torch.Tensor):

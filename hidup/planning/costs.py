@@ -108,10 +108,10 @@ class Profile:
     comm_lanes: int = field(default=1, hash=False, compare=False)  # collectives in flight at
     #   once on a rank
     pair_points: list[list] | None = field(default=None, hash=False, compare=False)
-    precision: str | None = field(default=None, compare=False)  # what its kernels were timed
-    #   at and plans are made for unless told otherwise: 'fp32' (None) or 'bf16' (autocast)
-    device: str | None = field(default=None, compare=False)  # its devices' type as torch names
-    #   it, whose autocast policy gives the values' dtypes: 'cuda' (None) or 'cpu'
+    precision: str = field(default="fp32", compare=False)  # what its kernels were timed at and
+    #   plans are made for unless told otherwise: 'fp32' or 'bf16' (autocast)
+    device: str = field(default="cuda", compare=False)  # its devices' type as torch names it,
+    #   whose autocast policy gives the values' dtypes: 'cuda' or 'cpu'
 
     @property
     def latency_slowdown(self) -> float:

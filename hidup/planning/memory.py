@@ -27,8 +27,9 @@ Not modelled: transient buffers inside a task (an accumulation's sum, a gather's
 the optimizer's temporaries: foreach Adam's sqrt(exp_avg_sq) of every shard at once), allocator
 caching and fragmentation.
 A view (an op whose schema says its output aliases its input: view, transpose, expand, slice;
-not reshape or contiguous, which copy where they cannot view) holds no memory of its own: its
-base lives until the view's last use.
+or a composite that views where it can, on a contiguous input: reshape, contiguous, a cast to
+the dtype the value has; Compute.alias) holds no memory of its own: its base lives until the
+view's last use.
 """
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from hidup.graph.capture import Graph, TensorMeta, capture
+from hidup.graph.dtypes import PRECISIONS
 from hidup.graph.ops import node_options
 from hidup.graph.placement import Partial, parse_option, parse_placement, plain_option
 from hidup.strategy import Strategy, describe, fixed_strategy, layers
@@ -170,9 +171,9 @@ def read_plan(path: Path) -> dict:
 def _precision(path: Path, doc: dict) -> str:
     """The precision a plan file records (files before it was recorded: fp32)."""
     precision = doc.get("precision") or "fp32"
-    if precision not in ("fp32", "bf16"):
-        raise PlanError(f"plan file {path}: precision {precision!r}; a plan is made for \"fp32\" "
-                        f"or \"bf16\"")
+    if precision not in PRECISIONS:
+        raise PlanError(f"plan file {path}: precision {precision!r}; a plan is made for one of "
+                        f"{', '.join(PRECISIONS)}")
     return precision
 
 

@@ -10,6 +10,7 @@ import math
 from importlib import resources
 from pathlib import Path
 
+from hidup.graph.dtypes import PRECISIONS
 from hidup.planning.costs import (OPTIONAL_KEYS, PROFILE_FORMAT, PROFILE_VERSION, LinkCost,
                                   Profile, ProfileError)
 from hidup.program.tasks import COLLECTIVES, HOST_MODES
@@ -140,7 +141,7 @@ def from_dict(doc, where: str = "profile") -> Profile:
         raise ProfileError(f"{where}: comm_lanes must be a whole number >= 1 (collectives "
                            f"a rank runs at once), got {lanes!r}")
     precision, device = doc.get("precision", "fp32"), doc.get("device", "cuda")
-    if precision not in ("fp32", "bf16") or device not in ("cuda", "cpu"):
+    if precision not in PRECISIONS or device not in ("cuda", "cpu"):
         raise ProfileError(f"{where}: precision must be \"fp32\" or \"bf16\" and device "
                            f"\"cuda\" or \"cpu\", got {precision!r} and {device!r}")
     values = {k: _number(doc[k], k, where, zero_ok=k == "op_overhead") for k in _SCALARS}

@@ -84,7 +84,7 @@ class Selection:
 def select_plan(graph: Graph, profile: Profile, goal: Goal) -> Selection:
     """The plan to run for `goal` on `profile` (a ValueError says why there is none)."""
     goal, profile, k, notes = _settle(graph, profile, goal)
-    graph = run_dtypes(graph, goal.precision, profile.device or "cuda")
+    graph = run_dtypes(graph, goal.precision, profile.device)
     recompute = None if goal.recompute == "auto" else parse_recompute(goal.recompute, graph)
     selective = selective_part(goal.recompute)[0]
     options = SearchOptions(k=k, memory=profile.device_memory, optimizer=goal.optimizer,
@@ -155,8 +155,7 @@ def _settle(graph: Graph, profile: Profile, goal: Goal
     if goal.strategy != SEARCH and goal.strategy not in FIXED and goal.strategy not in ACROSS:
         raise ValueError(f"strategy={goal.strategy!r}: give '{SEARCH}' or one of "
                          f"{[*FIXED, *ACROSS]}")
-    goal = replace(goal, precision=check_precision(goal.precision or profile.precision
-                                                   or "fp32"))
+    goal = replace(goal, precision=check_precision(goal.precision or profile.precision))
     if goal.mode not in HOST_MODES:
         raise ValueError(f"mode={goal.mode!r}: give one of {', '.join(HOST_MODES)}")
     profile.check_world(goal.gpus)

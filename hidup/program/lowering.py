@@ -35,7 +35,7 @@ from hidup.program.recompute import Recomputation
 from hidup.program.scopes import Scopes
 from hidup.program.tasks import (BUCKET_BYTES, COLLECTIVES, Compute, Convert,
                                  LoweringError, Program, Task, Wait, gkey, mesh_groups,
-                                 optimizer_cost, Shapes, stored_key, vkey)
+                                 optimizer_cost, Shapes, param_key, vkey)
 
 
 class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
@@ -293,8 +293,8 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
         """Is `key` parameter t converted at the dtype its readers compute it in (the executor
         casts a stored parameter before converting it; hidup.graph.dtypes.RunDtypes.compute)?"""
         run = self.g.run
-        return run is not None and t in run.compute and key != stored_key(
-            t, self.home(t), t in self.s.across and self.machines > 1)
+        return run is not None and t in run.compute and \
+            key != param_key(self.s, t, self.machines)
 
     def kernel(self, node) -> tuple:
         """The node's forward kernel, the same for every micro-batch: (input shapes, output

@@ -3,7 +3,8 @@ Strategy.recompute, the forward of each op recomputed keeps nothing for the back
 before the layer's first backward task of a micro-batch its ops run again ('recompute' tasks, in
 forward order, with the conversions the layer's own ops read), writing the same value keys; the
 backward reads those. Its ops held once per step after a join of the micro-batches (a router's
-sort) run again once, before the first backward of those, from the join kept from the forward. A weight freed after the forward is read as gathered again for the backward.
+sort) run again once, before the first backward of those, from the join kept from the forward.
+A weight freed after the forward is read as gathered again for the backward.
 
 The executor runs a forward task whose (node, micro-batch) has a recompute task without autograd
 (hidup.runtime.step); the memory model frees its output after its last read in the forward and

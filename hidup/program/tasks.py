@@ -260,6 +260,11 @@ def stored_key(t: str, p: Placement, across: bool) -> str:
     return f"{t}@{p}|across/*" if across else vkey(t, p, None)
 
 
+def param_key(strategy: Strategy, t: str, machines: int) -> str:
+    """The key of parameter t's stored shard under `strategy` on a mesh of `machines`."""
+    return stored_key(t, strategy.home(t), t in strategy.across and machines > 1)
+
+
 def gkey(t: str, p: Placement, mb: int | None) -> str:
     return "d" + vkey(t, p, mb)
 

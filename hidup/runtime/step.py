@@ -24,7 +24,7 @@ from hidup.graph.capture import Graph
 from hidup.graph.placement import (Partial, R, Shard, ShardingOption, is_flat, option_is_flat,
                                    plain_option)
 from hidup.strategy import Strategy, microbatch_split
-from hidup.program.tasks import (MB_CONVERSIONS, Compute, Convert, Program, Wait, stored_key,
+from hidup.program.tasks import (MB_CONVERSIONS, Compute, Convert, Program, Wait, param_key,
                                  vkey)
 from hidup.runtime.collectives import PACKING, issue, stand_in
 from hidup.runtime.layout import mb_join, mb_part, shard_of
@@ -75,8 +75,8 @@ class _TaskRunner:
                                for t in self.p.tasks)
         # stored parameter shards converted at their compute dtype (bf16 gathers, as FSDP2's
         # mixed precision; Program.compute), and the dtype of each parameter's gradient
-        self.cast = {stored_key(t, self.s.home(t), t in self.s.across and self.p.machines > 1):
-                     getattr(torch, d) for t, d in self.p.compute.items()}
+        self.cast = {param_key(self.s, t, self.p.machines): getattr(torch, d)
+                     for t, d in self.p.compute.items()}
         self.master = {n.name: getattr(torch, n.out.dtype) for n in self.g.params}
 
     def __call__(self, params, buffers, inputs, lr):
@@ -104,8 +104,7 @@ class _TaskRunner:
     def place_inputs(self, params, buffers, inputs) -> None:
         self.whole_values = {n.name: x for n, x in zip(self.g.user_inputs, inputs)}
         for node, p in zip(self.g.params, params):
-            across = node.name in self.s.across and self.p.machines > 1
-            self.env[stored_key(node.name, self.s.home(node.name), across)] = p
+            self.env[param_key(self.s, node.name, self.p.machines)] = p
         given = {"buffer": iter(buffers), "input": iter(inputs)}
         for node in self.g.nodes:
             if node.kind not in given:

@@ -5,8 +5,8 @@ import math
 
 import torch
 
-from hidup.graph.capture import Ref
-from hidup.graph.ops.registry import arg, default_local, fill, register, register_local
+from hidup.graph.capture import Ref, fill
+from hidup.graph.ops.registry import arg, default_local, register, register_local
 from hidup.graph.placement import P, R, Shard, ShardingOption
 
 aten = torch.ops.aten

@@ -5,10 +5,9 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
 import torch
-from torch.utils import _pytree as pytree
 
 from hidup.graph import dtensor
-from hidup.graph.capture import Node, Ref, TensorMeta
+from hidup.graph.capture import Node, TensorMeta, fill
 from hidup.graph.placement import R, ShardingOption
 
 RuleFn = Callable[[Node, tuple[TensorMeta, ...]], list[ShardingOption]]
@@ -103,12 +102,6 @@ class LocalContext:
     # a graph tensor computed whole from the whole global batch (every rank has it), or None
     # where it depends on parameters: how a loss counts the targets it keeps over the batch
     whole: Callable[[str], object] | None = None
-
-
-def fill(template, tensors):
-    """Replace every Ref in a node's args/kwargs by the matching tensor."""
-    return pytree.tree_map(lambda a: tensors[a.index] if isinstance(a, Ref) else a, template,
-                           is_leaf=lambda a: isinstance(a, Ref))
 
 
 def default_local(node: Node, option: ShardingOption, ctx: LocalContext):
