@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hidup.cli import Parser
+from hidup.graph.saved import LiveStorages
 
 PROFILE = "cpu-gloo-loopback"
 WORLD = 2
@@ -123,36 +124,33 @@ def measure(case: Case, rank: int) -> dict:
             "error": predicted.peak / peak - 1, "plan": strategy.name}
 
 
-def _held(trainer, batch) -> int:
-    """Bytes of the distinct storages a rank holds between steps."""
+def _held_tensors(trainer, batch) -> list[torch.Tensor]:
+    """What a rank holds between steps: its parameter shards, buffers, optimizer state and
+    the batch."""
     tensors = [*trainer.executor.params.values(), *trainer.executor.buffers, *batch]
     for state in trainer.optimizer.state.values():
         tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]
+    return tensors
+
+
+def _held(trainer, batch) -> int:
+    """Bytes of the distinct storages a rank holds between steps."""
     seen = {}
-    for t in tensors:
+    for t in _held_tensors(trainer, batch):
         storage = t.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
 
 
 def _step_peak(trainer, batch) -> int:
-    """The most bytes the allocator had handed out beyond what it held at the start of one
-    step (torch.profiler's memory events)."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    """The most bytes of live tensor storage during one step beyond what the rank held at its
+    start: every storage an op of the step returns (forward, backward, collectives and the
+    optimizer, as a TorchDispatchMode sees them) counts from the op that made it until torch
+    frees it. Kernels' scratch space inside one op is not seen, so this is a lower bound that
+    does not move between runs."""
+    with LiveStorages(_held_tensors(trainer, batch)) as live:
         trainer.step(*batch)
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "trace.json")
-        prof.export_chrome_trace(path)
-        events = json.loads(Path(path).read_text())["traceEvents"]
-    events = [e["args"] for e in events
-              if e.get("name") == "[memory]" and "Total Allocated" in e.get("args", {})]
-    if not events:
-        return 0
-    # the allocator's running total carries over what earlier profiled steps allocated and
-    # freed unprofiled: count from where this step started
-    start = events[0]["Total Allocated"] - events[0]["Bytes"]
-    return max(0, *(e["Total Allocated"] - start for e in events))
+    return live.peak - live.start
 
 
 def _rank(rank: int, store: str, cases: list[Case], out_dir: str) -> None:
@@ -206,7 +204,6 @@ def main(argv=None) -> int:
     if not cases:
         ap.error(f"--cases {' '.join(args.cases)}: no case starts so; the cases: "
                  f"{'; '.join(names)}")
-    os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start and stop lines
     print(f"{len(cases)} cases on {WORLD} gloo ranks...", file=sys.stderr, flush=True)
     rows = run(cases)
     print(table(rows))

@@ -67,3 +67,16 @@ def test_profiles_and_plans_carry_their_precision(llama, tmp_path):
     plan.save(tmp_path / "plan.json")
     assert json.loads((tmp_path / "plan.json").read_text())["precision"] == "bf16"
     assert Plan.load(tmp_path / "plan.json").precision == "bf16"
+
+
+def test_a_gather_bucket_holds_one_dtype(llama):
+    """Weights gathered in bf16 and the norms' float32 weights go in buckets of their own (one
+    flat buffer each: mixed, the float32 would promote the whole bucket)."""
+    from hidup.program.tasks import Convert
+    typed = run_dtypes(llama, "bf16", "cuda")
+    program = lower(typed, fixed_strategy("fsdp", typed, 2), 2, 1)
+    buckets = [t for t in program.tasks if isinstance(t, Convert) and t.kind == "all_gather"]
+    names = [[k.split("@", 1)[0] for k in t.inputs] for t in buckets]
+    assert any(all(n in typed.run.compute for n in b) for b in names)
+    assert any(not any(n in typed.run.compute for n in b) for b in names)
+    assert all(len({n in typed.run.compute for n in b}) == 1 for b in names)

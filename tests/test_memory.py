@@ -143,3 +143,48 @@ def test_the_backward_holds_only_what_each_derivative_reads(gpt):
         replace(t, reads=None) if isinstance(t, Compute) else t for t in program.tasks))
     held, all_kept = peak_memory(program), peak_memory(everything)
     assert held.activations_peak == 332841 < all_kept.activations_peak == 352776
+
+
+def test_a_collective_holds_what_it_sends_until_its_wait():
+    """A reduce-scatter along dim 1 packs a copy of its input (moved to dim 0), which its work
+    holds until the Wait: 32 elements live through the compute in between, though the
+    input's last use is the conversion."""
+    tasks = (
+        _fwd(0, "g", "aten.mul.Tensor", ("x@R/0",), ((4, 8),), (4, 8), "g@P(sum)/0"),
+        _convert(1, "reduce_scatter", "g", Partial(), Shard(1), "fwd", 0, (4, 8),
+                 ("g@P(sum)/0",), ("g@S(1)/0",)),
+        _fwd(2, "h", "aten.mul.Tensor", ("x@R/0",), ((4, 8),), (4, 16), "h@R/0"),
+        Wait(id=3, collective=1),
+        _fwd(4, "loss", "aten.sum.default", ("g@S(1)/0", "h@R/0"), ((4, 4), (4, 16)), (),
+             "loss@R/0"),
+    )
+    program = Program(model="rs", fingerprint="", strategy="hand", world=2, k=1, tasks=tasks,
+                      loss_keys=("loss@R/0",), param_grads={}, optimizer="sgd")
+    report = peak_memory(program)
+    # at #2: g's packed copy 32 + g@S(1) 16 + h 64 (g itself freed after #1)
+    assert (report.activations_peak, report.peak_task_id) == ((32 + 16 + 64) * 4, 2)
+
+
+def test_what_an_op_keeps_and_holds_while_it_runs(gpt):
+    """A product with a constant keeps only the constant; the loss's backward holds the
+    gradient of its log-softmax (the logits' size) while it makes the logits'."""
+    import torch
+
+    from hidup.graph.capture import capture
+    from hidup.graph.saved import backward_saves
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(8, 8))
+            self.register_buffer("scale", torch.full((8,), 2.0))
+
+        def forward(self, x):
+            return ((x @ self.w) * self.scale).sum()
+
+    graph = capture(Scaled(), (torch.ones(4, 8),))
+    mul = next(n for n in graph.ops if n.op == "aten.mul.Tensor")
+    assert backward_saves(graph, mul).reads == (False, True, False)
+    loss = next(n for n in gpt.ops if n.op == "aten.cross_entropy_loss.default")
+    logits = gpt.node(loss.inputs[0]).out.nbytes
+    assert backward_saves(gpt, loss).scratch == (0, logits)

@@ -5,9 +5,12 @@ a dropout mask) and the copies autocast made of its inputs (a bf16 copy of a flo
 The memory model holds all of them until the op's backward (hidup.planning.memory).
 
 Found by running the op once on fake CPU tensors (no data, no memory) under a saved-tensors hook,
-its inputs at the dtypes the run computes them in (hidup.graph.dtypes), and matching what autograd
-packs with the op's inputs and output (or views of them). Where the op cannot run so, every input
-and the output count as kept and nothing else."""
+its inputs at the dtypes the run computes them in (hidup.graph.dtypes) and requiring a gradient
+where the run's do (Graph.gradients: a product with a constant keeps only the constant), and
+matching what autograd packs with the op's inputs and output (or views of them). The same run,
+and its backward, counted by LiveStorages, give what the op holds only while it runs (its
+scratch). Where the op cannot run so, every input and the output count as kept and nothing
+else."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -15,6 +18,8 @@ from typing import NamedTuple
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from hidup.graph.capture import Graph, Node, fill
 
@@ -28,6 +33,10 @@ class Saves(NamedTuple):
     alias: bool = False  # its output shares its first input's memory (at these dtypes, on a
     #   contiguous input): a view, or a composite that views where it can (reshape,
     #   contiguous, a cast to the dtype it has, dropout with p = 0)
+    # bytes its forward, then its backward, holds only while it runs, beyond what it returns
+    # and keeps: a composite's intermediates (a loss's backward holds the gradient of its
+    # log-softmax while it makes the logits')
+    scratch: tuple[int, int] = (0, 0)
 
 
 def backward_reads(graph: Graph, node: Node) -> tuple[bool, ...]:
@@ -43,16 +52,17 @@ def backward_saves(graph: Graph, node: Node) -> Saves:
         metas = node.in_metas(graph)
         casts = graph.run.casts.get(node.name) if graph.run is not None else None
         dtypes = casts or tuple(m.dtype for m in metas)
+        grads = tuple(t in graph.gradients for t in node.inputs)
         key = node.op, repr(node.args), repr(node.kwargs), node.out_index, \
-            tuple((m.shape, m.dtype) for m in metas), dtypes
+            tuple((m.shape, m.dtype) for m in metas), dtypes, grads
         cache = graph.__dict__.setdefault("_backward_saves", {})
         if key not in cache:
-            cache[key] = _probe(node, metas, dtypes)
+            cache[key] = _probe(node, metas, dtypes, grads)
         by_node[node.name] = cache[key]
     return by_node[node.name]
 
 
-def _probe(node: Node, metas, dtypes) -> Saves:
+def _probe(node: Node, metas, dtypes, grads: tuple[bool, ...]) -> Saves:
     every = Saves((True,) * (len(metas) + 1), (0,) * len(metas), 0)
     if node.target is None or not node.out.is_float:
         return every
@@ -61,12 +71,15 @@ def _probe(node: Node, metas, dtypes) -> Saves:
         with FakeTensorMode(), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
                 lambda x: packed.append(x) or x, lambda x: x):
             ins = [torch.empty(m.shape, dtype=getattr(torch, d)) for m, d in zip(metas, dtypes)]
-            ins = [x.requires_grad_() if x.is_floating_point() else x for x in ins]
-            out = node.target(*fill(node.args, ins), **fill(node.kwargs, ins))
-            if node.out_index is not None:
-                out = out[node.out_index]
+            ins = [x.requires_grad_() if g and x.is_floating_point() else x  # as in the run:
+                   for x, g in zip(ins, grads)]  # a mul by a constant keeps only the constant
+            with LiveStorages() as live:
+                out = node.target(*fill(node.args, ins), **fill(node.kwargs, ins))
+                if node.out_index is not None:
+                    out = out[node.out_index]
             if not isinstance(out, torch.Tensor):
                 return every
+            scratch = live.peak - live.now()
             held = {id(_root(x)): _root(x) for x in packed}
             copies = [str(x.dtype).removeprefix("torch.") != m.dtype
                       for x, m in zip(ins, metas)]  # autocast's copy, not the value itself
@@ -78,9 +91,65 @@ def _probe(node: Node, metas, dtypes) -> Saves:
             own = sum(x.untyped_storage().nbytes() for i, x in held.items() if i not in mine)
             alias = bool(ins) and StorageWeakRef(out.untyped_storage()) == \
                 StorageWeakRef(ins[0].untyped_storage())
+            scratch = scratch, _backward_scratch(out, ins)
     except Exception:  # an op fake tensors cannot run: count every input and its output
         return every
-    return Saves(reads, kept, int(own), alias)
+    return Saves(reads, kept, int(own), alias, scratch)
+
+
+def _backward_scratch(out: torch.Tensor, ins: list[torch.Tensor]) -> int:
+    """The most bytes `out`'s backward holds beyond the gradients it returns."""
+    wrt = [x for x in ins if x.requires_grad]
+    if not out.requires_grad or not wrt:
+        return 0
+    grad_out = torch.empty_like(out)
+    with LiveStorages() as live:
+        grads = torch.autograd.grad(out, wrt, grad_out, allow_unused=True)
+    returned = live.now()  # the gradients, still held here
+    del grads
+    return max(0, live.peak - returned)
+
+
+class LiveStorages(TorchDispatchMode):
+    """Bytes of the storages the ops run under it return (real or fake tensors), counted from
+    the op that made each until torch frees it, and their most at any op's end (`peak`).
+    `held` tensors count from the start. Kernels' scratch inside one op is not seen."""
+
+    def __init__(self, held=()):
+        super().__init__()
+        self.live: dict[StorageWeakRef, int] = {}  # storage: bytes (a weak reference keeps a
+        #   storage's identity, so a freed one is never mistaken for a new one)
+        self.total = 0  # the live bytes, or more: freed storages leave at the next sweep
+        self.peak = 0
+        for t in held:
+            self._track(t)
+        self.start = self.peak = self.now()
+
+    def now(self) -> int:
+        """The bytes live now."""
+        for ref, nbytes in list(self.live.items()):
+            if ref.expired():
+                del self.live[ref]
+                self.total -= nbytes
+        return self.total
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        ref = StorageWeakRef(storage)
+        if nbytes == 0 or ref in self.live:  # known (a freed one is never looked up again)
+            return
+        self.live[ref] = nbytes
+        self.total += nbytes
+        if self.total > self.peak:
+            self.peak = max(self.peak, self.now())  # only an exact count can raise it
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self._track(leaf)
+        return out
 
 
 def _root(x: torch.Tensor) -> torch.Tensor:

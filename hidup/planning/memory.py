@@ -23,9 +23,12 @@ hidup.graph.dtypes finds them for the run's precision; float32 master weights un
 - recomputation (activation checkpointing): a recomputed layer's first forward keeps nothing for
   the backward (its values are freed after their last forward read); its 'recompute' tasks
   write the values again, new ones that the backward holds as it holds a forward's.
-Not modelled: transient buffers inside a task (an accumulation's sum, a gather's staging copy,
-the optimizer's temporaries: foreach Adam's sqrt(exp_avg_sq) of every shard at once), allocator
-caching and fragmentation.
+- scratch: what a task holds only while it runs, beyond what it writes and keeps
+  (Compute.scratch: a composite op's intermediates, such as the gradient of a loss's
+  log-softmax inside its backward), at that task only.
+Not modelled: transient buffers inside a kernel or a collective (an accumulation's sum, a
+gather's staging copy, the optimizer's temporaries: foreach Adam's sqrt(exp_avg_sq) of every
+shard at once), allocator caching and fragmentation.
 A view (an op whose schema says its output aliases its input: view, transpose, expand, slice;
 or a composite that views where it can, on a contiguous input: reshape, contiguous, a cast to
 the dtype the value has; Compute.alias) holds no memory of its own: its base lives until the
@@ -103,9 +106,9 @@ def peak_memory(program: Program, optimizer_bytes_per_param: int | None = None
 class _Sizes:
     """A value key's itemsize in the run: its tensor's dtype (Program.dtypes; a gradient key is
     'd' + the value's key, or 'grad:' + the parameter's name); a parameter converted at its
-    compute dtype has that dtype once converted (a key some task writes), its stored shard and
-    its gradients their own. Where the Program
-    has no dtypes (hand-built in tests), 4 bytes."""
+    compute dtype has that dtype once converted (a key some task writes, in the forward or
+    gathered again in the backward), its stored shard and its gradients their own. Where the
+    Program has no dtypes (hand-built in tests), 4 bytes."""
 
     def __init__(self, program: Program, written):
         self.dtypes, self.compute, self.written = program.dtypes, program.compute, written
@@ -119,11 +122,13 @@ class _Sizes:
     def _size(self, key: str, grad: bool) -> int:
         if key.startswith(_KEPT):
             return 1
-        if grad:
-            name = key[5:] if key.startswith("grad:") else key[1:] if key.startswith("d") \
-                else key
-        else:
-            name = key
+        name = key
+        if grad and key.startswith("grad:"):
+            name = key[5:]
+        elif grad and key.startswith("d") and key[1:].split("@", 1)[0] in self.dtypes:
+            name = key[1:]
+        else:  # a value, if written in the backward (a parameter gathered again)
+            grad = False
         tensor = name.split("@", 1)[0]
         dtype = self.dtypes.get(tensor)
         if dtype is None:
@@ -158,6 +163,7 @@ def _scan(program: Program) -> tuple[dict[str, int], dict[str, int], dict[str, i
     now: dict[str, str] = {}  # a key written again -> its value's key now
     views: list[tuple[str, str]] = []  # (a view's key, the key of the value it views)
     gone = dropped(program)  # recomputations the step drops
+    waits = {t.collective: i for i, t in enumerate(program.tasks) if type(t) is Wait}
     for i, t in enumerate(program.tasks):
         if type(t) is Wait:
             continue
@@ -188,6 +194,7 @@ def _scan(program: Program) -> tuple[dict[str, int], dict[str, int], dict[str, i
             last[key] = i
         if type(t) is Convert:
             _convert_sizes(numel, first, t, ins, outs, i, program.world, program.k)
+            _held_until_wait(numel, first, last, t, ins, i, waits.get(t.id), program)
         elif t.phase in ("fwd", "recompute"):
             for key, shape in zip(ins, t.in_shapes):
                 if key not in numel:  # a parameter or an input: no task writes it
@@ -205,6 +212,27 @@ def _scan(program: Program) -> tuple[dict[str, int], dict[str, int], dict[str, i
         last[base] = max(last.get(base, 0), last.get(view, 0))
         numel[view] = 0
     return numel, first, last
+
+
+def _held_until_wait(numel, first, last, t: Convert, ins, i: int, wait: int | None,
+                     program: Program) -> None:
+    """A collective's work holds what it sends until its Wait: its input, or the copy packed
+    from it (hidup.runtime.collectives.PACKING: a bucket's inputs flattened together, a shard
+    moved to dim 0, a parameter cast to its compute dtype, an all-to-all's chunks stacked), a
+    key 'INPUT#send-i' of its size and dtype from the conversion to the Wait. A bucket
+    all-reduced in place holds no more than its outputs."""
+    if wait is None or not t.collective or len(t.group or range(program.world)) < 2 or \
+            (t.kind == "all_reduce" and len(ins) > 1):
+        return
+    moved = t.kind in ("all_gather", "reduce_scatter") and \
+        getattr(t.src if t.kind == "all_gather" else t.dst, "dim", 0) != 0
+    cast = t.kind == "all_gather" and t.tensor in program.compute
+    if len(ins) == 1 and not (moved or cast or t.kind == "all_to_all"):
+        last[ins[0]] = max(last.get(ins[0], wait), wait)  # the input itself
+        return
+    for key in ins:
+        send = f"{key}#send-{i}"
+        first[send], last[send], numel[send] = i, wait, numel[key]
 
 
 def _again(numel: dict[str, int], now: dict[str, str], key: str, i: int) -> str:
@@ -288,6 +316,8 @@ def _sweep(tasks, numel, first, last, size, params, inputs, optimizer) -> Memory
     for a, f in zip(alloc, free):
         before = accumulate(map(sub, a, f), initial=0)  # live before each task
         during.append(list(map(add, before, a)))
+    for i, t in enumerate(tasks):  # what a task holds only while it runs
+        during[grad[i]][i] += getattr(t, "scratch", 0)
     const = params + inputs + optimizer
     if not n:
         return MemoryReport(params, inputs, optimizer, 0, 0, const, None)

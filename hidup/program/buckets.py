@@ -135,8 +135,8 @@ class GradientBuckets:
         """Split the parameters stored sharded that some op reads whole into buckets of about
         `bucket_bytes` gathered, or an eighth of all (GATHER_BUCKETS; at least
         FIRST_BUCKET_BYTES) where that is less, so that one bucket's gather runs while the
-        layers before compute; in the order of their first use (one placement per bucket);
-        issue the first. Each later bucket is issued when the one before it is first needed
+        layers before compute; in the order of their first use (one placement and one dtype
+        per bucket: a bucket is one flat buffer); issue the first. Each later bucket is issued when the one before it is first needed
         (gather_for: one bucket prefetched, as FSDP does). Return their names."""
         first_use = {}
         for i, node in enumerate(self.g.ops):
@@ -148,9 +148,13 @@ class GradientBuckets:
                        key=lambda t: first_use.get(t, -1))
         cap = min(self.bucket_bytes, max(FIRST_BUCKET_BYTES, sum(
             self.nbytes(t, self.whole(t)) for t in names) // GATHER_BUCKETS))
-        closed, last = runs_under_cap(names, self.home, lambda t: self.nbytes(t, self.whole(t)),
-                                      cap)
-        self.gather_buckets: list[list[str]] = closed + ([last] if last else [])
+        self.gather_buckets: list[list[str]] = []
+        for itemsize in sorted({self.itemsize(t) for t in names}):  # one dtype per bucket
+            closed, last = runs_under_cap([t for t in names if self.itemsize(t) == itemsize],
+                                          self.home, lambda t: self.nbytes(t, self.whole(t)),
+                                          cap)  # (bf16 weights apart from float32 norms')
+            self.gather_buckets += closed + ([last] if last else [])
+        self.gather_buckets.sort(key=lambda bucket: first_use.get(bucket[0], -1))
         self.bucket_of = {t: i for i, bucket in enumerate(self.gather_buckets) for t in bucket}
         self.regather = {t for t in names if t in self.s.reshard}
         self.issued: set[tuple[str, int]] = set()

@@ -70,7 +70,8 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
                        "column": (columns[0], columns if self.world > 1 else ()),
                        "world": (tuple(range(world)), ())}
         shapes = Shapes(graph, self.mbs_split, self.world, k * self.machines, self.machines)
-        self.shape, self.nbytes = shapes.shape, shapes.nbytes  # (tensor, placement) -> local
+        self.shape, self.nbytes, self.itemsize = shapes.shape, shapes.nbytes, shapes.itemsize
+        #   (tensor, placement) -> local; tensor -> its run itemsize
         self._kernels: dict[str, tuple] = {}  # node -> kernel()
         self.home = {n.name: strategy.home(n.name) for n in graph.nodes}.__getitem__  # tensor ->
         #   where it lives after it is produced
@@ -252,7 +253,7 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
         self.add(Compute(
             len(self.tasks), node.name, node.op, "fwd", m, flops, nbytes, ins, out, tuple(keys),
             (vkey(node.name, opt.output, m),), opt, partial, reads=reads, keeps=keeps,
-            alias=self.aliases(node)))
+            alias=self.aliases(node), scratch=self.scratch(node, ins, backward=False)))
         self.convert_for_consumers(node.name, m)
         if node.name == self.g.loss:
             self.loss_keys.append(self._report_loss(m))
@@ -275,10 +276,21 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
                 reads[i] = True
             elif copy:
                 keeps += copy * math.prod(shape) // max(1, self.g.node(t).out.numel)
-        if saves.own:
-            whole = sum(m.numel for m in node.in_metas(self.g))
-            keeps += saves.own * sum(map(math.prod, ins)) // max(1, whole)
-        return tuple(reads), keeps
+        return tuple(reads), keeps + self.local_share(node, saves.own, ins)
+
+    def scratch(self, node, ins, backward: bool) -> int:
+        """Local bytes the node's forward (or backward) holds only while it runs, on inputs of
+        local shapes `ins` (hidup.graph.saved: a composite's intermediates)."""
+        if not node.out.is_float:
+            return 0
+        return self.local_share(node, backward_saves(self.g, node).scratch[backward], ins)
+
+    def local_share(self, node, nbytes: int, ins) -> int:
+        """`nbytes` measured at the node's whole shapes, scaled by its inputs' local share."""
+        if not nbytes:
+            return 0
+        whole = sum(m.numel for m in node.in_metas(self.g))
+        return nbytes * sum(map(math.prod, ins)) // max(1, whole)
 
     def aliases(self, node) -> bool:
         """Does the node's output share its first input's memory in the run: a composite that
@@ -387,7 +399,7 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
             len(self.tasks), node.name, node.op, "bwd", m,
             backward_flops(node.op, fwd, ins, out, node.args),
             nbytes, ins, out, (grad_in,) + fwd_keys, tuple(outs), opt, partial, tuple(root),
-            again=node.name in self.again))
+            again=node.name in self.again, scratch=self.scratch(node, ins, backward=True)))
         for t, p, q, mm in done:
             if self.mb_converted(t, q):
                 self.mb_contributed(t, p, q, mm)

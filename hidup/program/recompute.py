@@ -106,7 +106,8 @@ class Recomputation:
         reads, keeps = self.saves(node, keys, ins)
         self.add(Compute(len(self.tasks), node.name, node.op, RECOMPUTE, m, flops, nbytes, ins,
                          out, keys, (vkey(node.name, opt.output, m),), opt, partial,
-                         reads=reads, keeps=keeps, alias=self.aliases(node)))
+                         reads=reads, keeps=keeps, alias=self.aliases(node),
+                         scratch=self.scratch(node, ins, backward=False)))
         inside = {p for consumer, i, p in self.uses[node.name]
                   if consumer is not None and self.layer_of.get(consumer.name) == layer
                   and not self.mb_converted(node.name,  # a join's reader reads the kept join

@@ -102,6 +102,9 @@ class Compute:
     # a forward's: its output shares its first input's memory (a composite that views there:
     # hidup.program.lowering.Lowering.aliases); views by schema are known by their op
     alias: bool = False
+    # local bytes it holds only while it runs, beyond what it writes and keeps: a composite
+    # op's intermediates (hidup.graph.saved.Saves.scratch)
+    scratch: int = 0
 
     def __str__(self) -> str:
         mb = "*" if self.mb is None else self.mb
