@@ -78,7 +78,7 @@ def _typed(graph: Graph, precision: str, device_type: str) -> Graph:
         key = (node.op, repr(node.args), repr(node.kwargs), node.out_index, node.autocast,
                tuple((m.shape, m.dtype) for m in metas))
         if key not in cache:
-            cache[key] = _probe(node, metas, _region(node, dtype), device_type)
+            cache[key] = _probe(node, metas, autocast_dtype(node, dtype), device_type)
         out_dtype, cast = cache[key]
         outs[node.name] = replace(node.out, dtype=out_dtype or node.out.dtype)
         casts[node.name] = cast or tuple(m.dtype for m in metas)
@@ -87,8 +87,8 @@ def _typed(graph: Graph, precision: str, device_type: str) -> Graph:
     return replace(graph, nodes=nodes, run=run, _index={})
 
 
-def _region(node: Node, dtype):
-    """The autocast dtype node runs under: its own block's, or the run's (None: off)."""
+def autocast_dtype(node: Node, dtype: torch.dtype | None) -> torch.dtype | None:
+    """The autocast dtype node runs under: its own block's, or the run's `dtype` (None: off)."""
     if node.autocast is None:
         return dtype
     return None if node.autocast == "off" else getattr(torch, node.autocast)

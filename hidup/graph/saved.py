@@ -5,7 +5,9 @@ a dropout mask) and the copies autocast made of its inputs (a bf16 copy of a flo
 The memory model holds all of them until the op's backward (hidup.planning.memory).
 
 Found by running the op once on fake CPU tensors (no data, no memory) under a saved-tensors hook,
-its inputs at the dtypes the run computes them in (hidup.graph.dtypes) and requiring a gradient
+its inputs at the dtypes the run computes them in (hidup.graph.dtypes), under the run's autocast
+(the CPU's policy: a composite's inner ops as autocast runs them, such as a loss's log-softmax in
+float32 of bf16 logits; fake CUDA tensors cannot run autograd without CUDA), requiring a gradient
 where the run's do (Graph.gradients: a product with a constant keeps only the constant), and
 matching what autograd packs with the op's inputs and output (or views of them). The same run,
 and its backward, counted by LiveStorages, give what the op holds only while it runs (its
@@ -22,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from hidup.graph.capture import Graph, Node, fill
+from hidup.graph.dtypes import PRECISIONS, autocast_dtype
 
 
 class Saves(NamedTuple):
@@ -53,16 +56,19 @@ def backward_saves(graph: Graph, node: Node) -> Saves:
         casts = graph.run.casts.get(node.name) if graph.run is not None else None
         dtypes = casts or tuple(m.dtype for m in metas)
         grads = tuple(t in graph.gradients for t in node.inputs)
+        autocast = autocast_dtype(node, None if graph.run is None
+                                  else PRECISIONS[graph.run.precision])
         key = node.op, repr(node.args), repr(node.kwargs), node.out_index, \
-            tuple((m.shape, m.dtype) for m in metas), dtypes, grads
+            tuple((m.shape, m.dtype) for m in metas), dtypes, grads, autocast
         cache = graph.__dict__.setdefault("_backward_saves", {})
         if key not in cache:
-            cache[key] = _probe(node, metas, dtypes, grads)
+            cache[key] = _probe(node, metas, dtypes, grads, autocast)
         by_node[node.name] = cache[key]
     return by_node[node.name]
 
 
-def _probe(node: Node, metas, dtypes, grads: tuple[bool, ...]) -> Saves:
+def _probe(node: Node, metas, dtypes, grads: tuple[bool, ...],
+           autocast: torch.dtype | None) -> Saves:
     every = Saves((True,) * (len(metas) + 1), (0,) * len(metas), 0)
     if node.target is None or not node.out.is_float:
         return every
@@ -73,7 +79,8 @@ def _probe(node: Node, metas, dtypes, grads: tuple[bool, ...]) -> Saves:
             ins = [torch.empty(m.shape, dtype=getattr(torch, d)) for m, d in zip(metas, dtypes)]
             ins = [x.requires_grad_() if g and x.is_floating_point() else x  # as in the run:
                    for x, g in zip(ins, grads)]  # a mul by a constant keeps only the constant
-            with LiveStorages() as live:
+            with LiveStorages() as live, torch.autocast("cpu", dtype=autocast,
+                                                        enabled=autocast is not None):
                 out = node.target(*fill(node.args, ins), **fill(node.kwargs, ins))
                 if node.out_index is not None:
                     out = out[node.out_index]
