@@ -17,8 +17,30 @@ from hidup.program import COLLECTIVES
 _US, _NS = 1e-6, 1e-9  # fit units: alpha in microseconds, 1/beta in nanoseconds per byte
 
 
+# What points can show bounds what a fit may say. A collective's time is latency steps plus its
+# bytes over the bus bandwidth, so each point's bytes over its whole time is a bandwidth the link
+# at least has; a fit may put at most half of even the largest message's time into latency
+# (BANDWIDTH_MARGIN = 2: at most twice the fastest bandwidth any point showed): beyond that the
+# points do not tell the bandwidth, only that the times are latency. And no step's latency is
+# longer than the quickest point's whole time per step.
+BANDWIDTH_MARGIN = 2.0
+# A kernel's rates the same way, with more room: a model's kernels run well below the device's
+# peak (on the shipped H100 bf16 traces the fitted FLOP rate, which the whole steps set, is 2.0x
+# the fastest op kind's), so a fitted rate may be up to 4x the fastest a kernel showed.
+RATE_MARGIN = 4.0
+
+
 class FitError(ValueError):
     """The points cannot be fitted: none for a kind, or a point that is not a valid time."""
+
+
+class BoundError(FitError):
+    """A fitted figure ended on the bound its points allow: they do not determine it (times
+    under load, or sizes too small to show a bandwidth). `kind`: the collective's."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -75,22 +97,38 @@ def _link_times(kind: str, n, nbytes, alpha: float, inv_beta: float):
 
 
 def fit_link(kind: str, rows) -> tuple[LinkCost, Residuals]:
-    """alpha >= 0 and beta > 0 of one kind from (n, nbytes, seconds) rows."""
+    """alpha >= 0 and beta > 0 of one kind from (n, nbytes, seconds) rows, each within what the
+    points can show (BANDWIDTH_MARGIN). BoundError where the bandwidth ends on its bound: the
+    points show none. A latency on its bound is kept: it says the quickest point is all
+    latency, which a small message nearly is, and the bandwidth still comes from the large."""
     n, nbytes, t = (np.asarray(col, dtype=float) for col in zip(*rows))
-    # Start: the ring formula is linear in (alpha, 1/beta), so non-negative least squares on the
-    # relative errors solves it exactly; then refine with the exact model (all-reduce's min).
     steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
     share = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
+    shown = float(np.max(share * nbytes / t))  # the fastest bus bandwidth a point showed
+    if shown <= 0:
+        raise FitError(f"collective {kind}: every point moves 0 bytes, which shows no bandwidth; "
+                       f"measure sizes above 0 bytes")
+    fewest = np.minimum(steps, 2 * np.ceil(np.log2(n))) if kind == "all_reduce" else steps
+    lower = np.array([0.0, 1.0 / (BANDWIDTH_MARGIN * shown) / _NS])  # alpha (us), 1/beta (ns/B)
+    upper = np.array([float(np.min(t / fewest)) / _US, np.inf])  # (all-reduce: ring or tree)
+    # Start: the ring formula is linear in (alpha, 1/beta), so non-negative least squares on the
+    # relative errors solves it exactly; then refine with the exact model (all-reduce's min).
     design = np.column_stack([steps * _US, share * nbytes * _NS]) / t[:, None]
     start, _ = nnls(design, np.ones_like(t))
-    start = np.maximum(start, [0.0, 1e-9])  # 1/beta strictly positive: a finite bandwidth
+    start = np.array([min(start[0], upper[0] * 0.999), max(start[1], lower[1] * 1.001)])
 
     def rel(x):
         return _link_times(kind, n, nbytes, x[0] * _US, x[1] * _NS) / t - 1.0
 
-    fit = least_squares(rel, start, bounds=([0.0, 1e-12], [np.inf, np.inf]), x_scale="jac",
+    fit = least_squares(rel, start, bounds=(lower, upper), x_scale="jac",
                         xtol=1e-12, ftol=1e-12, gtol=1e-12, max_nfev=2000)
     cost = LinkCost(float(fit.x[0] * _US), float(1.0 / (fit.x[1] * _NS)))
+    if fit.x[1] <= lower[1] * (1 + 1e-6):
+        raise BoundError(kind, f"collective {kind}: the fitted bus bandwidth ends on its bound "
+                               f"({cost.beta / 1e9:.3g} GB/s, {BANDWIDTH_MARGIN:g}x the fastest "
+                               f"of its {len(t)} points): their times are latency and show no "
+                               f"bandwidth; measure larger sizes (--max-bytes) and more repeats "
+                               f"(--repeats), on a quieter machine")
     predicted = [cost.time(kind, b, int(k)) for k, b in zip(n, nbytes)]  # the model itself
     return cost, residuals(kind, predicted, t)
 
@@ -123,8 +161,22 @@ def fit_roofline(points) -> tuple[float, float, float, Residuals]:
     fit = least_squares(log_error, start, bounds=([-np.inf, -np.inf, 0.0], np.inf),
                         x_scale="jac", xtol=1e-12, ftol=1e-12, gtol=1e-12, max_nfev=5000)
     flops_per_s, mem_per_s, overhead = math.exp(fit.x[0]), math.exp(fit.x[1]), fit.x[2] * _US
+    check_roofline(flops_per_s, mem_per_s, f, b, t)
     predicted = overhead + np.maximum(f / flops_per_s, b / mem_per_s)  # Profile.kernel_time
     return flops_per_s, mem_per_s, float(overhead), residuals("roofline", predicted, t)
+
+
+def check_roofline(flops_per_s: float, mem_per_s: float, f, b, t) -> None:
+    """BoundError where a fitted rate is beyond what kernel points (flops f, bytes b, seconds t)
+    can show: more than RATE_MARGIN times the fastest a kernel ran."""
+    for rate, work, what in ((flops_per_s, f, "FLOP rate"), (mem_per_s, b, "memory bandwidth")):
+        shown = float(np.max(np.asarray(work, dtype=float) / np.asarray(t, dtype=float)))
+        if rate > RATE_MARGIN * shown:
+            raise BoundError("kernels", f"kernels: the fitted {what} ({rate:.3g}/s) is over "
+                                        f"{RATE_MARGIN:g}x the fastest of its {len(t)} kernels "
+                                        f"({shown:.3g}/s): their times do not show it; measure "
+                                        f"again with more repeats (--repeats), on a quieter "
+                                        f"machine")
 
 
 def _roofline(f, b, x):

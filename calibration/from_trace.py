@@ -47,7 +47,8 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import least_squares
 
-from calibration.fit import FitError, Residuals, fit_link, fit_roofline, residuals
+from calibration.fit import (FitError, Residuals, check_roofline, fit_link, fit_roofline,
+                             residuals)
 from calibration.trace import TraceError
 from calibration.traced_run import TracedRun, issued_tasks, read_run
 from hidup.cli import Parser
@@ -119,6 +120,7 @@ def fit_kernels(runs: list[TracedRun], start: tuple[float, float, float]
 
     x0 = [math.log(start[0]), math.log(start[1]), start[2] * 1e6]
     fit = least_squares(error, x0, bounds=([-np.inf, -np.inf, 0.0], np.inf), x_scale="jac")
+    check_roofline(math.exp(fit.x[0]), math.exp(fit.x[1]), f, b, t)
     ops, whole = model(fit.x)
     return (math.exp(fit.x[0]), math.exp(fit.x[1]), fit.x[2] * 1e-6,
             [residuals("kernels: forward op kinds", ops, t),

@@ -282,17 +282,7 @@ def measure(args, ranks: Ranks, clock: Clock) -> tuple[list, list, list, tuple[f
         log.debug("%s: %.3g s", k.label, seconds[-1])
     seconds = ranks.max(seconds)  # the slowest rank's figure
     kernel_points = [(k.flops, k.bytes, t) for k, t in zip(todo, seconds)]
-    mine = []
-    for members, tier, group in groups:
-        for kind in COLLECTIVES:
-            for nbytes in sizes:
-                progress.step(f"{kind} over {len(members)} ranks ({tier}-node), {_size(nbytes)}")
-                call, exact = collective_call(kind, nbytes, len(members), group, ranks.device)
-                t = time_collective(call, clock, args.repeats, ranks, group)
-                log.debug("%s n=%d %d bytes: %.3g s", kind, len(members), exact, t)
-                if ranks.rank == members[0]:  # one report per group
-                    mine.append((tier, kind, len(members), exact, t))
-                del call
+    mine = _collectives(groups, COLLECTIVES, sizes, args.repeats, ranks, clock, progress)
     pairs = []
     for members, tier, group in groups:
         for kind in COLLECTIVES:
@@ -310,6 +300,38 @@ def measure(args, ranks: Ranks, clock: Clock) -> tuple[list, list, list, tuple[f
     dist.all_gather_object(everyone, (mine, pairs))
     return (kernel_points, [p for part, _ in everyone for p in part],
             [p for _, part in everyone for p in part], factors)
+
+
+def _collectives(groups, kinds, sizes, repeats: int, ranks: Ranks, clock: Clock,
+                 progress: Progress) -> list[tuple]:
+    """This rank's points (tier, kind, n, nbytes, seconds) of `kinds` at `sizes` over its
+    groups: one report per group, from its first member."""
+    mine = []
+    for members, tier, group in groups:
+        for kind in kinds:
+            for nbytes in sizes:
+                progress.step(f"{kind} over {len(members)} ranks ({tier}-node), {_size(nbytes)}")
+                call, exact = collective_call(kind, nbytes, len(members), group, ranks.device)
+                t = time_collective(call, clock, repeats, ranks, group)
+                log.debug("%s n=%d %d bytes: %.3g s", kind, len(members), exact, t)
+                if ranks.rank == members[0]:
+                    mine.append((tier, kind, len(members), exact, t))
+                del call
+    return mine
+
+
+def measure_again(kinds: list[str], max_bytes: int, repeats: int, ranks: Ranks,
+                  clock: Clock) -> list[tuple]:
+    """Every rank: the collective points of `kinds` once more, up to `max_bytes` with `repeats`
+    timed runs a point (complete on rank 0)."""
+    groups = make_groups(ranks)
+    sizes = byte_sizes(max_bytes)
+    progress = Progress(len(groups) * len(kinds) * len(sizes), enabled=ranks.rank == 0)
+    mine = _collectives(groups, kinds, sizes, repeats, ranks, clock, progress)
+    progress.close()
+    everyone: list = [None] * ranks.world
+    dist.all_gather_object(everyone, mine)
+    return [p for part in everyone for p in part]
 
 
 def _size(nbytes: float) -> str:

@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from calibration.fit import FitError, fit_links, fit_roofline
+from calibration.fit import BoundError, FitError, fit_link, fit_links, fit_roofline
 from calibration.measure import lanes as measure_lanes
-from calibration.measure import measure
+from calibration.measure import measure, measure_again
 from calibration.timing import Clock, Ranks
 from hidup.cli import Parser
 from hidup.planning.costs import Profile, ProfileError
@@ -95,7 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "times as many for points under 10 ms)")
     ap.add_argument("--max-bytes", type=parse_size,
                     help="largest collective tensor, e.g. 256MB (binary units; default 256MB, "
-                         "4MB with --quick); sizes go from 1KB up by x4")
+                         "16MB with --quick); sizes go from 1KB up by x4; a collective whose "
+                         "points show no bandwidth is measured again up to 4x larger")
     ap.add_argument("--base", metavar="NAME|PATH",
                     help="one rank (e.g. one GPU): measure the device's kernels only and take the "
                          "collectives and interference from this profile (shipped name or file)")
@@ -104,7 +105,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("-v", "--verbose", action="store_true", help="log every measured point")
     args = ap.parse_args(argv)
     args.repeats = args.repeats or (3 if args.quick else 5)
-    args.max_bytes = args.max_bytes or (4 if args.quick else 256) * 2 ** 20
+    # --quick's largest, 16MB, takes some 20 ms even on loopback gloo: well above the scheduler's
+    # ticks (1-4 ms) that a loaded machine adds to every small message's time (up to 4MB the
+    # points of a loaded run could all look like latency and show no bandwidth)
+    args.max_bytes = args.max_bytes or (16 if args.quick else 256) * 2 ** 20
     args.name = args.name or args.out.stem
     return args
 
@@ -176,6 +180,25 @@ def provenance(ranks: Ranks, command: str) -> dict:
             "backend": ranks.backend,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "command": command, "versions": versions()}
+
+
+AGAIN_BYTES, AGAIN_REPEATS = 4, 3  # a kind measured again: sizes up to 4x, 3x the repeats
+
+
+def unshown_kinds(link_points) -> list[str]:
+    """The collective kinds whose fit, in some tier, ends on the bandwidth bound its points
+    allow (calibration.fit.BoundError)."""
+    rows: dict[tuple[str, str], list] = {}
+    for tier, kind, n, nbytes, seconds in link_points:
+        if tier != "column":
+            rows.setdefault((tier, kind), []).append((n, nbytes, seconds))
+    kinds = set()
+    for (_, kind), points in rows.items():
+        try:
+            fit_link(kind, points)
+        except BoundError:
+            kinds.add(kind)
+    return sorted(kinds)
 
 
 def fit_profile(args, ranks: Ranks, kernel_points, link_points, factors, prov,
@@ -331,7 +354,21 @@ def run(args, argv, ranks: Ranks, base: Profile | None = None) -> int:
             print(f"{PROG}: error: {problem[0]}", file=sys.stderr)
         return 2
     start = time.time()
-    kernel_points, link_points, pair_points, factors = measure(args, ranks, Clock(ranks.device))
+    clock = Clock(ranks.device)
+    kernel_points, link_points, pair_points, factors = measure(args, ranks, clock)
+    # a kind whose points show no bandwidth (its fit ends on the bound they allow: times under
+    # load, sizes too small) is measured again, larger and with more repeats; the fit below
+    # refuses it if it stays so
+    again = [unshown_kinds(link_points) if ranks.rank == 0 else None]
+    dist.broadcast_object_list(again, src=0)
+    if again[0]:
+        max_bytes, repeats = args.max_bytes * AGAIN_BYTES, args.repeats * AGAIN_REPEATS
+        if ranks.rank == 0:
+            print(f"{PROG}: the {', '.join(again[0])} points show no bandwidth; measuring "
+                  f"them again up to {max_bytes / 2 ** 20:g} MB with {repeats} repeats",
+                  file=sys.stderr)
+        points = measure_again(again[0], max_bytes, repeats, ranks, clock)
+        link_points = [p for p in link_points if p[1] not in again[0]] + points
     nodes = f" --nnodes {ranks.nnodes}" if ranks.nnodes > 1 else ""
     command = (f"torchrun --nproc-per-node {ranks.local}{nodes} -m calibration.profile "
                f"{shlex.join(sys.argv[1:] if argv is None else argv)}")
