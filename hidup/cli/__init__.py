@@ -11,6 +11,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,6 +25,9 @@ ERROR_FILE = "HIDUP_ERROR_FILE"
 READY_FILE = "HIDUP_READY_FILE"
 
 
+SAY_GRACE_S = 3.0  # how long a silent rank waits before it goes on to exit
+
+
 def say(line: str, every_rank: bool = False) -> None:
     """Print a command's one-line error on stderr: once, by rank 0, when torchrun started many
     ranks (every rank meets the same error), unless `every_rank` (a rank's own trouble); a rank
@@ -33,6 +37,8 @@ def say(line: str, every_rank: bool = False) -> None:
         Path(path).write_text(line + "\n")
     elif every_rank or os.environ.get("RANK", "0") == "0":
         print(line, file=sys.stderr, flush=True)
+    else:  # give rank 0 the time to say it: torchrun stops every rank once one has exited
+        time.sleep(SAY_GRACE_S)
 
 
 _interrupted: list[bool] = []  # Ctrl-C came (and was said) in this process
