@@ -116,8 +116,7 @@ def measure(case: Case, rank: int) -> dict:
     del model
     trainer.step(*batch)  # traced; the optimizer's state made
     gc.collect()
-    held = _held(trainer, batch)
-    peak = held + _step_peak(trainer, batch)
+    held, peak = _step_peak(trainer, batch)
     predicted = peak_memory(trainer.program)
     return {"case": case.name, "rank": rank, "predicted_mib": predicted.peak / 2**20,
             "measured_mib": peak / 2**20, "held_mib": held / 2**20,
@@ -133,24 +132,15 @@ def _held_tensors(trainer, batch) -> list[torch.Tensor]:
     return tensors
 
 
-def _held(trainer, batch) -> int:
-    """Bytes of the distinct storages a rank holds between steps."""
-    seen = {}
-    for t in _held_tensors(trainer, batch):
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
-def _step_peak(trainer, batch) -> int:
-    """The most bytes of live tensor storage during one step beyond what the rank held at its
-    start: every storage an op of the step returns (forward, backward, collectives and the
+def _step_peak(trainer, batch) -> tuple[int, int]:
+    """(bytes the rank holds between steps, the most bytes of live tensor storage during one
+    step): every storage an op of the step returns (forward, backward, collectives and the
     optimizer, as a TorchDispatchMode sees them) counts from the op that made it until torch
     frees it. Kernels' scratch space inside one op is not seen, so this is a lower bound that
     does not move between runs."""
     with LiveStorages(_held_tensors(trainer, batch)) as live:
         trainer.step(*batch)
-    return live.peak - live.start
+    return live.start, live.peak
 
 
 def _rank(rank: int, store: str, cases: list[Case], out_dir: str) -> None:

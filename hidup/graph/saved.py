@@ -86,7 +86,7 @@ def _probe(node: Node, metas, dtypes, grads: tuple[bool, ...],
                     out = out[node.out_index]
             if not isinstance(out, torch.Tensor):
                 return every
-            scratch = live.peak - live.now()
+            forward_scratch = live.peak - live.now()
             held = {id(_root(x)): _root(x) for x in packed}
             copies = [str(x.dtype).removeprefix("torch.") != m.dtype
                       for x, m in zip(ins, metas)]  # autocast's copy, not the value itself
@@ -98,7 +98,7 @@ def _probe(node: Node, metas, dtypes, grads: tuple[bool, ...],
             own = sum(x.untyped_storage().nbytes() for i, x in held.items() if i not in mine)
             alias = bool(ins) and StorageWeakRef(out.untyped_storage()) == \
                 StorageWeakRef(ins[0].untyped_storage())
-            scratch = scratch, _backward_scratch(out, ins)
+            scratch = forward_scratch, _backward_scratch(out, ins)
     except Exception:  # an op fake tensors cannot run: count every input and its output
         return every
     return Saves(reads, kept, int(own), alias, scratch)

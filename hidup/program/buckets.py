@@ -136,7 +136,8 @@ class GradientBuckets:
         `bucket_bytes` gathered, or an eighth of all (GATHER_BUCKETS; at least
         FIRST_BUCKET_BYTES) where that is less, so that one bucket's gather runs while the
         layers before compute; in the order of their first use (one placement and one dtype
-        per bucket: a bucket is one flat buffer); issue the first. Each later bucket is issued when the one before it is first needed
+        per bucket: a bucket is one flat buffer); issue the first. Each later bucket is issued
+        when the one before it is first needed
         (gather_for: one bucket prefetched, as FSDP does). Return their names."""
         first_use = {}
         for i, node in enumerate(self.g.ops):
