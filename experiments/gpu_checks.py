@@ -86,9 +86,15 @@ def check_case(name: str, precision: str, mode: str, k: int, device) -> tuple[bo
                                 compile=mode == "compile", cuda_graphs=mode == "cuda-graphs",
                                 autocast=dtype)
     data = [x.to(device) for x in batch]
-    loss = float(trainer.step(*data))
+    grads = {}  # the gradients the optimizer steps on (the Trainer frees them after the step)
     sources = {n.name: n.source for n in trainer.graph.params}
-    grads = {sources[n]: g for n, g in trainer.executor.grads.items() if g is not None}
+
+    def record(*_):
+        grads.update({sources[n]: p.grad.detach().clone()
+                      for n, p in trainer.executor.params.items() if p.grad is not None})
+    hook = trainer.optimizer.register_step_pre_hook(record)
+    loss = float(trainer.step(*data))
+    hook.remove()
     scale = 1e-3 * max(float(g.norm()) for g in ref_grads.values())
     tol = TOLERANCE[precision]
     # (how far over its bound, the error, the bound, the name): the worst gradient

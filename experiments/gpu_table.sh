@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The GPU table's runs, on one CUDA machine, in the repository's root:
 #   bash experiments/gpu_table.sh OUT [PART ...]
-# OUT: a folder for the log and the JSON rows; PARTS: some of smoke sync third-party others-bf16
-# bert-sgmoe-bf16 bert-sgmoe-fp32 bert-sgmoe-b128-bf16 (default: all, in that order). Each part has its own
-# time limit and the parts after a failed one still run, except that nothing runs when the
-# smallest CUDA step (smoke) fails. Needs torch with CUDA, pytest and `transformers` (for the
-# third-party checks).
+# OUT: a folder for the log and the JSON rows; PARTS: some of smoke sync memory third-party
+# bert-sgmoe-bf16 llama-memory others-bf16 bert-sgmoe-fp32 bert-sgmoe-b128-bf16 (default: all,
+# in that order, the first ones fit about 7 minutes of an H100's lease). Each part has its own time
+# limit and the parts after a failed one still run, except that nothing runs when the smallest
+# CUDA step (smoke) fails. Needs torch with CUDA, pytest and `transformers` (for the third-party
+# checks and the memory cases).
 set -u
 out=${1:?give a folder for the results}
 shift
-parts=" ${*:-smoke sync third-party others-bf16 bert-sgmoe-bf16 bert-sgmoe-fp32 bert-sgmoe-b128-bf16} "
+parts=" ${*:-smoke sync memory third-party bert-sgmoe-bf16 llama-memory others-bf16 bert-sgmoe-fp32 bert-sgmoe-b128-bf16} "
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 log="$out/log.txt"
@@ -25,21 +26,26 @@ part() {  # part NAME SECONDS COMMAND...: run it under a time limit, its output 
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version,power.limit,clocks.max.sm --format=csv | tee -a "$log"
 python3 -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$log"
-part smoke 90 python3 -m experiments.executor_overhead --models gpt:tiny --micro-batches 1 2 \
-    --rounds 2 --steps 3 --busy || exit 1
+part smoke 60 python3 -m experiments.executor_overhead --models gpt:tiny --micro-batches 1 2 \
+    --modes graph cuda-graphs --rounds 2 --steps 3 --busy || exit 1
 # a step waits for nothing on the host; DTensor's strategies read as the tests expect on this torch
-part sync 90 python3 -m pytest -q -p no:cacheprovider tests/test_ops.py \
+part sync 60 python3 -m pytest -q -p no:cacheprovider tests/test_ops.py \
     tests/test_execute.py::test_a_cuda_step_waits_for_nothing_on_the_host
-bert() {  # bert PART PRECISION BATCH
-    part "$1" 200 python3 -m experiments.executor_overhead \
-        --models bert-sgmoe:paper --batch "$3" --precision "$2" --micro-batches 1 2 \
-        --rounds 5 --steps 5 --busy --out "$out/bert-sgmoe-paper-b$3-$2.json"
+# real peaks (torch.cuda.max_memory_allocated) beside the memory model's, and eager's
+part memory 110 python3 -m experiments.memory_accuracy --device cuda --out "$out/memory"
+bert() {  # bert PART LIMIT PRECISION BATCH
+    part "$1" "$2" python3 -m experiments.executor_overhead \
+        --models bert-sgmoe:paper --batch "$4" --precision "$3" --micro-batches 1 2 \
+        --rounds 4 --steps 5 --busy --out "$out/bert-sgmoe-paper-b$4-$3.json"
 }
-part third-party 150 python3 -m experiments.gpu_checks --models gpt2,llama,mixtral,resnet \
+part third-party 100 python3 -m experiments.gpu_checks --models gpt2,llama,mixtral \
     --cases fp32:graph:2 bf16:cuda-graphs:2 bf16:compile:2
+bert bert-sgmoe-bf16 110 bf16 32
+# the Llama 3.1 8B memory prediction with what autograd keeps probed on CUDA (its kernels and
+# autocast policy) instead of the CPU's
+part llama-memory 60 python3 -m experiments.llama_table --gpus --out "$out/llama"
 part others-bf16 300 python3 -m experiments.executor_overhead --models gpt:paper switch-trace:paper \
     --precision bf16 --micro-batches 1 2 --rounds 5 --steps 5 --busy \
     --out "$out/gpt-switch-paper-bf16.json"
-bert bert-sgmoe-bf16 bf16 32
-bert bert-sgmoe-fp32 fp32 32
-bert bert-sgmoe-b128-bf16 bf16 128
+bert bert-sgmoe-fp32 200 fp32 32
+bert bert-sgmoe-b128-bf16 200 bf16 128

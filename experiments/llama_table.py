@@ -17,7 +17,8 @@ figures (`h100-8x-ib-bf16`; docs/profiles.md).
    configuration) and the fixed strategies' best ranked runs (`fsdp`, and `fsdp+tp` on a 2-D
    mesh, each with the layers it recomputes to fit the device) on each --gpus.
 
-`python -m experiments.llama_table [--gpus 8 64] [--out DIR]` prints both tables and writes them
+`python -m experiments.llama_table [--gpus 8 64] [--out DIR]` prints both tables (`--gpus` with no
+count: the first alone) and writes them
 (Markdown) and the rows (JSON) to --out."""
 from __future__ import annotations
 
@@ -149,8 +150,9 @@ def main(argv=None) -> int:
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cluster", default="h100-8x-ib-bf16",
                     help="profile of a cluster of 8-GPU machines (default: %(default)s)")
-    ap.add_argument("--gpus", type=int, nargs="+", default=[8, 64, 128],
-                    help="GPU counts of the plan table, multiples of 8 (default: 8 64 128)")
+    ap.add_argument("--gpus", type=int, nargs="*", default=[8, 64, 128],
+                    help="GPU counts of the plan table, multiples of 8 (default: 8 64 128); "
+                         "none (--gpus alone): torchtitan's rows only")
     ap.add_argument("--out", type=Path, default=Path("out/llama_table"),
                     help="folder for the tables (Markdown) and rows (JSON) "
                          "(default: %(default)s)")
@@ -168,7 +170,8 @@ def main(argv=None) -> int:
         print(f"python -m experiments.llama_table: error: {exc}", file=sys.stderr)
         return 2
     text = (f"Llama 3.1 8B (llama:8b), local batch {PER_GPU} x {SEQ} tokens, AdamW, cluster "
-            f"{args.cluster}\n\n" + published_table(published) + "\n\n" + plans_table(plans))
+            f"{args.cluster}\n\n" + published_table(published) +
+            ("\n\n" + plans_table(plans) if plans else ""))
     print(text)
     (args.out / "llama_table.md").write_text(text + "\n")
     (args.out / "llama_table.json").write_text(

@@ -165,6 +165,23 @@ def test_a_collective_holds_what_it_sends_until_its_wait():
     assert (report.activations_peak, report.peak_task_id) == ((32 + 16 + 64) * 4, 2)
 
 
+def test_a_join_of_the_micro_batches_of_an_input_counts_every_part():
+    """An op with one option for the whole batch (replicated) reads a batch input's two
+    micro-batches joined (mb_gather): each part is an input no task writes, 4 x 6 elements,
+    and the join 8 x 6, live with them at the op (the join of y@R/1 was not counted)."""
+    tasks = (
+        _convert(0, "mb_gather", "y", R, R, "fwd", None, (4, 6), ("y@R/0", "y@R/1"),
+                 ("y@R/*~R",)),
+        _fwd(1, "twice", "aten.mul.Tensor", ("y@R/*~R",), ((8, 6),), (8, 6), "twice@R/*"),
+        _fwd(2, "loss", "aten.sum.default", ("twice@R/*",), ((8, 6),), (), "loss@R/*"),
+    )
+    program = Program(model="join", fingerprint="", strategy="hand", world=1, k=2, tasks=tasks,
+                      loss_keys=("loss@R/*",), param_grads={}, optimizer="sgd")
+    report = peak_memory(program)
+    assert report.inputs == 2 * 4 * 6 * 4
+    assert (report.activations_peak, report.peak_task_id) == ((48 + 48) * 4, 1)
+
+
 def test_what_an_op_keeps_and_holds_while_it_runs(gpt):
     """A product with a constant keeps only the constant; the loss's backward holds the
     gradient of its log-softmax (the logits' size) while it makes the logits'."""

@@ -4,10 +4,12 @@ what else it keeps: tensors of its own (softmax's output inside a loss, attentio
 a dropout mask) and the copies autocast made of its inputs (a bf16 copy of a float32 weight).
 The memory model holds all of them until the op's backward (hidup.planning.memory).
 
-Found by running the op once on fake CPU tensors (no data, no memory) under a saved-tensors hook,
-its inputs at the dtypes the run computes them in (hidup.graph.dtypes), under the run's autocast
-(the CPU's policy: a composite's inner ops as autocast runs them, such as a loss's log-softmax in
-float32 of bf16 logits; fake CUDA tensors cannot run autograd without CUDA), requiring a gradient
+Found by running the op once on fake tensors (no data, no memory) under a saved-tensors hook,
+its inputs at the dtypes the run computes them in (hidup.graph.dtypes), under the run's autocast:
+a composite's inner ops as autocast runs them, such as a loss's log-softmax in float32 of bf16
+logits. The tensors are on the run's device type where this process has that device, and
+otherwise on the CPU, under the CPU's autocast policy (fake CUDA tensors cannot run autograd
+without CUDA; `probe_device`). The probe requires a gradient
 where the run's do (Graph.gradients: a product with a constant keeps only the constant), and
 matching what autograd packs with the op's inputs and output (or views of them). The same run,
 and its backward, counted by LiveStorages, give what the op holds only while it runs (its
@@ -58,17 +60,26 @@ def backward_saves(graph: Graph, node: Node) -> Saves:
         grads = tuple(t in graph.gradients for t in node.inputs)
         autocast = autocast_dtype(node, None if graph.run is None
                                   else PRECISIONS[graph.run.precision])
+        device = probe_device(None if graph.run is None else graph.run.device_type)
         key = node.op, repr(node.args), repr(node.kwargs), node.out_index, \
-            tuple((m.shape, m.dtype) for m in metas), dtypes, grads, autocast
+            tuple((m.shape, m.dtype) for m in metas), dtypes, grads, autocast, device
         cache = graph.__dict__.setdefault("_backward_saves", {})
         if key not in cache:
-            cache[key] = _probe(node, metas, dtypes, grads, autocast)
+            cache[key] = _probe(node, metas, dtypes, grads, autocast, device)
         by_node[node.name] = cache[key]
     return by_node[node.name]
 
 
+def probe_device(device_type: str | None) -> str:
+    """Where the probe runs a run's ops: on its device type where this process has one (a
+    CUDA run probed on a GPU gets CUDA's kernels and autocast policy), else on the CPU."""
+    if device_type == "cuda" and torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
 def _probe(node: Node, metas, dtypes, grads: tuple[bool, ...],
-           autocast: torch.dtype | None) -> Saves:
+           autocast: torch.dtype | None, device: str = "cpu") -> Saves:
     every = Saves((True,) * (len(metas) + 1), (0,) * len(metas), 0)
     if node.target is None or not node.out.is_float:
         return every
@@ -76,10 +87,11 @@ def _probe(node: Node, metas, dtypes, grads: tuple[bool, ...],
     try:
         with FakeTensorMode(), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
                 lambda x: packed.append(x) or x, lambda x: x):
-            ins = [torch.empty(m.shape, dtype=getattr(torch, d)) for m, d in zip(metas, dtypes)]
+            ins = [torch.empty(m.shape, dtype=getattr(torch, d), device=device)
+                   for m, d in zip(metas, dtypes)]
             ins = [x.requires_grad_() if g and x.is_floating_point() else x  # as in the run:
                    for x, g in zip(ins, grads)]  # a mul by a constant keeps only the constant
-            with LiveStorages() as live, torch.autocast("cpu", dtype=autocast,
+            with LiveStorages() as live, torch.autocast(device, dtype=autocast,
                                                         enabled=autocast is not None):
                 out = node.target(*fill(node.args, ins), **fill(node.kwargs, ins))
                 if node.out_index is not None:

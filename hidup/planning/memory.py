@@ -267,10 +267,11 @@ def _written(numel: dict[str, int], first: dict[str, int], outputs, i: int) -> N
 
 
 def _convert_sizes(numel, first, t: Convert, ins, outs, i: int, world: int, k: int) -> None:
-    """A conversion reads `shape`; several inputs and outputs are a bucket, converted pairwise.
-    ins, outs: the keys of its inputs' and outputs' values (_scan)."""
-    if ins[0] not in numel:
-        numel[ins[0]] = math.prod(t.shape)
+    """A conversion reads `shape`; several inputs and outputs are a bucket, converted pairwise,
+    except a join of the micro-batches' parts (mb_gather), each part of `shape`. ins, outs: the
+    keys of its inputs' and outputs' values (_scan)."""
+    for key in ins if t.kind == "mb_gather" else ins[:1]:  # a batch input: no task writes it
+        numel.setdefault(key, math.prod(t.shape))
     for key, shape in zip(ins, t.in_shapes):  # a bucket's inputs
         numel.setdefault(key, math.prod(shape))
     for src, dst in zip(ins, outs):
