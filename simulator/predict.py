@@ -23,8 +23,10 @@ from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import Plan, resolve_strategy, save_plan
 from hidup.planning.profile_file import load_profile
 from hidup.planning.select import DUPLEX_K, SEARCH, Goal, select_plan
-from hidup.strategy import Strategy, parse_recompute, recomputing, selective_part
+from hidup.strategy import (NoMicroBatches, Strategy, parse_recompute, recomputing,
+                            selective_part)
 from hidup.program import HOST_MODES, OPTIMIZERS, lower
+from hidup.program.tasks import LoweringError
 from simulator.montecarlo import expected_step, step_time_interval
 from simulator.report import Comparison, Prediction
 from simulator.trace import write_trace
@@ -62,12 +64,21 @@ def _setup(model: str, cluster: str, gpus: int, batch: int | None):
 def simulate(graph: Graph, plan: Strategy, profile: Profile, gpus: int, k: int,
              options: SimOptions = SimOptions(), name: str = "model") -> Prediction:
     """Lower `plan` for k=1 and for k micro-batches and simulate both (`name`: the model's, as
-    reported)."""
+    reported). Where the batch does not split into k micro-batches on each rank, Duplex is not
+    simulated: the Prediction has k = 1 and says why in its notes."""
     results, intervals, memory = [], [], []
     bucket = int(options.bucket_mb * 2 ** 20)
     graph = run_dtypes(graph, options.precision or profile.precision, profile.device)
-    for program in [lower(graph, plan, gpus, n, name, bucket_bytes=bucket,
-                          optimizer=options.optimizer) for n in (1, k)]:
+    programs = [lower(graph, plan, gpus, 1, name, bucket_bytes=bucket,
+                      optimizer=options.optimizer)]
+    notes = ()
+    if k > 1:
+        try:
+            programs.append(lower(graph, plan, gpus, k, name, bucket_bytes=bucket,
+                                  optimizer=options.optimizer))
+        except (LoweringError, NoMicroBatches) as exc:  # the batch does not split so
+            notes, k = (f"no Duplex with {k} micro-batches: {exc}",), 1
+    for program in programs:
         started = time.perf_counter()
         results.append(expected_step(program, profile, mode=options.mode))  # simulated unless
         # the profile's kernels vary
@@ -77,10 +88,12 @@ def simulate(graph: Graph, plan: Strategy, profile: Profile, gpus: int, k: int,
         if options.samples:
             intervals.append(step_time_interval(program, profile, options.samples, options.noise,
                                                 mode=options.mode))
+    if len(programs) == 1:  # no Duplex: its run is the SPMD one
+        results, memory, intervals = results * 2, memory * 2, intervals * 2
     batch = graph.user_inputs[0].out.shape[0] if graph.user_inputs[0].out.shape else 1
     return Prediction(name, batch, profile, gpus, plan, k, *results, graph, tuple(memory),
                       tuple(intervals) if options.samples else None, options.mode,
-                      options.show_plan, options.optimizer)
+                      options.show_plan, options.optimizer, notes)
 
 
 def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | None = None,
@@ -102,7 +115,8 @@ def predict_plan(plan: Plan, cluster: str | None = None,
                  options: SimOptions | None = None) -> Prediction:
     """A hidup.Plan (from hidup.plan or hidup.Plan.load(path, model)) simulated on `cluster`
     (default: the one it was made for) as plain SPMD (k=1) and with Duplex (its micro-batches,
-    at least 2), within the memory it was planned for; str() is this command's report."""
+    or DUPLEX_K for a plan of one, where the batch splits so), within the memory it was planned
+    for; str() is this command's report."""
     if plan.graph is None:
         raise ValueError("this plan was loaded without its model: load it with "
                          "hidup.Plan.load(path, model) to simulate it")
@@ -114,8 +128,8 @@ def predict_plan(plan: Plan, cluster: str | None = None,
     if plan.memory is not None:
         profile = replace(profile, device_memory=plan.memory)
     options = options or SimOptions(optimizer=plan.optimizer)
-    return simulate(plan.graph, plan.strategy, profile, plan.gpus, max(2, plan.micro_batches),
-                    options, plan.model)
+    k = plan.micro_batches if plan.micro_batches > 1 else DUPLEX_K
+    return simulate(plan.graph, plan.strategy, profile, plan.gpus, k, options, plan.model)
 
 
 def compare(model: str, cluster: str, goal: Goal, batch: int | None = None,

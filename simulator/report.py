@@ -35,6 +35,8 @@ class Prediction:
     mode: str = "graph"  # the executor mode whose host cost was simulated (GPU profiles)
     show_plan: bool = False  # print every op's placements, not the summary
     optimizer: str = "adamw"  # whose update and state the runs count
+    # why Duplex was not simulated, where it was not (k = 1: the batch does not split)
+    notes: tuple[str, ...] = ()
 
     @property
     def speedup(self) -> float:
@@ -53,14 +55,16 @@ class Prediction:
         return min(fitting, key=lambda kr: kr[1].step_time) if fitting else None
 
     def rows(self) -> list[tuple[str, Result, MemoryReport]]:
-        return [("SPMD (k=1)", self.spmd, self.memory[0]),
-                (f"Duplex (k={self.k})", self.duplex, self.memory[1])]
+        """The report's runs: SPMD, and Duplex where it was simulated."""
+        spmd = [("SPMD (k=1)", self.spmd, self.memory[0])]
+        return spmd if self.k == 1 else spmd + [(f"Duplex (k={self.k})", self.duplex,
+                                                  self.memory[1])]
 
     def to_dict(self) -> dict:
         return {"model": self.model, "batch": self.batch, "cluster": self.profile.name,
                 "gpus": self.gpus, "strategy": self.strategy.name, "micro_batches": self.k,
                 "mode": self.mode, "optimizer": self.optimizer,
-                "notes": list(self.strategy.notes),
+                "notes": list(self.strategy.notes) + list(self.notes),
                 "device_memory_bytes": self.profile.device_memory,
                 "spmd": _result_dict(self.spmd, 1, self.memory[0], self.profile),
                 "duplex": _result_dict(self.duplex, self.k, self.memory[1], self.profile),
@@ -80,10 +84,11 @@ class Prediction:
             head += (f", executor mode {self.mode} ({self.profile.host[self.mode] * 1e6:.3g} us "
                      f"of host time per task)")
         noise = [] if self.intervals is None else [
-            f"Monte-Carlo, profile figures perturbed: SPMD {self.intervals[0]}; "
-            f"Duplex {self.intervals[1]}"]
-        return "\n".join([head, *_notes(self.strategy), "", *_table(self.rows()),
-                          f"speedup of Duplex over SPMD: {self.speedup:.3f}x",
+            f"Monte-Carlo, profile figures perturbed: SPMD {self.intervals[0]}" +
+            (f"; Duplex {self.intervals[1]}" if self.k > 1 else "")]
+        speedup = [f"speedup of Duplex over SPMD: {self.speedup:.3f}x"] if self.k > 1 else []
+        return "\n".join([head, *_notes(self.strategy), *self.notes, "", *_table(self.rows()),
+                          *speedup,
                           *self._memory_lines(), *noise, "", *self.plan_lines()])
 
     def _memory_lines(self) -> list[str]:
@@ -179,6 +184,8 @@ class Comparison:
 
 
 def _ms(p: Prediction, i: int) -> str:
+    if i == 1 and p.notes:  # Duplex not simulated: the batch does not split so
+        return "-"
     _, result, memory = p.runs()[i]
     return f"{result.step_time * 1e3:.4g}" + ("" if p.fits(memory) else "*")
 

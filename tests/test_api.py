@@ -236,6 +236,22 @@ def test_plan_predicts_saves_and_loads(tmp_path):
         hidup.parallelize(TinyLM(), again, optimizer=adamw)
 
 
+def test_a_plan_of_one_sequence_per_gpu_is_predicted_without_duplex():
+    """4 sequences on 4 GPUs under ddp: one per rank, which does not split into micro-batches;
+    predict_plan simulates the plan as plain SPMD and says why there is no Duplex, instead of
+    failing to lower 2 micro-batches."""
+    from simulator.predict import predict_plan
+
+    ids = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(0))
+    plan = hidup.plan(TinyLM(), (ids, ids.clone()), cluster=CLUSTER, gpus=4, strategy="ddp")
+    assert plan.micro_batches == 1
+    prediction = predict_plan(plan)
+    assert prediction.k == 1 and prediction.spmd.step_time > 0
+    text = str(prediction)
+    assert "no Duplex with 2 micro-batches: " in text and "does not split into 4 ranks" in text
+    assert "SPMD (k=1)" in text and "Duplex (k=" not in text and "speedup" not in text
+
+
 def test_an_op_without_an_overlay_rule_plans_from_dtensor():
     """flip has no rule of HiDup's own: DTensor's strategy covers it, nothing is refused or
     replicated."""
