@@ -60,8 +60,10 @@ def parse_args(argv=None):
     ap.add_argument("--beam", type=int, default=16, help="states kept per cut of the search")
     ap.add_argument("--exact", type=float, default=0.0, metavar="SECONDS",
                     help="time for the integer programme that proves the k=1 cost model's best "
-                         "plan on each mesh (the beam can miss it; hidup.plan() and "
-                         "simulator.predict do not run it); 0 skips it (default: 0)")
+                         "plan on each mesh (over all GPUs: among the plans the beam searches; on "
+                         "a 2-D mesh: among those that split every op inside a machine; the beam "
+                         "can miss it; hidup.plan() and simulator.predict do not run it); 0 "
+                         "skips it (default: 0)")
     ap.add_argument("--recompute", default="auto", metavar="auto|none|all|N|LAYERS",
                     help=RECOMPUTE_HELP)
     ap.add_argument("--out", type=Path, default=None, help="write the chosen plan to this file")
@@ -131,6 +133,30 @@ def _times(graph, strategy, world, k, profile, optimizer: str, mode: str) -> dic
     return out
 
 
+def exact_line(proof: dict, gpus: int) -> str:
+    """What the integer programme proved on one mesh, in which space, and the beam's best
+    plan of the same (k = 1) cost model beside it."""
+    exact, bound, beam = proof["exact_ms"], proof["bound_ms"], proof["beam_ms"]
+    if proof["machines"] > 1:
+        space = (f"on {proof['machines']} machines, among the plans that split every op inside "
+                 f"a machine (data parallel across the machines)")
+        outside = f"the beam also splits ops over all {gpus} GPUs"
+    else:
+        space, outside = f"over all {gpus} GPUs, among the plans the beam searches", ""
+    if proof["optimal"]:
+        found = f"best plan {exact:.2f} ms, proven optimal there"
+    else:
+        found = (f"best plan found in --exact's time {exact:.2f} ms; no plan there is below "
+                 f"{bound:.2f} ms")
+    if beam < (exact if proof["optimal"] else bound) * (1 - 1e-9):
+        beside = f"the beam's best {beam:.2f} ms is below it ({outside})"
+    elif proof["optimal"]:
+        beside = f"the beam's best {beam:.2f} ms, {beam / exact - 1:+.1%} over that optimum"
+    else:
+        beside = f"the beam's best {beam:.2f} ms, at most {beam / bound - 1:+.1%} over the optimum"
+    return f"k=1 cost model {space}: {found}; {beside}"
+
+
 def report(res: dict) -> list[str]:
     k, rows, chosen_k = res["micro_batches"], res["plans"], res["chosen_k"]
     best = rows[res["chosen"]][f"k{chosen_k}_ms"]
@@ -143,12 +169,7 @@ def report(res: dict) -> list[str]:
              f"{res['optimizer']}: searched in "
              f"{res['search_seconds']:.2f} s ({res['labels']} labels)",
              f"chose {what}, {duplex}", *res["notes"]]
-    for proof in res["exact"]:
-        where = f"on {proof['machines']} machines" if proof["machines"] > 1 else "over all GPUs"
-        status = "proven optimal" if proof["optimal"] else \
-            f"the best found in --exact's time; none is below {proof['bound_ms']:.2f} ms"
-        lines.append(f"k=1 cost model {where}: best plan {proof['exact_ms']:.2f} ms ({status}); "
-                     f"the beam's {proof['beam_ms']:.2f} ms")
+    lines += [exact_line(proof, res["gpus"]) for proof in res["exact"]]
     graph, strategy = res["graph"], res["strategy"]
     machines, per = res["mesh"]
     if machines > 1:

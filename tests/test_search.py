@@ -274,6 +274,29 @@ def test_the_programme_finds_the_integer_programmes_proven_optimum_at_k1(model, 
     assert exact.cost * (1 - 1e-9) <= beam <= exact.cost * 1.02
 
 
+def test_the_exact_line_says_the_space_it_proved_optimal_in():
+    """hidup.planner --exact: on a 2-D mesh the integer programme proves the best plan among
+    those that split every op inside a machine; a beam plan below it is said to lie outside
+    that space, not the proof to be wrong. Over all GPUs the beam's gap to the optimum, or to
+    the bound where the time ran out."""
+    from hidup.planner import exact_line
+
+    two_d = exact_line({"machines": 8, "exact_ms": 36139.09, "bound_ms": 36139.09,
+                        "optimal": True, "beam_ms": 2326.39}, 64)
+    assert two_d.startswith("k=1 cost model on 8 machines, among the plans that split every op "
+                            "inside a machine")
+    assert "proven optimal there; the beam's best 2326.39 ms is below it (the beam also " \
+           "splits ops over all 64 GPUs)" in two_d
+    one_d = exact_line({"machines": 1, "exact_ms": 100.0, "bound_ms": 100.0, "optimal": True,
+                        "beam_ms": 105.0}, 64)
+    assert one_d.endswith("best plan 100.00 ms, proven optimal there; the beam's best "
+                          "105.00 ms, +5.0% over that optimum")
+    timed_out = exact_line({"machines": 1, "exact_ms": 300.0, "bound_ms": 80.0,
+                            "optimal": False, "beam_ms": 100.0}, 8)
+    assert "no plan there is below 80.00 ms; the beam's best 100.00 ms, at most +25.0% over " \
+           "the optimum" in timed_out
+
+
 def test_search_with_exact_ranks_the_proven_plan_the_beam_missed():
     """A narrow beam (1 state a cut) misses the k = 1 model's best plan of gpt:small on 4 GPUs;
     search(exact=...) proves that plan optimal and ranks it, and the chosen plan is then at least
