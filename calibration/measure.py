@@ -9,7 +9,6 @@ import contextlib
 import logging
 import math
 import statistics
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import torch.distributed as dist
 
 from calibration.timing import Clock, Ranks, spread_runs, time_collective, time_kernel
 from hidup.program import COLLECTIVES
+from hidup.progress import StatusLine
 
 log = logging.getLogger("calibration.profile")  # the command's logger: its --verbose shows these
 PAIR_SIZES = (2 ** 20, 8 * 2 ** 20)  # bytes of the pairs in flight (at most --max-bytes)
@@ -168,26 +168,25 @@ def byte_sizes(max_bytes: int) -> list[int]:
 
 
 class Progress:
-    """One line on stderr, rewritten in place with \\r: item i/N, elapsed time, what runs now."""
+    """One line on stderr, rewritten in place (hidup.progress.StatusLine): the elapsed time, a
+    bar, item i/N and what runs now."""
 
     def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled, self.i, self.start, self.width = total, enabled, 0, time.time(), 0
+        self.total, self.i = total, 0
+        self.line = StatusLine() if enabled else None
 
     def step(self, what: str) -> None:
         self.i += 1
-        if not self.enabled:
+        if self.line is None:
             return
         done = round(30 * (self.i - 1) / self.total)
-        line = (f"[{'#' * done}{'.' * (30 - done)}] {self.i}/{self.total} "
-                f"{time.time() - self.start:5.1f} s  {what}")
-        sys.stderr.write("\r" + line.ljust(self.width))
-        sys.stderr.flush()
-        self.width = len(line)
+        self.line.write(f"[{'#' * done}{'.' * (30 - done)}] {self.i}/{self.total}  {what}",
+                        force=True)
 
     def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write(f"\rmeasured {self.total} items in {time.time() - self.start:.1f} s"
-                             .ljust(self.width + 1) + "\n")
+        if self.line is not None:
+            self.line.end(f"measured {self.total} items in "
+                          f"{time.perf_counter() - self.line.start:.1f} s")
 
 
 # -- measuring ---------------------------------------------------------------------------------

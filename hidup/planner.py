@@ -22,6 +22,7 @@ from hidup.planning.profile_file import load_profile
 from hidup.planning.select import DUPLEX_K, Goal, select_plan
 from hidup.strategy import describe, mesh_option
 from hidup.program import MODES, OPTIMIZERS, LoweringError, lower
+from hidup.progress import progress, status_line
 
 log = logging.getLogger(__name__)
 PROG = "python -m hidup.planner"
@@ -86,6 +87,7 @@ def plan(args) -> dict:
     profile = load_profile(args.cluster)
     spec = get_model(args.model, gpus=args.gpus)
     batch = args.batch or spec.batch
+    progress(f"capturing {args.model}, batch {batch}")
     graph = capture_model(spec, batch)
     memory = args.memory * 2**30 if args.memory is not None else None
     goal = Goal(args.gpus, args.micro_batches, memory, args.optimizer, args.mesh,
@@ -94,8 +96,10 @@ def plan(args) -> dict:
     chosen = select_plan(graph, profile, goal)
     found, k = chosen.search, chosen.duplex_k
     typed = run_dtypes(graph, chosen.goal.precision, chosen.profile.device)
-    rows = {name: _times(typed, s, args.gpus, k, chosen.profile, args.optimizer, args.mode)
-            for name, s in chosen.candidates.items()}
+    rows = {}
+    for i, (name, s) in enumerate(chosen.candidates.items()):
+        progress("pricing the plans for the table: plan", i + 1, len(chosen.candidates))
+        rows[name] = _times(typed, s, args.gpus, k, chosen.profile, args.optimizer, args.mode)
     rows[chosen.strategy.name]["chosen_k"] = chosen.k
     limit = chosen.profile.device_memory
     machines, per = chosen.goal.mesh
@@ -210,7 +214,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(message)s")
     try:
-        res = plan(args)
+        with status_line(args.verbose):
+            res = plan(args)
         if args.out:
             save_plan(args.out, res["graph"], res["strategy"], args.gpus, res["model"],
                       res["cluster"], micro_batches=res["chosen_k"],

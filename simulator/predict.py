@@ -27,6 +27,7 @@ from hidup.strategy import (NoMicroBatches, Strategy, parse_recompute, recomputi
                             selective_part)
 from hidup.program import HOST_MODES, OPTIMIZERS, lower
 from hidup.program.tasks import LoweringError
+from hidup.progress import progress, status_line
 from simulator.montecarlo import expected_step, step_time_interval
 from simulator.report import Comparison, Prediction
 from simulator.trace import write_trace
@@ -55,6 +56,7 @@ def _setup(model: str, cluster: str, gpus: int, batch: int | None):
     profile = load_profile(cluster)
     batch = batch or spec.batch
     started = time.perf_counter()
+    progress(f"capturing {spec.name}, batch {batch}")
     graph = capture_model(spec, batch)
     log.info("captured %s (batch %d): %d nodes in %.2f s", spec.name, batch, len(graph.nodes),
              time.perf_counter() - started)
@@ -79,6 +81,7 @@ def simulate(graph: Graph, plan: Strategy, profile: Profile, gpus: int, k: int,
         except (LoweringError, NoMicroBatches) as exc:  # the batch does not split so
             notes, k = (f"no Duplex with {k} micro-batches: {exc}",), 1
     for program in programs:
+        progress(f"simulating {plan.name} with k={program.k}")
         started = time.perf_counter()
         results.append(expected_step(program, profile, mode=options.mode))  # simulated unless
         # the profile's kernels vary
@@ -227,6 +230,21 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _run(args, mesh, options: SimOptions):
+    """(the report, the prediction shown) of the command's arguments: the searched plan beside
+    the baselines, or one strategy."""
+    if args.strategy == SEARCH:
+        goal = Goal(args.gpus, args.micro_batches,
+                    None if args.memory is None else args.memory * 2**30, args.optimizer,
+                    mesh, recompute=args.recompute, mode=args.mode, precision=args.precision)
+        report = compare(args.model, args.cluster, goal, args.batch, options)
+        return report, report.predictions[report.chosen]
+    shown = predict(args.model, args.cluster, args.gpus, args.strategy, args.batch,
+                    args.micro_batches or DUPLEX_K, replace(options, recompute=args.recompute),
+                    mesh[0] if mesh else 1)
+    return shown, shown
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -242,18 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     options = SimOptions(args.optimizer, args.mode, args.bucket_mb, args.monte_carlo, args.noise,
                          args.show_plan, precision=args.precision)
     try:
-        if args.strategy == SEARCH:
-            goal = Goal(args.gpus, args.micro_batches,
-                        None if args.memory is None else args.memory * 2**30, args.optimizer,
-                        mesh, recompute=args.recompute, mode=args.mode,
-                        precision=args.precision)
-            report = compare(args.model, args.cluster, goal, args.batch, options)
-            shown = report.predictions[report.chosen]
-        else:
-            report = shown = predict(args.model, args.cluster, args.gpus, args.strategy,
-                                     args.batch, args.micro_batches or DUPLEX_K,
-                                     replace(options, recompute=args.recompute),
-                                     mesh[0] if mesh else 1)
+        with status_line(args.verbose > 0):
+            report, shown = _run(args, mesh, options)
     except ValueError as exc:
         parser.exit(2, f"{PROG}: error: {' '.join(str(exc).split())}\n")
     if args.trace is not None:

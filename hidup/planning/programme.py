@@ -34,6 +34,7 @@ from hidup.graph.placement import (Partial, Placement, R, Shard, ShardingOption,
 from hidup.planning.beam import Beam, _Label
 from hidup.planning.costs import Profile
 from hidup.planning.pricing import Pricing, _NodeCost
+from hidup.progress import progress
 from hidup.strategy import Strategy, fitting_options, microbatch_split
 from hidup.strategy.recompute import recomputable_share
 from hidup.program.tasks import LoweringError, Shapes, mesh_groups, optimizer_cost
@@ -141,13 +142,23 @@ class Search(Pricing, Beam):
     def run(self) -> list[_Label]:
         """The labels of the last cut, best first (each with k micro-batches or one)."""
         states: dict[tuple, list[_Label]] = {(): [_Label(0.0, 0.0, 0.0, 0.0)]}
-        for node in self.g.ops:
+        what = self.what()
+        for i, node in enumerate(self.g.ops):
+            progress(what, i + 1, len(self.g.ops))
             states = self.extend(states, node)
             if not states:
                 raise ValueError(f"search: no option of node {node.name} ({node.op}) fits in "
                                  f"{self.memory / 2**30:.3g} GiB per device or divides evenly")
         finals = [label for labels in states.values() for label in labels]
         return sorted(finals, key=lambda lab: lab.best)
+
+    def what(self) -> str:
+        """The programme, for the progress line: its mesh and micro-batches."""
+        gpus = self.world * self.machines
+        mesh = f"{gpus} GPUs" if self.machines == 1 else \
+            f"the {self.machines}x{self.world} mesh" + (" turned" if self.options.transposed
+                                                        else "")
+        return f"search on {mesh}, k={self.k}: op"
 
     def extend(self, states, node: Node) -> dict[tuple, list[_Label]]:
         """Every label of every state, extended by every option of the node."""

@@ -17,6 +17,7 @@ from hidup.planning.estimate import Estimate, estimate
 from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import check
 from hidup.planning.programme import Search, SearchOptions
+from hidup.progress import progress
 from hidup.strategy import (Strategy, first_layers, layers, recomputing, sharded_storage,
                             stored_across)
 from hidup.program.lowering import lower
@@ -152,6 +153,7 @@ class Ranking:
             if kk in tried:
                 continue
             tried[kk] = False
+            progress(f"ranking the plans ({len(self.ranked)} ranked): {name} with k={kk}")
             try:
                 program = lower(self.graph, strategy, self.world, kk,
                                 optimizer=self.options.optimizer)
