@@ -1,4 +1,4 @@
-"""Six model families that nobody in this project wrote, from `transformers` configs at a tiny
+"""Eight model families that nobody in this project wrote, from `transformers` configs at a tiny
 size, each wrapped so that `forward(*batch)` returns the scalar loss: what a user brings.
 
 `transformers` is a test dependency (the dev extra): `pip install -e ".[dev]"`."""
@@ -75,6 +75,16 @@ _mixtral = _transformers("MixtralConfig", "MixtralForCausalLM", TEXT, **SMALL,
 _vit = _transformers("ViTConfig", "ViTForImageClassification", IMAGE, image_size=16, patch_size=4,
                      hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, num_labels=5, **NO_DROPOUT)
+# encoder-decoders: their decoder's inputs are the labels shifted right, written into a slice of
+# a new tensor in place (shift_tokens_right), which capture makes functional
+_bart = _transformers("BartConfig", "BartForConditionalGeneration", TEXT, vocab_size=96,
+                      d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                      decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                      max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
+                      activation_dropout=0.0)
+_t5 = _transformers("T5Config", "T5ForConditionalGeneration", TEXT, vocab_size=96, d_model=32,
+                    d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+                    dropout_rate=0.0, decoder_start_token_id=0)
 _resnet = _transformers("ResNetConfig", "ResNetForImageClassification", IMAGE, embedding_size=8,
                         hidden_sizes=[8, 16], depths=[1, 1], num_labels=5, layer_type="basic")
 
@@ -93,6 +103,8 @@ MODELS = {m.name: m for m in (
     ThirdParty("mixtral", _mixtral, _lm_batch(96, 16)),
     ThirdParty("vit", _vit, _image_batch(5, 16)),
     ThirdParty("resnet", _resnet, _image_batch(5, 16)),
+    ThirdParty("bart", _bart, _lm_batch(96, 16)),
+    ThirdParty("t5", _t5, _lm_batch(96, 16)),
 )}
 
 

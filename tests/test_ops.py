@@ -1,12 +1,14 @@
 """Sharding rules: option counts pinned per op, options checked in words, errors named."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from hidup.graph import dtensor, ops
-from hidup.graph.capture import capture
+from hidup.graph.capture import CaptureError, capture
 from hidup.graph.placement import parse_option
 
 
@@ -133,6 +135,80 @@ def test_in_place_ops_are_captured_as_their_functional_twins():
                                          "aten.sum.default"]
     add = graph.ops[1]
     assert graph.ops[2].inputs == (add.name, add.name)
+
+
+class ShiftAndFill(torch.nn.Module):
+    """The two in-place patterns of `transformers` that write into views: labels shifted right
+    into a slice of a new tensor (encoder-decoders' shift_tokens_right) and a buffer filled
+    piecewise through slices; and a buffer counted up through a view of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lin = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10)
+        self.register_buffer("seen", torch.zeros(3))
+
+    def forward(self, ids, labels):
+        shifted = ids.new_zeros(ids.shape)
+        shifted[..., 1:] = ids[..., :-1].clone()
+        shifted[:, 0] = 3
+        h = self.emb(shifted)
+        buf = h.new_empty(h.shape[0], h.shape[1], 16)
+        buf[..., :8].copy_(h)
+        buf[..., 8:].copy_(h * 2)
+        self.seen[:1].add_(1)
+        out = self.lin(buf[..., :8] + buf[..., 8:])
+        return F.cross_entropy(out.reshape(-1, 10), labels.reshape(-1))
+
+
+def test_in_place_writes_into_views_are_captured_functional_and_train_as_eager():
+    """Each write into a view becomes its value scattered back into the viewed tensor
+    (slice_scatter, select_scatter), which later readers read; no in-place op is left, the
+    buffer's new value is written back (Graph.updates), and a step equals eager's."""
+    from hidup.program import lower
+    from hidup.runtime.execute import Executor
+    from hidup.strategy import fixed_strategy
+
+    torch.manual_seed(0)
+    model = ShiftAndFill()
+    ids, labels = torch.randint(0, 10, (4, 6)), torch.randint(0, 10, (4, 6))
+    graph = capture(model, (ids, labels))
+    ops_ = [n.op for n in graph.ops]
+    assert ops_.count("aten.slice_scatter.default") == 4 and \
+        ops_.count("aten.select_scatter.default") == 1
+    assert not any(op.split(".")[1].endswith("_") for op in ops_)  # nothing in place
+    assert [u[0] for u in graph.updates] == ["b_seen"]
+    # new_empty, fill and the batch's scatters have options; the buffer's 3 counts stay whole
+    assert [graph.node(n.inputs[0]).kind for n in ops.replicated_ops(graph)] == ["buffer"]
+    eager = copy.deepcopy(model)
+    loss = eager(ids, labels)
+    loss.backward()
+    for world, k in ((1, 1), (1, 2)):
+        mine = copy.deepcopy(model)
+        strategy = fixed_strategy("ddp", graph, world)
+        ex = Executor(graph, strategy, lower(graph, strategy, world, k),
+                      dict(mine.named_parameters()), buffers=dict(mine.named_buffers()))
+        got = ex.step({"ids": ids, "labels": labels}, update=False)
+        assert float(got) == pytest.approx(float(loss), rel=1e-6)
+        for p, g in ex.grads.items():
+            want = dict(eager.named_parameters())[graph.node(p).source].grad
+            assert torch.allclose(ex.full(p, g).reshape(want.shape), want, atol=1e-6), p
+        assert mine.seen.tolist() == [1.0, 0.0, 0.0]  # written back, as eager's
+
+
+def test_a_view_read_after_a_write_through_another_is_refused_in_one_line():
+    """A view taken before a write into its tensor and read after it aliases what the write
+    changed, which no functional graph keeps: refused, naming the view."""
+    def f(x):
+        y = x * 1
+        head = y[:2]
+        y[2:].mul_(2)
+        y[:1].add_(1)
+        return head.sum() * y.sum()
+
+    with pytest.raises(CaptureError, match=r"writes into a view of mul that slice_1 \(aten.slice"
+                                           r".Tensor\), a view made before the write, is read "
+                                           r"after; take that view after the write"):
+        capture(Fn(f), (torch.randn(4),))
 
 
 def test_option_text_round_trips():

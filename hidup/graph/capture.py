@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from hidup.graph.decompose import decompose
 from hidup.graph.flops import forward_flops
+from hidup.graph.functional import functional, functional_view_writes, writes_in_place
 from hidup.graph.regions import inline_regions
 
 
@@ -168,6 +169,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Graph:
     try:
         inline_regions(exported.graph_module)
         written = decompose(exported.graph)
+        written.update(functional_view_writes(exported.graph))
     except ValueError as exc:
         raise CaptureError(str(exc)) from exc
     writes = {node: buf for buf, node in written.items()}  # fx node -> the buffer it updates
@@ -231,34 +233,9 @@ def _item(fx_node, latest: dict[str, str]) -> Node | None:
 
 
 def _written(fx_node) -> str | None:
-    """The tensor an in-place op (`add_`, `index_put_`, `detach_`...) writes, if it is one."""
-    schema = getattr(fx_node.target, "_schema", None)
-    if schema is None or not schema.arguments or not fx_node.args:
-        return None
-    info = schema.arguments[0].alias_info
-    if info is None or not info.is_write or schema.arguments[0].kwarg_only:
-        return None
-    base = fx_node.args[0]
-    if not isinstance(base, torch.fx.Node):
-        return None
-    made_by = getattr(base.target, "_schema", None)
-    if made_by is not None and made_by.returns and made_by.returns[0].alias_info is not None:
-        raise CaptureError(f"node {fx_node.name}: {fx_node.target} writes into {base.name}, a view "
-                           f"({base.target}) of another tensor, which HiDup cannot keep "
-                           f"functional; write that part of forward out of place")
-    return base.name
-
-
-def functional(target):
-    """The out-of-place twin of an in-place ATen op (`aten.add_.Tensor` -> `aten.add.Tensor`):
-    the graph is kept functional, each later use of the written tensor reading the new value."""
-    packet = target.overloadpacket.__name__
-    twin = getattr(getattr(torch.ops.aten, packet.removesuffix("_"), None),
-                   target._overloadname, None)
-    if twin is None:
-        raise CaptureError(f"in-place op {target} has no out-of-place twin; write that part of "
-                           f"forward without the in-place op")
-    return twin
+    """The tensor an in-place op (`add_`, `index_put_`, `detach_`...) writes, if it is one (a
+    write into a view is made functional before: hidup.graph.functional)."""
+    return fx_node.args[0].name if writes_in_place(fx_node) else None
 
 
 def _op_node(fx_node, latest: dict[str, str], item=None, index: int | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from hidup.graph.ops.pointwise import pointwise_options
 from hidup.graph.ops.registry import register, register_local
 from hidup.graph.placement import P, R, Shard, ShardingOption
 
@@ -26,6 +27,20 @@ def factory(node, ins):
 def local_factory(node, option, ctx):
     kwargs = {**node.kwargs, "device": torch.device(ctx.device)}
     return lambda t: node.target(*node.args, **kwargs)
+
+
+NEW = [aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default,
+       aten.new_full.default]
+FILLS = [aten.fill.Scalar, aten.fill.Tensor]
+
+
+@register(NEW + FILLS)
+def made_whole(node, ins):
+    """A tensor made in the shape its arguments give (new_*) or filled with one value (fill,
+    as an in-place write into a view becomes at capture): split along any dim, a rank making
+    its own part; an input that spans the dim read split with it (no conversion), the rest
+    whole. Never a Partial sum: each rank's part is the whole value there."""
+    return pointwise_options(node.out.shape, [m.shape for m in ins])
 
 
 @register(CASTS)
