@@ -76,6 +76,7 @@ def functional_view_writes(graph: torch.fx.Graph) -> dict[str, torch.fx.Node]:
         _check(graph, node, base, views)
         value = _copied(graph, node) if node.target is aten.copy_.default else \
             _call(graph, node, functional(node.target), *node.args, **node.kwargs)
+        node.replace_all_uses_with(value)  # a reader of what the in-place op returned: the view
         for view in views:  # innermost first: the new value of each level
             parent = view.args[0]
             value = _call(graph, node, aten.view.default, value,
@@ -84,7 +85,6 @@ def functional_view_writes(graph: torch.fx.Graph) -> dict[str, torch.fx.Node]:
                       **view.kwargs)
         order = {n: i for i, n in enumerate(graph.nodes)}
         base.replace_all_uses_with(value, delete_user_cb=lambda user: order[user] > order[node])
-        node.replace_all_uses_with(value)  # a reader of what the in-place op returned
         graph.erase_node(node)
         if base.op == "placeholder":
             written[base.name] = value
