@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from calibration.timing import Clock, Ranks, spread_runs, time_collective, time_kernel
+from hidup.cli.progress import StatusLine
 from hidup.program import COLLECTIVES
-from hidup.progress import StatusLine
 
 log = logging.getLogger("calibration.profile")  # the command's logger: its --verbose shows these
 PAIR_SIZES = (2 ** 20, 8 * 2 ** 20)  # bytes of the pairs in flight (at most --max-bytes)
@@ -168,7 +168,7 @@ def byte_sizes(max_bytes: int) -> list[int]:
 
 
 class Progress:
-    """One line on stderr, rewritten in place (hidup.progress.StatusLine): the elapsed time, a
+    """One line on stderr, rewritten in place (hidup.cli.progress.StatusLine): the elapsed time, a
     bar, item i/N and what runs now."""
 
     def __init__(self, total: int, enabled: bool):

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from hidup.cli import RECOMPUTE_HELP, Parser, parse_mesh
+from hidup.cli.progress import progress, status_line
 from hidup.models import capture_model, get_model, names
 from hidup.graph.dtypes import PRECISIONS, run_dtypes
 from hidup.planning.estimate import estimate
@@ -22,7 +23,6 @@ from hidup.planning.profile_file import load_profile
 from hidup.planning.select import DUPLEX_K, Goal, select_plan
 from hidup.strategy import describe, mesh_option
 from hidup.program import MODES, OPTIMIZERS, LoweringError, lower
-from hidup.progress import progress, status_line
 
 log = logging.getLogger(__name__)
 PROG = "python -m hidup.planner"

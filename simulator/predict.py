@@ -15,6 +15,7 @@ from pathlib import Path
 
 from hidup import models
 from hidup.cli import RECOMPUTE_HELP, Parser, parse_mesh
+from hidup.cli.progress import progress, status_line
 from hidup.graph.capture import Graph
 from hidup.graph.dtypes import PRECISIONS, run_dtypes
 from hidup.models import capture_model
@@ -27,7 +28,6 @@ from hidup.strategy import (NoMicroBatches, Strategy, parse_recompute, recomputi
                             selective_part)
 from hidup.program import HOST_MODES, OPTIMIZERS, lower
 from hidup.program.tasks import LoweringError
-from hidup.progress import progress, status_line
 from simulator.montecarlo import expected_step, step_time_interval
 from simulator.report import Comparison, Prediction
 from simulator.trace import write_trace

@@ -1,10 +1,10 @@
-"""The progress line of long commands (hidup.progress): on a terminal one line of stderr,
+"""The progress line of long commands (hidup.cli.progress): on a terminal one line of stderr,
 rewritten in place and cleared at the end; nothing where stderr is not a terminal or with -v;
 the search says which programme and op it is at."""
 import io
 import logging
 
-from hidup.progress import LOG, progress, status_line
+from hidup.cli.progress import LOG, progress, status_line
 
 
 class Terminal(io.StringIO):

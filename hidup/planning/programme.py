@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+from hidup.cli.progress import progress
 from hidup.graph.capture import Graph, Node
 from hidup.graph.ops.registry import replicated
 from hidup.graph.placement import (Partial, Placement, R, Shard, ShardingOption, flat_option,
@@ -34,7 +35,6 @@ from hidup.graph.placement import (Partial, Placement, R, Shard, ShardingOption,
 from hidup.planning.beam import Beam, _Label
 from hidup.planning.costs import Profile
 from hidup.planning.pricing import Pricing, _NodeCost
-from hidup.progress import progress
 from hidup.strategy import Strategy, fitting_options, microbatch_split
 from hidup.strategy.recompute import recomputable_share
 from hidup.program.tasks import LoweringError, Shapes, mesh_groups, optimizer_cost

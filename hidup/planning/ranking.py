@@ -11,13 +11,13 @@ import math
 from operator import attrgetter
 from typing import NamedTuple
 
+from hidup.cli.progress import progress
 from hidup.graph.capture import Graph
 from hidup.planning.costs import Profile
 from hidup.planning.estimate import Estimate, estimate
 from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import check
 from hidup.planning.programme import Search, SearchOptions
-from hidup.progress import progress
 from hidup.strategy import (Strategy, first_layers, layers, recomputing, sharded_storage,
                             stored_across)
 from hidup.program.lowering import lower
