@@ -23,6 +23,13 @@ def test_the_line_is_rewritten_in_place_then_cleared():
     assert LOG.handlers == [] and LOG.propagate  # as before the command
 
 
+def test_an_info_log_does_not_carry_the_progress_records(caplog):
+    """A command logging at INFO (experiments.paper, -v) gets no line per op of the search."""
+    with caplog.at_level(logging.INFO):
+        progress("search on 8 GPUs, k=2: op", 3, 40)
+    assert not [r for r in caplog.records if r.name == "hidup.progress"]
+
+
 def test_nothing_is_rewritten_off_a_terminal_or_with_verbose():
     for stream, verbose in ((io.StringIO(), False), (Terminal(), True)):
         with status_line(verbose, stream):
@@ -36,7 +43,7 @@ def test_the_search_says_its_programme_and_op(caplog):
     from hidup.planning.programme import Search, SearchOptions
 
     graph = capture_model(get_model("mlp:tiny", gpus=2), 8)
-    with caplog.at_level(logging.INFO, logger="hidup.progress"):
+    with caplog.at_level(logging.DEBUG, logger="hidup.progress"):
         Search(graph, 2, load_profile("v100-1x4-nvlink"), SearchOptions(k=2)).run()
     said = [r.getMessage() for r in caplog.records if r.name == "hidup.progress"]
     n = len(graph.ops)

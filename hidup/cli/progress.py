@@ -1,11 +1,12 @@
 """What a long command is doing now, on one line of stderr that it rewrites in place.
 
-Library code says its stage with `progress("search over 64 GPUs: op", 120, 410)`: a record of
-the `hidup.progress` logger, which costs next to nothing where no one listens. A command shows
-those records with `status_line(verbose)`: on a terminal, one line that each record rewrites
-(the seconds since the command began, the stage, how far), cleared when the command is done;
-with -v (or when stderr is not a terminal) nothing is rewritten, and -v's log prints them as any
-other line. Nothing goes to stdout, which scripts parse."""
+Library code says its stage with `progress("search over 64 GPUs: op", 120, 410)`: a DEBUG record
+of the `hidup.progress` logger, which costs next to nothing where no one listens (and stays out
+of a command's INFO log: there is one per op of each search). A command shows those records
+with `status_line(verbose)`: on a terminal, one line that each record rewrites (the seconds
+since the command began, the stage, how far), cleared when the command is done; with -v (or
+when stderr is not a terminal) nothing is rewritten, and a DEBUG log (simulator.predict -vv)
+prints them as any other line. Nothing goes to stdout, which scripts parse."""
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,8 @@ REFRESH_S = 0.1  # the least time between two rewrites of the line (the last is 
 
 def progress(what: str, done: int | None = None, total: int | None = None) -> None:
     """Say the stage a long piece of work is at (`what`), and how far (`done` of `total`)."""
-    if LOG.isEnabledFor(logging.INFO):
-        LOG.info("%s %d of %d" if total else "%s", what, *((done, total) if total else ()))
+    if LOG.isEnabledFor(logging.DEBUG):
+        LOG.debug("%s %d of %d" if total else "%s", what, *((done, total) if total else ()))
 
 
 class StatusLine:
@@ -51,7 +52,7 @@ class StatusLine:
 
 class _Handler(logging.Handler):
     def __init__(self, line: StatusLine):
-        super().__init__(logging.INFO)
+        super().__init__(logging.DEBUG)
         self.line = line
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -70,7 +71,7 @@ def status_line(verbose: bool = False, stream=None):
     handler = _Handler(line)
     level, propagate = LOG.level, LOG.propagate
     LOG.addHandler(handler)
-    LOG.setLevel(logging.INFO)
+    LOG.setLevel(logging.DEBUG)
     LOG.propagate = False
     try:
         yield
