@@ -15,21 +15,22 @@ from torch._guards import detect_fake_mode
 aten = torch.ops.aten
 
 
-class _Builder:
+class Builder:
     """Inserts ATen calls before one FX node, each with its output's fake value as `val`."""
 
     def __init__(self, graph: torch.fx.Graph, before: torch.fx.Node, fake_mode):
         self.graph, self.before, self.fake_mode = graph, before, fake_mode
 
-    def __call__(self, op, *args) -> torch.fx.Node:
+    def __call__(self, op, *args, **kwargs) -> torch.fx.Node:
         vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
         with self.fake_mode:
-            val = op(*vals)
+            val = op(*vals, **kwargs)
         with self.graph.inserting_before(self.before):
-            node = self.graph.call_function(op, tuple(args))
+            node = self.graph.call_function(op, tuple(args), kwargs)
         node.meta["val"] = val
-        if "nn_module_stack" in self.before.meta:  # the module it came from (capture.layer_of)
-            node.meta["nn_module_stack"] = self.before.meta["nn_module_stack"]
+        for key in ("nn_module_stack", "autocast"):  # the module it came from
+            if key in self.before.meta:  # (capture.layer_of) and its autocast block
+                node.meta[key] = self.before.meta[key]
         return node
 
 
@@ -46,7 +47,7 @@ def _batch_norm(graph: torch.fx.Graph, node: torch.fx.Node, fake_mode) -> dict[s
     dims = [0, *range(2, val.dim())]
     count = val.numel() // channels  # the elements behind each channel's statistics
     along = [channels] + [1] * (val.dim() - 2)  # a per-channel vector, broadcast over x
-    b = _Builder(graph, node, fake_mode)
+    b = Builder(graph, node, fake_mode)
     mean = b(aten.mean.dim, x, dims, True)
     centred = b(aten.sub.Tensor, x, mean)
     var = b(aten.mean.dim, b(aten.mul.Tensor, centred, centred), dims, True)
@@ -119,7 +120,7 @@ def _index_by_arange(graph: torch.fx.Graph, node: torch.fx.Node, values: dict) -
         return False
     order = sorted(range(len(indices)), key=axes.__getitem__) + \
         list(range(len(indices), xval.dim()))
-    b = _Builder(graph, node, detect_fake_mode([xval]))
+    b = Builder(graph, node, detect_fake_mode([xval]))
     out = x if order == list(range(xval.dim())) else b(aten.permute.default, x, order)
     out = b(aten.view.default, out, list(node.meta["val"].shape))
     node.replace_all_uses_with(out)

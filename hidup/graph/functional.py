@@ -9,10 +9,10 @@ value scattered back into the tensor the view was taken from (`slice_scatter`, `
 of that tensor reads the scattered one (`functional_view_writes`)."""
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 from torch._guards import detect_fake_mode
+
+from hidup.graph.decompose import Builder
 
 aten = torch.ops.aten
 
@@ -74,14 +74,15 @@ def functional_view_writes(graph: torch.fx.Graph) -> dict[str, torch.fx.Node]:
             chain.append(chain[-1].args[0])
         base, views = chain[-1], chain[:-1]
         _check(graph, node, base, views)
-        value = _copied(graph, node) if node.target is aten.copy_.default else \
-            _call(graph, node, functional(node.target), *node.args, **node.kwargs)
+        build = Builder(graph, node, detect_fake_mode([node.args[0].meta["val"]]))
+        value = _copied(build, node) if node.target is aten.copy_.default else \
+            build(functional(node.target), *node.args, **node.kwargs)
         node.replace_all_uses_with(value)  # a reader of what the in-place op returned: the view
         for view in views:  # innermost first: the new value of each level
             parent = view.args[0]
-            value = _call(graph, node, aten.view.default, value,
+            value = build(aten.view.default, value,
                           list(parent.meta["val"].shape)) if view.target in WHOLE else \
-                _call(graph, node, SCATTER[view.target], parent, value, *view.args[1:],
+                build(SCATTER[view.target], parent, value, *view.args[1:],
                       **view.kwargs)
         order = {n: i for i, n in enumerate(graph.nodes)}
         base.replace_all_uses_with(value, delete_user_cb=lambda user: order[user] > order[node])
@@ -91,16 +92,16 @@ def functional_view_writes(graph: torch.fx.Graph) -> dict[str, torch.fx.Node]:
     return written
 
 
-def _copied(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
+def _copied(build: Builder, node: torch.fx.Node) -> torch.fx.Node:
     """What `view.copy_(src)` leaves in the view: src in the view's dtype, broadcast to its
     shape (aten.copy itself has no derivative)."""
     view, src = node.args[0].meta["val"], node.args[1]
     if not isinstance(src, torch.fx.Node):
         raise FunctionalError(f"node {node.name}: copy_ from {src!r}, not a tensor")
     if src.meta["val"].dtype != view.dtype:
-        src = _call(graph, node, aten._to_copy.default, src, dtype=view.dtype)
+        src = build(aten._to_copy.default, src, dtype=view.dtype)
     if tuple(src.meta["val"].shape) != tuple(view.shape):
-        src = _call(graph, node, aten.expand.default, src, list(view.shape))
+        src = build(aten.expand.default, src, list(view.shape))
     return src
 
 
@@ -122,18 +123,3 @@ def _check(graph: torch.fx.Graph, node: torch.fx.Node, base: torch.fx.Node, view
             f"node {node.name}: {node.target} writes into a view of {base.name} that "
             f"{stale[0].name} ({stale[0].target}), a view made before the write, is read after; "
             f"take that view after the write, or write that part of forward out of place")
-
-
-def _call(graph: torch.fx.Graph, before: torch.fx.Node, op, *args, **kwargs) -> torch.fx.Node:
-    """A call of `op` inserted before `before`, with its output's fake value as `val` and
-    `before`'s module (capture.layer_of) and autocast block."""
-    vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
-    with detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)]) or nullcontext():
-        val = op(*vals, **kwargs)
-    with graph.inserting_before(before):
-        new = graph.call_function(op, tuple(args), kwargs)
-    new.meta["val"] = val
-    for key in ("nn_module_stack", "autocast"):
-        if key in before.meta:
-            new.meta[key] = before.meta[key]
-    return new
