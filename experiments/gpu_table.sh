@@ -2,7 +2,7 @@
 # The GPU table's runs, on one CUDA machine, in the repository's root:
 #   bash experiments/gpu_table.sh OUT [PART ...]
 # OUT: a folder for the log and the JSON rows; PARTS: some of smoke sync memory third-party
-# bert-sgmoe-bf16 llama-memory others-bf16 bert-sgmoe-fp32 bert-sgmoe-b128-bf16 (default: all,
+# third-party-compile bert-sgmoe-bf16 llama-memory others-bf16 bert-sgmoe-fp32 bert-sgmoe-b128-bf16 (default: all,
 # in that order, the first ones fit about 7 minutes of an H100's lease). Each part has its own time
 # limit and the parts after a failed one still run, except that nothing runs when the smallest
 # CUDA step (smoke) fails. Needs torch with CUDA, pytest and `transformers` (for the third-party
@@ -10,7 +10,7 @@
 set -u
 out=${1:?give a folder for the results}
 shift
-parts=" ${*:-smoke sync memory third-party bert-sgmoe-bf16 llama-memory others-bf16 bert-sgmoe-fp32 bert-sgmoe-b128-bf16} "
+parts=" ${*:-smoke sync memory third-party third-party-compile bert-sgmoe-bf16 llama-memory others-bf16 bert-sgmoe-fp32 bert-sgmoe-b128-bf16} "
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 log="$out/log.txt"
@@ -38,8 +38,10 @@ bert() {  # bert PART LIMIT PRECISION BATCH
         --models bert-sgmoe:paper --batch "$4" --precision "$3" --micro-batches 1 2 \
         --rounds 4 --steps 5 --busy --out "$out/bert-sgmoe-paper-b$4-$3.json"
 }
-part third-party 100 python3 -m experiments.gpu_checks --models gpt2,llama,mixtral \
-    --cases fp32:graph:2 bf16:cuda-graphs:2 bf16:compile:2
+part third-party 170 python3 -m experiments.gpu_checks --models gpt2,llama,bert,mixtral,vit,resnet,bart,t5 \
+    --cases fp32:graph:2 bf16:cuda-graphs:2
+part third-party-compile 90 python3 -m experiments.gpu_checks --models gpt2,llama,mixtral \
+    --cases bf16:compile:2
 bert bert-sgmoe-bf16 110 bf16 32
 # the Llama 3.1 8B memory prediction with what autograd keeps probed on CUDA (its kernels and
 # autocast policy) instead of the CPU's
