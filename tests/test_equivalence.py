@@ -76,30 +76,40 @@ def one_d_strategy(graph, name: str, world: int, k: int):
             if name == "search" else fixed_strategy(name, graph, world))
 
 
-def distributed_grads(rank, world, cases, make_strategy=one_d_strategy):
+def mode_of(strategy_name: str, world: int = 2) -> str:
+    """The executor mode a case runs in: every fixed or searched plan as users run it, traced
+    (graph), on 2 ranks (the 2 x 2 mesh's on 4); random draws, and the 1-D plans again on 4
+    ranks, untraced: the Program's tasks one by one as Python, as the traced step records them
+    (tests/test_random_strategies.py holds the two modes to the same result bit for bit)."""
+    return "untraced" if strategy_name.startswith("random") or world > 2 else "graph"
+
+
+def distributed_grads(rank, world, cases, make_strategy=one_d_strategy, mesh=False):
     """{case: (loss, whole gradients, the strategy as text)} after one step of each case whose
-    `make_strategy(graph, name, world, k)` is not None."""
-    out = {}
+    `make_strategy(graph, name, world, k)` is not None (in the mode `mode_of` gives it; a 2-D
+    `mesh` plan's on 2 ranks' terms)."""
+    out, graphs = {}, {}
     for name, strategy_name, k in cases:
         spec = get_model(name, gpus=world)
-        model = build_model(spec)
-        graph = capture(model, batch_of(spec, seed=0))
+        model = build_model(spec)  # the same weights each time: its graph is captured once
+        graph = graphs.get(name) or graphs.setdefault(name, capture(model, batch_of(spec, seed=0)))
         strategy = make_strategy(graph, strategy_name, world, k)
         if strategy is None:
             continue
         out[(name, strategy_name, k)] = one_step(model, graph, strategy, world, k, name,
                                                  batch_of(spec),
-                                                 BUCKETS.get(strategy_name, BUCKET_BYTES))
+                                                 BUCKETS.get(strategy_name, BUCKET_BYTES),
+                                                 mode_of(strategy_name, 2 if mesh else world))
     return out
 
 
 def one_step(model, graph, strategy, world: int, k: int, name: str, batch,
-             bucket_bytes: int = BUCKET_BYTES):
+             bucket_bytes: int = BUCKET_BYTES, mode: str = "graph"):
     """(loss, whole gradients by parameter name, the strategy as text) after one step of the
     executor without update, on this rank."""
     program = lower(graph, strategy, world, k, name, bucket_bytes)
     ex = Executor(graph, strategy, program, dict(model.named_parameters(remove_duplicate=False)),
-                  buffers=dict(model.named_buffers()))
+                  buffers=dict(model.named_buffers()), mode=mode)
     inputs = dict(zip([n.source for n in graph.user_inputs], batch))
     loss = ex.step(inputs, update=False)
     grads = {graph.node(p).source: ex.full(p, g) for p, g in ex.grads.items()}
@@ -272,7 +282,7 @@ def random_flat(graph, world: int, k: int, rng):
 def test_2d_mesh_plans_match_single_device():
     """2 machines x 2 ranks: dp-megatron, dp-expert, fsdp+tp, plans searched on the mesh and
     random strategies inside each machine, Duplex on and off, equal single-device training."""
-    results = run_ranks(4, distributed_grads, MESH_CASES, mesh_strategy)
+    results = run_ranks(4, distributed_grads, MESH_CASES, mesh_strategy, True)
     assert sum(case[1].startswith("random") for case in results[0]) >= 4, results[0].keys()
     refs = {name: reference(name, 4) for name in {case[0] for case in MESH_CASES}}
     for case in results[0]:

@@ -1,12 +1,15 @@
 """Property: a random valid strategy (a random option per node) trains exactly like one device,
 for every model, Duplex on and off, on 2 and 4 gloo ranks. The strategies are drawn anew on each
-run from a seed the test prints (HIDUP_TEST_SEED draws them again)."""
+run from a seed the test prints (HIDUP_TEST_SEED draws them again). Each runs untraced (the
+Program's tasks one by one as Python); on 2 ranks the first of each model's draws also runs
+traced (graph mode, what users run), which must give the same loss and gradients bit for bit."""
 from __future__ import annotations
 
 import os
 import random
 
 import pytest
+import torch
 
 from conftest import build_model, run_ranks
 from hidup.graph.capture import capture
@@ -20,7 +23,9 @@ MODELS = ("mlp:tiny", "gpt:tiny", "bert-sgmoe:tiny", "bert-switch:tiny", "vit-sg
           "vit-switch:tiny", "switch-trace:tiny")
 
 
-def random_runs(rank, world, name, seeds):
+def random_runs(rank, world, name, seeds, traced=()):
+    """{seed: (strategy text, loss, whole gradients)} after one untraced step of each seed's
+    strategy; for the seeds in `traced` also {("graph", seed): ...} of the traced step."""
     spec = get_model(name, gpus=world)
     graph = capture(build_model(spec), batch_of(spec, seed=0))
     out = {}
@@ -28,14 +33,16 @@ def random_runs(rank, world, name, seeds):
         k = 1 + seed % 2
         strategy = random_strategy(graph, world, random.Random(seed), divide=world * k)
         program = lower(graph, strategy, world, k, name)  # every one lowers: a failure else
-        model = build_model(spec)
-        ex = Executor(graph, strategy, program, dict(model.named_parameters()),
-                      buffers=dict(model.named_buffers()))
-        inputs = dict(zip([n.source for n in graph.user_inputs], batch_of(spec)))
-        loss = float(ex.step(inputs, update=False))
-        out[seed] = (str(strategy), loss, {graph.node(p).source: full_tensor(g, strategy.home(p),
-                                                                            world)
-                                           for p, g in ex.grads.items()})
+        for mode in ("untraced", "graph") if seed in traced else ("untraced",):
+            model = build_model(spec)
+            ex = Executor(graph, strategy, program, dict(model.named_parameters()),
+                          buffers=dict(model.named_buffers()), mode=mode)
+            inputs = dict(zip([n.source for n in graph.user_inputs], batch_of(spec)))
+            loss = float(ex.step(inputs, update=False))
+            out[seed if mode == "untraced" else (mode, seed)] = (
+                str(strategy), loss,
+                {graph.node(p).source: full_tensor(g, strategy.home(p), world)
+                 for p, g in ex.grads.items()})
     return out
 
 
@@ -52,7 +59,13 @@ def test_random_strategy_matches_single_device(world, name):
     seeds = random.Random(f"{SEED} {name} {world}").sample(range(2**31), STRATEGIES)
     ref_loss, ref_grads = reference(name, world)
     scale = 1e-3 * max(float(g.norm()) for g in ref_grads.values())
-    results = run_ranks(world, random_runs, name, seeds)[0]
+    traced = seeds[:1] if world == 2 else ()
+    results = run_ranks(world, random_runs, name, seeds, traced)[0]
+    for seed in traced:  # the traced step computes what its tasks run as Python do, bit for bit
+        text, loss, grads = results.pop(("graph", seed))
+        assert (text, loss) == results[seed][:2], (SEED, seed, text)
+        for pname, g in grads.items():
+            assert torch.equal(g, results[seed][2][pname]), (SEED, seed, pname, text)
     assert sorted(results) == sorted(seeds), f"HIDUP_TEST_SEED={SEED}"
     for seed, (text, loss, grads) in results.items():
         assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (SEED, seed, text)

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 from conftest import run_ranks
-from test_equivalence import one_step, rel_err
+from test_equivalence import mode_of, one_step, rel_err
 
 from hidup.graph.capture import capture
 from hidup.graph.placement import R, Shard
@@ -48,12 +48,15 @@ def strategy_of(graph, how: str, world: int, k: int):
 def third_party_grads(rank, world, cases):
     """{case: (loss, whole gradients, strategy text, buffers)} after one step of each case (the
     executor writes forward's buffer updates into the model's own buffers, as eager does)."""
-    out = {}
+    out, graphs = {}, {}
     for name, how, k in cases:
-        model = build(name)
-        graph = capture(model, batch(name, seed=0))
+        model = build(name)  # the same weights each time: its graph is captured once
+        graph = graphs.get(name) or graphs.setdefault(name, capture(model, batch(name, seed=0)))
         strategy = strategy_of(graph, how, world, k)
-        result = one_step(model, graph, strategy, world, k, name, batch(name))
+        # traced as users run it under Duplex on 2 ranks; the rest untraced (the same tasks as
+        # Python: test_random_strategies holds the two modes to the same result bit for bit)
+        mode = mode_of(how, world) if k > 1 else "untraced"
+        result = one_step(model, graph, strategy, world, k, name, batch(name), mode=mode)
         out[(name, how, k)] = result + ({n: b.clone() for n, b in model.named_buffers()},)
     return out
 

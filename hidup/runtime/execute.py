@@ -16,7 +16,7 @@ from hidup.strategy import Strategy
 from hidup.program.tasks import MODES, Program, mesh_groups, task_label
 from hidup.runtime.passes import inductor_segments, with_hooks
 from hidup.runtime.layout import param_shard
-from hidup.runtime.step import INPUT_TASK, StepSpec, trace_step
+from hidup.runtime.step import INPUT_TASK, StepSpec, trace_step, untraced_step
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,8 @@ class Executor:
     mode 'graph': the traced step as FX-generated Python (one call per ATen op, nothing else);
     'compile': the traced step through torch.compile (Inductor), collectives kept in the
     Program's order; 'cuda-graphs' (CUDA only): the traced step captured once, NCCL included,
-    and replayed from static input buffers."""
+    and replayed from static input buffers; 'untraced': the Program's tasks run one by one as
+    Python, nothing traced (no first-step cost; slower steps: for checks of a step or two)."""
 
     def __init__(self, graph: Graph, strategy: Strategy, program: Program,
                  params: dict[str, torch.Tensor], lr: float = 0.01,
@@ -91,6 +92,9 @@ class Executor:
         """The step for these input shapes, traced (and compiled or captured) on first use."""
         key = (update, tuple(tuple(x.shape) for x in xs), labels and self.mode == "graph")
         run = self._steps.get(key)
+        if run is None and self.mode == "untraced":
+            run = self._steps[key] = untraced_step(self.spec, len(self.params), len(self.buffers),
+                                                   update)
         if run is None:
             gm = trace_step(self.spec, list(self.params.values()), self.buffers, xs, self.lr,
                             update)
@@ -161,9 +165,14 @@ def device_mesh(device: torch.device, mesh: tuple[int, int], transposed: bool = 
     return _MESHES[key]
 
 
+# the executor's modes: the planned ones (a profile can give each one's host costs) and
+# 'untraced', for checks of a step or two
+RUN_MODES = (*MODES, "untraced")
+
+
 def _check(program: Program, mode: str, device: torch.device) -> None:
-    if mode not in MODES:
-        raise ValueError(f"executor mode {mode!r}: choose one of {list(MODES)}")
+    if mode not in RUN_MODES:
+        raise ValueError(f"executor mode {mode!r}: choose one of {list(RUN_MODES)}")
     if mode == "cuda-graphs" and device.type != "cuda":
         raise ValueError(f"--cuda-graphs needs a CUDA device, this run is on {device.type}; "
                          f"leave it out (or use --compile) on the CPU")

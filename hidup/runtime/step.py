@@ -396,17 +396,23 @@ class _TaskRunner:
             return _C.wait_tensor(x)
 
 
+def untraced_step(spec: StepSpec, n_params: int, n_buffers: int, update: bool = True):
+    """One rank's whole step as a function of the graph's arguments (*params, *buffers, *inputs,
+    lr) that runs the Program's tasks one by one as Python on real tensors, nothing traced: what
+    `trace_step` records, without the cost of recording it (checks that run one step)."""
+    runner = _TaskRunner(spec, update)
+
+    def step(*args):
+        return runner(list(args[:n_params]), list(args[n_params:n_params + n_buffers]),
+                      list(args[n_params + n_buffers:-1]), args[-1])
+    return step
+
+
 def trace_step(spec: StepSpec, params, buffers, inputs, lr, update: bool = True
                ) -> torch.fx.GraphModule:
     """Trace one rank's whole step into an FX graph (on fake tensors: nothing is computed or
     communicated). Arguments as the graph takes them: *params, *buffers, *inputs, lr."""
-    runner = _TaskRunner(spec, update)
-    n_p, n_b = len(params), len(buffers)
-
-    def step(*args):
-        return runner(list(args[:n_p]), list(args[n_p:n_p + n_b]), list(args[n_p + n_b:-1]),
-                      args[-1])
-
+    step = untraced_step(spec, len(params), len(buffers), update)
     with fx_traceback.preserve_node_meta():
         gm = make_fx(step, tracing_mode="fake")(*params, *buffers, *inputs, lr)
     simplify(gm)
