@@ -92,7 +92,9 @@ def distributed_grads(rank, world, cases, make_strategy=one_d_strategy, mesh=Fal
     for name, strategy_name, k in cases:
         spec = get_model(name, gpus=world)
         model = build_model(spec)  # the same weights each time: its graph is captured once
-        graph = graphs.get(name) or graphs.setdefault(name, capture(model, batch_of(spec, seed=0)))
+        if name not in graphs:
+            graphs[name] = capture(model, batch_of(spec, seed=0))
+        graph = graphs[name]
         strategy = make_strategy(graph, strategy_name, world, k)
         if strategy is None:
             continue

@@ -15,9 +15,7 @@ from conftest import build_model, run_ranks
 from hidup.graph.capture import capture
 from hidup.models import get_model
 from hidup.strategy import random_strategy
-from hidup.program import lower
-from hidup.runtime.execute import Executor, full_tensor
-from test_equivalence import batch_of, reference, rel_err
+from test_equivalence import batch_of, one_step, reference, rel_err
 
 MODELS = ("mlp:tiny", "gpt:tiny", "bert-sgmoe:tiny", "bert-switch:tiny", "vit-sgmoe:tiny",
           "vit-switch:tiny", "switch-trace:tiny")
@@ -25,24 +23,18 @@ MODELS = ("mlp:tiny", "gpt:tiny", "bert-sgmoe:tiny", "bert-switch:tiny", "vit-sg
 
 def random_runs(rank, world, name, seeds, traced=()):
     """{seed: (strategy text, loss, whole gradients)} after one untraced step of each seed's
-    strategy; for the seeds in `traced` also {("graph", seed): ...} of the traced step."""
+    strategy (each must lower: a failure else); for the seeds in `traced` also
+    {("graph", seed): ...} of the traced step."""
     spec = get_model(name, gpus=world)
     graph = capture(build_model(spec), batch_of(spec, seed=0))
     out = {}
     for seed in seeds:
         k = 1 + seed % 2
         strategy = random_strategy(graph, world, random.Random(seed), divide=world * k)
-        program = lower(graph, strategy, world, k, name)  # every one lowers: a failure else
         for mode in ("untraced", "graph") if seed in traced else ("untraced",):
-            model = build_model(spec)
-            ex = Executor(graph, strategy, program, dict(model.named_parameters()),
-                          buffers=dict(model.named_buffers()), mode=mode)
-            inputs = dict(zip([n.source for n in graph.user_inputs], batch_of(spec)))
-            loss = float(ex.step(inputs, update=False))
-            out[seed if mode == "untraced" else (mode, seed)] = (
-                str(strategy), loss,
-                {graph.node(p).source: full_tensor(g, strategy.home(p), world)
-                 for p, g in ex.grads.items()})
+            loss, grads, text = one_step(build_model(spec), graph, strategy, world, k, name,
+                                         batch_of(spec), mode=mode)
+            out[seed if mode == "untraced" else (mode, seed)] = (text, loss, grads)
     return out
 
 

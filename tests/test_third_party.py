@@ -51,7 +51,9 @@ def third_party_grads(rank, world, cases):
     out, graphs = {}, {}
     for name, how, k in cases:
         model = build(name)  # the same weights each time: its graph is captured once
-        graph = graphs.get(name) or graphs.setdefault(name, capture(model, batch(name, seed=0)))
+        if name not in graphs:
+            graphs[name] = capture(model, batch(name, seed=0))
+        graph = graphs[name]
         strategy = strategy_of(graph, how, world, k)
         # traced as users run it under Duplex on 2 ranks; the rest untraced (the same tasks as
         # Python: test_random_strategies holds the two modes to the same result bit for bit)
