@@ -7,6 +7,12 @@ predicts every hidup row with the shipped profile of its precision (h100 for fp3
 for bf16) and those host figures.
 Rows of other k are out of sample. With --write, the host figures go into the profiles' files.
 
+`--fit-models MODEL ...` fits them on those models' rows only: the other models' rows are out
+of sample too. `--profiles bf16=PROFILE[,fp32=PROFILE]` predicts a precision's rows with another
+profile, a shipped name or a profile file's path (e.g. one calibration.from_trace fitted from
+another GPU's eager traces, experiments.eager_trace); with --write its host figures go into that
+file.
+
 Each row prints measured and predicted step, the error, and the GPU's busy time (the union of
 the step's kernels), which the profile predicts as its kernel time."""
 from __future__ import annotations
@@ -23,7 +29,7 @@ import torch
 
 from hidup.graph.capture import capture
 from hidup.models import get_model
-from hidup.planning.profile_file import load_profile
+from hidup.planning.profile_file import ProfileError, load_profile
 from hidup.program import lower
 from hidup.strategy import fixed_strategy
 from simulator.engine import simulate
@@ -33,14 +39,15 @@ PROFILES = {"fp32": "h100", "bf16": "h100-bf16"}
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "hidup" / "profiles"
 
 
-def host_figures(rows: list[dict], fit_k: int) -> dict[str, dict[str, float]]:
-    """precision -> executor mode -> median host seconds per task over the rows with fit_k. A
-    step's host time counts at most the step's own: in a run of steps the host issues one step
-    per step. (Issued alone, right after a sync, a step's host time reads up to 1.7x the step in
-    host-bound runs on an H100, eager's too.)"""
+def host_figures(rows: list[dict], fit_k: int,
+                 models: frozenset[str] = frozenset()) -> dict[str, dict[str, float]]:
+    """precision -> executor mode -> median host seconds per task over the rows with fit_k (of
+    `models` only, where given). A step's host time counts at most the step's own: in a run of
+    steps the host issues one step per step. (Issued alone, right after a sync, a step's host
+    time reads up to 1.7x the step in host-bound runs on an H100, eager's too.)"""
     per: dict[tuple[str, str], list[float]] = {}
     for r in rows:
-        if r["k"] == fit_k and r.get("tasks") and r.get("host_ms") is not None:
+        if in_sample(r, fit_k, models) and r.get("tasks") and r.get("host_ms") is not None:
             mode = r["contestant"].removeprefix("hidup ")
             host = 1e-3 * min(r["host_ms"], r["median_ms"])
             per.setdefault((r["precision"], mode), []).append(host / r["tasks"])
@@ -48,6 +55,12 @@ def host_figures(rows: list[dict], fit_k: int) -> dict[str, dict[str, float]]:
     for (precision, mode), values in sorted(per.items()):
         out.setdefault(precision, {})[mode] = statistics.median(values)
     return out
+
+
+def in_sample(row: dict, fit_k: int, models: frozenset[str] = frozenset()) -> bool:
+    """Whether the host figures are fitted on this row: its k is fit_k, and its model one of
+    `models` (any, where empty)."""
+    return row["k"] == fit_k and (not models or row["model"] in models)
 
 
 @functools.cache
@@ -58,19 +71,43 @@ def _captured(model: str, batch: int | None):
     return spec, capture(spec.build(), example)
 
 
-def predict(row: dict, host: dict[str, float], batch: int | None) -> tuple[float, float]:
-    """Predicted step and kernel seconds of one hidup row (ddp on one device, SGD)."""
+def predict(row: dict, host: dict[str, float], batch: int | None,
+            profiles: dict[str, str] = PROFILES) -> tuple[float, float]:
+    """Predicted step and kernel seconds of one hidup row (ddp on one device, SGD), with
+    `profiles[precision]` (a shipped name or a file's path)."""
     spec, graph = _captured(row["model"], batch)
-    profile = replace(load_profile(PROFILES[row["precision"]]), host=host)
+    profile = replace(load_profile(profiles[row["precision"]]), host=host)
     program = lower(graph, fixed_strategy("ddp", graph, 1), 1, row["k"], spec.name,
                     optimizer="sgd")
     result = simulate(program, profile, mode=row["contestant"].removeprefix("hidup "))
     return result.step_time, result.computation
 
 
-def write_host(precision: str, host: dict[str, float], source: str) -> Path:
-    """The host figures into the shipped profile of `precision`, with where they came from."""
-    path = PROFILE_DIR / f"{PROFILES[precision]}.json"
+def profile_path(name_or_path: str) -> Path:
+    """The file of a profile: a shipped name's in hidup/profiles, or the path itself (read as
+    load_profile reads it)."""
+    if Path(name_or_path).is_file() or name_or_path.endswith(".json") or "/" in name_or_path:
+        return Path(name_or_path)
+    return PROFILE_DIR / f"{name_or_path}.json"
+
+
+def parse_profiles(text: str) -> dict[str, str]:
+    """'bf16=NAME_OR_PATH[,fp32=NAME_OR_PATH]' over the shipped defaults; each one loadable."""
+    out = dict(PROFILES)
+    for item in filter(None, text.split(",")):
+        precision, sep, value = item.partition("=")
+        if not sep or precision not in PROFILES or not value:
+            raise ValueError(f"{item!r}: give PRECISION=PROFILE, PRECISION one of "
+                             f"{', '.join(PROFILES)}, PROFILE a shipped name or a file's path")
+        load_profile(value)  # a missing or broken profile is an error now, not mid-table
+        out[precision] = value
+    return out
+
+
+def write_host(precision: str, host: dict[str, float], source: str,
+               profiles: dict[str, str] = PROFILES) -> Path:
+    """The host figures into the profile file of `precision`, with where they came from."""
+    path = profile_path(profiles[precision])
     doc = json.loads(path.read_text())
     doc["host"] = host
     doc.setdefault("provenance", {})["host_figures"] = source
@@ -84,11 +121,23 @@ def main(argv=None) -> int:
     ap.add_argument("results", nargs="+", type=Path, help="JSON files of executor_overhead --out")
     ap.add_argument("--fit-k", type=int, default=1,
                     help="the micro-batch count whose rows give the host figures (default 1)")
+    ap.add_argument("--fit-models", nargs="+", default=[], metavar="MODEL",
+                    help="fit the host figures on these models' rows only, e.g. bert-sgmoe:paper; "
+                         "the others' are out of sample (default: every model's)")
     ap.add_argument("--batch", type=int, default=None, help="the runs' global batch (default: "
                     "the model's, as executor_overhead's)")
+    ap.add_argument("--profiles", default="", metavar="PRECISION=PROFILE[,...]",
+                    help="the profile that predicts each precision's rows (and that --write "
+                         "writes into): a shipped name or a profile file's path, e.g. "
+                         "'bf16=h200-bf16.json' (default: fp32=h100,bf16=h100-bf16)")
     ap.add_argument("--write", action="store_true",
-                    help="write the host figures into hidup/profiles/h100*.json")
+                    help="write the host figures into the profiles' files (hidup/profiles/"
+                         "h100*.json, or --profiles' files)")
     args = ap.parse_args(argv)
+    try:
+        profiles = parse_profiles(args.profiles)
+    except (ValueError, ProfileError) as exc:
+        ap.error(f"--profiles {exc}")
     rows, setups = [], set()
     for path in args.results:
         try:
@@ -97,31 +146,39 @@ def main(argv=None) -> int:
             ap.error(f"{path}: not a JSON file of executor_overhead --out ({exc})")
         setups.add(doc.get("setup", "?"))
         rows += doc.get("rows", [])
-    hosts = host_figures(rows, args.fit_k)
+    fit_models = frozenset(args.fit_models)
+    hosts = host_figures(rows, args.fit_k, fit_models)
     if not hosts:
-        ap.error(f"no hidup row with k={args.fit_k} and host figures (run executor_overhead "
+        of = f" of {', '.join(sorted(fit_models))}" if fit_models else ""
+        ap.error(f"no hidup row{of} with k={args.fit_k} and host figures (run executor_overhead "
                  f"with --busy on a GPU)")
     print(f"{PROG} {' '.join(map(str, argv if argv is not None else sys.argv[1:]))}")
     print("runs: " + "; ".join(sorted(setups)))
+    if args.profiles:
+        print("profiles: " + ", ".join(f"{p} {profiles[p]}" for p in sorted(hosts)))
     for precision, host in hosts.items():
         figures = ", ".join(f"{m} {1e6 * s:.1f} us" for m, s in host.items())
-        print(f"host per task ({precision}, from k={args.fit_k}): {figures}")
+        of = f" of {', '.join(sorted(fit_models))}" if fit_models else ""
+        print(f"host per task ({precision}, from k={args.fit_k}{of}): {figures}")
         if args.write:
-            source = (f"host seconds per task per executor mode, by `{PROG}` (--fit-k "
-                      f"{args.fit_k}): the median over its rows of the host's time to issue one "
+            flags = f"--fit-k {args.fit_k}" + (
+                f" --fit-models {' '.join(sorted(fit_models))}" if fit_models else "")
+            source = (f"host seconds per task per executor mode, by `{PROG}` ({flags}): the "
+                      f"median over its rows of the host's time to issue one "
                       f"step (at most the step) over the tasks issued, in runs of `bash "
                       f"experiments/gpu_table.sh` ({'; '.join(sorted(setups))})")
-            path = write_host(precision, host, source)
-            print(f"  written into hidup/profiles/{path.name}")
+            path = write_host(precision, host, source, profiles)
+            shown = f"hidup/profiles/{path.name}" if path.parent == PROFILE_DIR else path
+            print(f"  written into {shown}")
     print(f"{'model':18s} {'prec':4s} k  {'mode':11s} {'measured':>9s} {'predicted':>9s} "
           f"{'error':>7s} {'busy':>7s} {'kernels':>8s}")
     errors = []
     for r in rows:
         if not r["contestant"].startswith("hidup ") or r["precision"] not in hosts:
             continue
-        step, kernels = predict(r, hosts[r["precision"]], args.batch)
+        step, kernels = predict(r, hosts[r["precision"]], args.batch, profiles)
         err = 1e3 * step / r["median_ms"] - 1
-        sample = "in " if r["k"] == args.fit_k else "out"
+        sample = "in " if in_sample(r, args.fit_k, fit_models) else "out"
         if sample == "out":
             errors.append(abs(err))
         busy = "" if r.get("busy_ms") is None else f"{r['busy_ms']:7.2f}"

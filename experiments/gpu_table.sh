@@ -7,6 +7,12 @@
 # limit and the parts after a failed one still run, except that nothing runs when the smallest
 # CUDA step (smoke) fails. Needs torch with CUDA, pytest and `transformers` (for the third-party
 # checks and the memory cases).
+# Not in the default list: h200-calibration, about 330 s on an H200 (the total it lets its four
+# commands run; CALIBRATION_S=SECONDS changes it): eager bf16 traces of bert-sgmoe:paper and
+# switch-trace:paper at batch 32 into OUT/traces (experiments.eager_trace, for
+# calibration.from_trace), then executor rows in bf16 at each model's own batch (bert-sgmoe 32,
+# gpt 8) into OUT/exec-bf16-{bert,gpt-k1,gpt-k2}.json (experiments.gpu_accuracy fits each mode's
+# host cost per task on bert-sgmoe's k=1 rows and predicts the rest out of sample).
 set -u
 out=${1:?give a folder for the results}
 shift
@@ -51,3 +57,18 @@ part others-bf16 300 python3 -m experiments.executor_overhead --models gpt:paper
     --out "$out/gpt-switch-paper-bf16.json"
 bert bert-sgmoe-fp32 200 fp32 32
 bert bert-sgmoe-b128-bf16 200 bf16 128
+# h200-calibration: each command its own limit, so the rows of one survive another's timeout;
+# gpt:paper's k=2 (never finished within a lease before) gets what is left of the total
+calibration_start=$SECONDS
+part h200-calibration 40 python3 -m experiments.eager_trace --models bert-sgmoe:paper \
+    switch-trace:paper --batch 32 --precision bf16 --out-dir "$out/traces"
+executor_bf16() {  # executor_bf16 LIMIT NAME MODEL K...: rows into $out/exec-bf16-NAME.json
+    local limit=$1 name=$2 model=$3; shift 3
+    part h200-calibration "$limit" python3 -m experiments.executor_overhead --models "$model" \
+        --precision bf16 --micro-batches "$@" --rounds 3 --steps 5 --busy \
+        --out "$out/exec-bf16-$name.json"
+}
+executor_bf16 150 bert bert-sgmoe:paper 1 2
+executor_bf16 75 gpt-k1 gpt:paper 1
+left=$(( ${CALIBRATION_S:-330} - (SECONDS - calibration_start) ))
+executor_bf16 $(( left > 60 ? left : 60 )) gpt-k2 gpt:paper 2
