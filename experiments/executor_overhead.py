@@ -68,8 +68,8 @@ def parse_args(argv=None):
                     choices=["graph", "compile", "cuda-graphs"],
                     help="executor modes (default: graph and compile; cuda-graphs too on CUDA)")
     ap.add_argument("--plans", nargs="+", default=["ddp"],
-                    help="hidup's plans: fixed strategies (ddp, fsdp, megatron, expert; fsdp+tp, "
-                         "dp-megatron, dp-expert on --cluster's mesh) or "
+                    help="hidup's plans: fixed strategies (ddp, fsdp, megatron, megatron-sp, "
+                         "expert; fsdp+tp, dp-megatron, dp-expert on --cluster's mesh) or "
                          "'search', the plan hidup.plan chooses for --cluster within --memory "
                          "(default: %(default)s)")
     ap.add_argument("--cluster", default="cpu-gloo-loopback",

@@ -7,7 +7,7 @@
     loss = trainer.step(*global_batch)         # under torchrun: every rank gets the same batch
 
 `model(*inputs)` must return the scalar loss. A fixed strategy by name ("ddp", "fsdp",
-"megatron", "expert") works wherever a Plan does. To simulate a plan step by step (as
+"megatron", "megatron-sp", "expert") works wherever a Plan does. To simulate a plan step by step (as
 simulator.predict prints it): `simulator.predict.predict_plan(plan)`. The plan is chosen by
 hidup.planning.select, as the commands choose it; the Trainer is in hidup.runtime.trainer."""
 from __future__ import annotations
@@ -37,7 +37,8 @@ def plan(model: torch.nn.Module, example_inputs: tuple | list, *, cluster: str, 
     strategy "search" (default) runs HiDup's Duplex-aware search on the cluster's mesh (`mesh`:
     machines x GPUs per machine to choose another) within `memory` bytes per device (default:
     the profile's device memory), with the fixed strategies as baselines, and keeps the fastest
-    plan that fits; "ddp", "fsdp", "megatron" or "expert" takes that fixed strategy.
+    plan that fits; "ddp", "fsdp", "megatron", "megatron-sp" or "expert" takes that fixed
+    strategy.
     micro_batches None lets the planner choose between plain SPMD and Duplex (k=2); a number fixes it. `optimizer`
     is the one training will use ("sgd", "adamw", ...: its state counts in memory and its
     update in the step). `recompute` is activation checkpointing: "auto" recomputes the fewest

@@ -24,7 +24,7 @@ from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import Plan, resolve_strategy, save_plan
 from hidup.planning.profile_file import load_profile
 from hidup.planning.select import DUPLEX_K, SEARCH, Goal, select_plan
-from hidup.strategy import (NoMicroBatches, Strategy, parse_recompute, recomputing,
+from hidup.strategy import (ACROSS, FIXED, NoMicroBatches, Strategy, parse_recompute, recomputing,
                             selective_part)
 from hidup.program import HOST_MODES, OPTIMIZERS, lower
 from hidup.program.tasks import LoweringError
@@ -175,8 +175,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="world size (default: %(default)s)")
     p.add_argument("--strategy", metavar="NAME|PATH", default=SEARCH,
                    help=f"'{SEARCH}': HiDup's searched plan beside the fixed strategies; or one "
-                        f"strategy alone: a fixed one (ddp, fsdp, megatron, expert; on --mesh "
-                        f"also dp-megatron, dp-expert, fsdp+tp, tp+ep) or the path of a plan "
+                        f"strategy alone: a fixed one ({', '.join(FIXED)}; on --mesh "
+                        f"also {', '.join(ACROSS)}) or the path of a plan "
                         f"file (default: %(default)s)")
     p.add_argument("--batch", metavar="B", type=_positive, default=None,
                    help="global batch size (default: the model's own)")

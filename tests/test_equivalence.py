@@ -40,6 +40,10 @@ CASES += [("gpt:tiny", "megatron+recompute", 2), ("gpt:tiny", "fsdp+recompute", 
 # a Llama-shaped model (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU)
 CASES += [("llama:tiny", "megatron", 2), ("llama:tiny", "search", 2),
           ("llama:tiny", "fsdp+recompute", 2)]
+# sequence parallelism: Megatron with the ops between its regions split on the sequence
+# (entered by reduce-scatter, left by all-gather), and a vocabulary-parallel embedding
+CASES += [(m, "megatron-sp", k) for m in ("gpt:tiny", "llama:tiny") for k in (1, 2)]
+CASES += [("bert-sgmoe:tiny", "megatron-sp", 2), ("llama:tiny", "megatron-sp+selective", 2)]
 # selective recomputation: the matmuls' outputs kept, differentiated again from recomputed inputs,
 # attention run once, keeping its inputs and output
 CASES += [("gpt:tiny", "megatron+selective", 2), ("bert-sgmoe:tiny", "fsdp+selective", 1),
@@ -208,10 +212,11 @@ FLAT = "random-flat-"  # random, some layers over every rank
 MESH_CASES = [("gpt:tiny", "dp-megatron", 1), ("gpt:tiny", "dp-megatron", 2),
               ("bert-sgmoe:tiny", "dp-expert", 2), ("gpt:tiny", "search-2d", 2),
               ("bert-sgmoe:tiny", "search-2d", 1)]
-# FSDP across the machines and Megatron inside (parameters stored sharded over the mesh column)
+# FSDP across the machines and Megatron with sequence parallelism inside (parameters stored
+# sharded over the mesh column)
 MESH_CASES += [("gpt:tiny", "fsdp+tp", 1), ("gpt:tiny", "fsdp+tp", 2),
                ("bert-sgmoe:tiny", "fsdp+tp", 2), ("gpt:tiny", "fsdp+tp+recompute", 2),
-               ("gpt:tiny", "fsdp+tp+selective", 2)]
+               ("gpt:tiny", "fsdp+tp+selective", 2), ("llama:tiny", "fsdp+tp", 2)]
 MESH_CASES += [(m, f"random-{seed}", 1 + seed % 2) for m in ("gpt:tiny", "bert-sgmoe:tiny")
                for seed in range(4)]
 # ops over every rank (flat) beside ops over a machine's ranks: tp+ep (experts over every GPU,

@@ -2,12 +2,20 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
+import torch
 
+from hidup.graph.capture import capture
 from hidup.graph.placement import R, Shard
+from hidup.models import get_model
+from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import PlanError, load_plan, save_plan
-from hidup.strategy import data_parallel, megatron
+from hidup.program import lower
+from hidup.program.tasks import Convert
+from hidup.strategy import data_parallel, fixed_strategy, megatron
+from hidup.strategy.sequence import megatron_sp
 
 
 def test_ddp_splits_batch_and_replicates_parameters(tiny_graphs):
@@ -74,3 +82,40 @@ def test_expert_keeps_the_loss_a_partial_sum_and_moves_tokens_by_all_to_all():
     graph = capture_model(spec, spec.batch)
     kinds = collections.Counter(c.kind for c in lower(graph, expert_parallel(graph, 2), 2).collectives)
     assert set(kinds) == {"all_to_all", "all_reduce"}
+
+
+def test_sequence_parallelism_splits_the_stretches_between_regions(tiny_graphs):
+    """megatron-sp: the embedding split by vocabulary, Megatron's regions as in megatron, and
+    the ops between them (layer norms, residual adds) split on the sequence (dim 1): entered by
+    a reduce-scatter of a region's Partial output, left by an all-gather into the next region's
+    column-parallel linear; no activation is all-reduced in the forward."""
+    _, _, graph = tiny_graphs["gpt:tiny"]
+    s = fixed_strategy("megatron-sp", graph, 2)
+    tp = megatron(graph, 2)
+    assert s.home("p_tok_weight") == Shard(0)
+    assert str(s.options["embedding"]) == "(S(0), R) -> P(sum)"
+    assert str(s.options["scaled_dot_product_attention"]) == "(S(1), S(1), S(1)) -> S(1)"
+    for op in ("linear", "linear_3", "linear_5"):  # the regions are Megatron's
+        assert s.options[op] == tp.options[op], op
+    norms = [n.name for n in graph.ops if n.op == "aten.layer_norm.default"]
+    adds = [n.name for n in graph.ops if n.op == "aten.add.Tensor"]
+    assert norms and all(s.options[n].output == Shard(1) for n in norms + adds)
+    forward = [t for t in lower(graph, s, 2, k=1).tasks
+               if isinstance(t, Convert) and t.phase == "fwd" and t.collective]
+    kinds = Counter(t.kind for t in forward)
+    assert kinds["reduce_scatter"] >= 3 and kinds["all_gather"] >= 3, kinds
+    assert not [t for t in forward if t.kind == "all_reduce"
+                and graph.node(t.tensor).out.shape[-1] == 32], kinds  # no hidden-wide all-reduce
+
+
+def test_sequence_parallelism_holds_less_than_megatron():
+    """Between the regions each rank holds a piece of the sequence: llama:tiny's activations
+    under megatron-sp are below those of the same regions with the stretches between them whole,
+    and its weights are split alike."""
+    spec = get_model("llama:tiny", gpus=2)
+    graph = capture(spec.build(), spec.inputs(spec.batch, torch.Generator().manual_seed(0)))
+    sp, whole = megatron_sp(graph, 2), megatron_sp(graph, 2, sequence=False)
+    assert sp.placements == whole.placements and sp.options != whole.options
+    held, held_whole = (peak_memory(lower(graph, s, 2, k=1)) for s in (sp, whole))
+    assert held.params == held_whole.params
+    assert held.activations_peak < 0.9 * held_whole.activations_peak, (held, held_whole)

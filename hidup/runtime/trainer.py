@@ -207,8 +207,8 @@ def parallelize(model: torch.nn.Module, plan, *, optimizer: Callable,
                 micro_batches: int | None = None, autocast: torch.dtype | None = None,
                 cuda_graphs: bool = False, example_inputs: tuple | None = None,
                 state_dict: dict | None = None) -> Trainer:
-    """Run `plan` (a hidup.Plan, or a fixed strategy: "ddp", "fsdp", "megatron", "expert") for
-    `model` on this rank (under torchrun with the process group initialized, or alone): returns
+    """Run `plan` (a hidup.Plan, or a fixed strategy: "ddp", "fsdp", "megatron", "megatron-sp",
+    "expert") for `model` on this rank (under torchrun with the process group initialized, or alone): returns
     the Trainer.
 
     optimizer: a function of the parameters that returns a torch.optim optimizer (it gets this

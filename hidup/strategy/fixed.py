@@ -12,6 +12,7 @@ from hidup.graph.placement import (R, Partial, Placement, Shard, ShardingOption,
                                    flat_option, is_flat, plain)
 from hidup.strategy.base import Strategy, fitting_options, placed, propagate, splits_evenly
 from hidup.strategy.recompute import layers
+from hidup.strategy.sequence import megatron_sp
 
 
 def data_parallel(graph: Graph, world: int, batch_dim: int = 0) -> Strategy:
@@ -148,11 +149,12 @@ def sharded_storage(graph: Graph, strategy: Strategy, world: int,
 
 
 FIXED = {"ddp": data_parallel, "fsdp": fully_sharded, "megatron": megatron,
-         "expert": expert_parallel}
+         "megatron-sp": megatron_sp, "expert": expert_parallel}
+TENSOR_PARALLEL = ("megatron", "megatron-sp")
 # on a 2-D mesh: the strategy inside each machine, data parallel across the machines (fsdp+tp:
-# with every parameter that can be stored sharded across the machines, as torchtitan's 2-D
-# FSDP + tensor parallelism)
-ACROSS = {"dp-megatron": "megatron", "dp-expert": "expert", "fsdp+tp": "megatron",
+# with every parameter that can be stored sharded across the machines and sequence parallelism
+# inside, as torchtitan's 2-D FSDP + tensor parallelism)
+ACROSS = {"dp-megatron": "megatron", "dp-expert": "expert", "fsdp+tp": "megatron-sp",
           "tp+ep": "megatron"}
 
 
@@ -252,7 +254,7 @@ def _as_named(name: str, graph: Graph, strategy: Strategy, world: int,
                 f"{node.name}) does not split into {split} equal parts; give a --batch that is "
                 f"a multiple of {split}, or a GPU count that divides {size} "
                 f"({_divisors(size)})")
-    weights = _tensor_parallel_weights(graph) if base == "megatron" else []
+    weights = _tensor_parallel_weights(graph) if base in TENSOR_PARALLEL else []
     whole = [w for w in weights if strategy.placements.get(w) == R]
     if weights and len(whole) == len(weights) or not _splits_anything(strategy):
         dims = sorted({d for w in weights for d in graph.node(w).out.shape}) or \
