@@ -14,9 +14,10 @@ The rules are about ops and placements, never about a model:
   embedding) and going on through whole values that ops of the stretch make;
 - its ops take the options that split each of the stretch's values (and what enters it) on
   one dim `d`, every other input as Megatron reads it or, where that is whole, sliced (no
-  traffic; its gradient gathered in the backward), with `d` the first dim after the batch's
-  (dim 0, which data parallelism and Duplex split) that every op of the stretch can split so.
-  A stretch with no such dim stays whole."""
+  traffic; its gradient gathered in the backward), with `d` the dim after the batch's (dim 0,
+  which data parallelism and Duplex split) that the most of its ops can split so. An op with
+  no such option stays whole and reads the stretch's split values gathered (a loss on
+  flattened rows, a mixture-of-experts dispatch)."""
 from __future__ import annotations
 
 from hidup.graph.capture import Graph
@@ -65,50 +66,55 @@ def _whole(option: ShardingOption) -> bool:
 
 
 def stretches(graph: Graph, strategy: Strategy) -> list[list[str]]:
-    """The stretches between tensor-parallel regions, each its ops in topological order: an op
-    run whole that reads a Partial value made whole, and the ops run whole that read what the
-    stretch's ops make (two such starts that reach the same op are one stretch)."""
+    """The stretches between tensor-parallel regions, each its ops in topological order: the
+    ops run whole that read a Partial value made whole, and the ops run whole that read what
+    those make, on and on; split into the parts that share no value."""
     home = strategy.home
     whole = {n.name for n in graph.ops if _whole(strategy.options[n.name])}
-    starts = [n.name for n in graph.ops if n.name in whole and any(
-        isinstance(home(t), Partial) for t in n.inputs)]
     readers: dict[str, list[str]] = {}
     for n in graph.ops:
         for t in n.inputs:
             readers.setdefault(t, []).append(n.name)
-    order = {n.name: i for i, n in enumerate(graph.ops)}
-    seen: set[str] = set()
-    out = []
-    for start in starts:
-        if start in seen:
-            continue
-        found, todo = set(), [start]
-        while todo:
-            op = todo.pop()
-            if op in found:
-                continue
-            found.add(op)
-            todo += [r for r in readers.get(op, ()) if r in whole]  # what reads its output
-        seen |= found
-        out.append(sorted(found, key=order.__getitem__))
-    return out
+    reach, todo = set(), [n.name for n in graph.ops if n.name in whole and any(
+        isinstance(home(t), Partial) for t in n.inputs)]
+    while todo:
+        op = todo.pop()
+        if op not in reach:
+            reach.add(op)
+            todo += [r for r in readers.get(op, ()) if r in whole]
+    part = {op: op for op in reach}  # union-find over the values the reached ops share
+
+    def root(op: str) -> str:
+        while part[op] != op:
+            part[op] = part[part[op]]
+            op = part[op]
+        return op
+    for op in reach:
+        for t in graph.node(op).inputs:
+            if t in reach:
+                part[root(t)] = root(op)
+    groups: dict[str, list[str]] = {}
+    for n in graph.ops:
+        if n.name in reach:
+            groups.setdefault(root(n.name), []).append(n.name)
+    return list(groups.values())
 
 
 def _split_stretch(graph: Graph, strategy: Strategy, stretch: list[str],
-                   world: int) -> dict[str, ShardingOption] | None:
-    """The options that split the stretch on its first common dim after the batch's, or None."""
+                   world: int) -> dict[str, ShardingOption]:
+    """The options that split the stretch's ops on one dim after the batch's: of the dims, the
+    one that splits the most of them (the first of those), each op that has such an option
+    taking it. The others stay whole, reading split values gathered (an all-gather: with the
+    reduce-scatter that entered the stretch, an all-reduce's traffic, as before)."""
     inside = set(stretch)
-    rank = min(len(graph.node(op).out.shape) for op in stretch)
+    rank = max(len(graph.node(op).out.shape) for op in stretch)
+    best: dict[str, ShardingOption] = {}
     for d in range(BATCH_DIM + 1, rank):
-        chosen = {}
-        for op in stretch:
-            option = _option_on(graph, strategy, op, inside, d, world)
-            if option is None:
-                break
-            chosen[op] = option
-        else:
-            return chosen
-    return None
+        chosen = {op: o for op in stretch
+                  if (o := _option_on(graph, strategy, op, inside, d, world)) is not None}
+        if len(chosen) > len(best):
+            best = chosen
+    return best
 
 
 def _option_on(graph: Graph, strategy: Strategy, op: str, inside: set[str], d: int,
