@@ -4,7 +4,6 @@ from __future__ import annotations
 import faulthandler
 import os
 import socket
-import sys
 import tempfile
 
 import pytest
@@ -48,14 +47,6 @@ def _worker(rank, world, store, fn, args, out_dir):
         dist.barrier()  # no rank tears down while another still works
     finally:
         dist.destroy_process_group()
-    # The rank's result is saved and every rank is done: end here, not through the interpreter's
-    # teardown. There a rank aborted in C++ ("terminate called without an active exception", no
-    # Python frame left) in 5 CI runs: 4 checkpoint tests of test_api and one of
-    # test_calibration_ops, with a TCP store in rank 0 and with a file store alike. Its cause is
-    # not found (about 80 runs here never aborted); it is not what these tests check.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 # The ranks are forked from a server process that has imported torch and HiDup once (the

@@ -1,10 +1,17 @@
 """Capture: every node carries shape, dtype, FLOPs and bytes; failures name the node and op."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from hidup.graph.capture import CaptureError, capture
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class TwoLinear(torch.nn.Module):
@@ -167,3 +174,40 @@ def test_no_grad_and_autocast_blocks_are_inlined_and_run_as_eager(dtype):
     grad = next(g for g in trainer.executor.grads.values() if g is not None)
     assert torch.allclose(got, loss, rtol=1e-6), (float(got), float(loss))
     assert torch.allclose(grad.reshape(8, 8), model.w.grad, rtol=1e-5, atol=1e-6)
+
+
+_AFTER_INIT = """
+import gc, os, sys, torch, torch.distributed as dist
+threads = lambda: len(os.listdir("/proc/self/task"))
+before = threads()
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+from hidup.graph.capture import capture
+class TwoLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 4)
+    def forward(self, x):
+        return self.a(x).sum()
+if sys.argv[2] == "capture":
+    capture(TwoLinear(), (torch.randn(2, 8),))
+else:  # torch.export alone, as capture calls it
+    torch.export.export(TwoLinear(), (torch.randn(2, 8),))
+dist.destroy_process_group()
+gc.collect()
+print(threads() - before)
+"""
+
+
+def test_capture_after_init_lets_the_process_group_go(tmp_path):
+    """Captured after init_process_group (as a user under torchrun plans), the default process
+    group is freed by destroy_process_group(): gloo's worker threads end there, not while the
+    interpreter finalizes, where one could abort the process. torch.export alone keeps them (the
+    defaults of torch.distributed.nn.functional hold the group), so this check can fail."""
+    def threads_left(how: str) -> int:
+        run = subprocess.run([sys.executable, "-c", _AFTER_INIT, str(tmp_path / how), how],
+                             capture_output=True, text=True, timeout=300, cwd=ROOT,
+                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert run.returncode == 0, run.stderr[-2000:]
+        return int(run.stdout.split()[-1])
+    assert threads_left("capture") == 0
+    assert threads_left("export") > 0  # what capture undoes is there on this torch

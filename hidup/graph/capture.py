@@ -6,8 +6,10 @@ modules such as nn.MultiheadAttention). The executor runs the same ATen ops node
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 import operator
+import sys
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
@@ -153,6 +155,26 @@ _KIND = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer", InputKind.USE
          InputKind.CONSTANT_TENSOR: "buffer"}
 
 
+def unpin_default_group() -> None:
+    """Let `destroy_process_group()` free the default process group after torch.export ran.
+
+    `torch.distributed.nn.functional` writes `group=group.WORLD` as its functions' default,
+    evaluated when the module is first imported, and torch.export's tracer (torch._dynamo)
+    imports it. Imported after `init_process_group`, ten defaults hold the default group past
+    `destroy_process_group()`: gloo's worker threads then live until the interpreter finalizes,
+    and one freeing a collective's tensors there can abort the process (std::terminate, "terminate
+    called without an active exception", after a run that worked). To those functions None is
+    the same default group, so each default that holds a process group becomes None."""
+    module = sys.modules.get("torch.distributed.nn.functional")
+    if module is None or not torch.distributed.is_available():
+        return
+    group_type = torch.distributed.ProcessGroup
+    for fn in vars(module).values():
+        if inspect.isfunction(fn) and any(isinstance(d, group_type) for d in fn.__defaults__ or ()):
+            fn.__defaults__ = tuple(None if isinstance(d, group_type) else d
+                                    for d in fn.__defaults__)
+
+
 def capture(model: torch.nn.Module, example_inputs: tuple) -> Graph:
     """Export `model(*example_inputs)` (which must return a scalar loss) to a Graph."""
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):  # no weights: no data
@@ -162,6 +184,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Graph:
         exported = torch.export.export(model, tuple(example_inputs))
     except Exception as exc:  # torch.export names the failing op in its own message
         raise CaptureError(f"torch.export failed for {type(model).__name__}: {exc}") from exc
+    finally:
+        unpin_default_group()
     sources = {spec.arg.name: (_KIND.get(spec.kind), spec.target or spec.arg.name)
                for spec in exported.graph_signature.input_specs}
     nodes: list[Node] = []
