@@ -12,7 +12,7 @@ import math
 import sys
 from pathlib import Path
 
-from hidup.cli import RECOMPUTE_HELP, Parser, parse_mesh
+from hidup.cli import RECOMPUTE_HELP, Parser, number, parse_mesh
 from hidup.cli.progress import progress, status_line
 from hidup.models import capture_model, get_model, names
 from hidup.graph.dtypes import PRECISIONS, run_dtypes
@@ -190,22 +190,25 @@ def report(res: dict) -> list[str]:
         if any(key in node.op for key in KEY_OPS):
             lines.append(f"  {node.name} ({node.op.split('.')[1]}): "
                          f"{mesh_option(graph, strategy, node.name)}")
-    head = ("SPMD k=1 (ms)", f"Duplex k={k} (ms)", "peak mem (GiB)", "hidup speedup")
-    lines += ["", f"{'plan':<12}" + "".join(f"  {h}" for h in head)]
+    head = ("SPMD k=1 (ms)", f"Duplex k={k} (ms)", f"peak k=1 / k={k} (GiB)", "hidup speedup")
+    width, over = max(12, *map(len, rows)), False
+    lines += ["", f"{'plan':<{width}}" + "".join(f"  {h}" for h in head)]
     for name, t in rows.items():
         times = [t[key] for key in ("k1_ms", f"k{k}_ms") if t[key] is not None]
         fastest = min(times) if times else None
-        memory = max((t[key] for key in ("k1_gib", f"k{k}_gib") if t[key] is not None),
-                     default=None)
+        peaks = [t[key] for key in ("k1_gib", f"k{k}_gib")]
+        starred = limit is not None and any(g is not None and g > limit for g in peaks)
+        over |= starred
         cells = [f"{t['k1_ms']:.2f}" if t["k1_ms"] is not None else "-",
                  f"{t[f'k{k}_ms']:.2f}" if t[f"k{k}_ms"] is not None else "-",
-                 "-" if memory is None else
-                 f"{memory:.3g}" + ("*" if limit is not None and memory > limit else ""),
+                 " / ".join("-" if g is None else number(g, 3) for g in peaks)
+                 + ("*" if starred else ""),
                  f"{fastest / best:.3f}x" if fastest and best else "-"]
-        lines.append(f"{name:<12}" + "".join(f"  {c:>{len(h)}}" for c, h in zip(cells, head)))
-    lines.append("(hidup speedup: this plan's best time, with or without Duplex, over hidup's; "
-                 "*: over the memory limit in one of its runs; the search keeps only runs that "
-                 "fit)")
+        lines.append(f"{name:<{width}}" + "".join(f"  {c:>{len(h)}}"
+                                                  for c, h in zip(cells, head)))
+    lines.append("(hidup speedup: this plan's best time, with or without Duplex, over hidup's" +
+                 ("; *: over the memory limit in one of its runs; the search keeps only runs "
+                  "that fit)" if over else ")"))
     return lines
 
 

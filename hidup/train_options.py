@@ -10,6 +10,7 @@ from pathlib import Path
 
 from hidup.cli import Parser
 from hidup.models import names
+from hidup.strategy import FIXED
 
 PROG = "python -m hidup.train"
 DESCRIPTION = """Real training with a strategy: `python -m hidup.train --nproc-per-node N
@@ -80,8 +81,8 @@ def parser() -> Parser:
                          f"module(*batch) returns the loss and inputs(batch_size, "
                          f"torch.Generator) returns the global batch, a tuple of tensors")
     ap.add_argument("--strategy", default=d.strategy,
-                    help="a fixed strategy ('ddp', 'fsdp', 'megatron', 'expert') or the path of a "
-                         "plan file (python -m hidup.planner)")
+                    help=f"a fixed strategy ({', '.join(FIXED)}) or the path of a plan file "
+                         f"(python -m hidup.planner)")
     ap.add_argument("--duplex", action="store_true", help="Duplex: two micro-batches per rank")
     ap.add_argument("--micro-batches", type=int, default=d.micro_batches,
                     help="micro-batches per rank (overrides --duplex; 1 = plain SPMD)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import textwrap
 from dataclasses import asdict, dataclass
 
+from hidup.cli import number
 from hidup.graph.capture import Graph
 from hidup.planning.costs import Profile
 from hidup.planning.memory import MemoryReport
@@ -93,8 +94,8 @@ class Prediction:
 
     def _memory_lines(self) -> list[str]:
         limit = self.profile.device_memory
-        over = [f"{name} needs {m.peak / 2**30:.3g} GiB per rank" for name, _, m in self.rows()
-                if not self.fits(m)]
+        over = [f"{name} needs {number(m.peak / 2**30, 3)} GiB per rank"
+                for name, _, m in self.rows() if not self.fits(m)]
         if not over:
             return []
         return [f"does not fit a device's {limit / 2**30:.3g} GiB: {' and '.join(over)}; choose "
@@ -126,16 +127,20 @@ class Comparison:
                           first.optimizer), ""]
         if self.search_note:
             lines += [self.search_note, ""]
-        head = ("plan", "SPMD k=1 (ms)", f"Duplex k={k} (ms)", "Duplex gain", "peak mem (GiB)")
+        head = ("plan", "SPMD k=1 (ms)", f"Duplex k={k} (ms)", "Duplex gain",
+                f"peak k=1 / k={k} (GiB)")
         width = max(len(head[0]), *(len(p.strategy.name) for p in self.predictions))
         lines.append(f"{head[0]:<{width}}" + "".join(f"  {h}" for h in head[1:]))
         for i, p in enumerate(self.predictions):
-            mem = max(m.peak for _, _, m in p.runs()) / 2**30
-            cells = [_ms(p, 0), _ms(p, 1), f"{p.speedup:.3f}x", f"{mem:.3g}"]
+            peaks = [number(m.peak / 2**30, 3) for _, _, m in p.runs()[:1 if p.notes else 2]]
+            cells = [_ms(p, 0), _ms(p, 1), f"{p.speedup:.3f}x", " / ".join(peaks)]
             mark = "  <- chosen" if i == self.chosen else ""
             lines.append(f"{p.strategy.name:<{width}}" + "".join(
                 f"  {c:>{len(h)}}" for c, h in zip(cells, head[1:])) + mark)
-        lines += ["(*: does not fit a device's memory)", "", self.why(), ""]
+        starred = any(not p.fits(m) for p in self.predictions
+                      for _, _, m in p.runs()[:1 if p.notes else 2])
+        lines += ["(*: does not fit a device's memory)"] if starred else []
+        lines += ["", self.why(), ""]
         chosen = self.predictions[self.chosen]
         lines += [f"{chosen.strategy.name}, simulated:", *_table(chosen.rows()),
                   *_notes(chosen.strategy), "", *chosen.plan_lines()]
@@ -146,7 +151,7 @@ class Comparison:
         chosen = self.predictions[self.chosen]
         k, result = chosen.best()
         duplex = f"with Duplex (k={k})" if k > 1 else "without Duplex"
-        line = (f"chose {chosen.strategy.name} {duplex}: {result.step_time * 1e3:.4g} ms a step; "
+        line = (f"chose {chosen.strategy.name} {duplex}: {number(result.step_time * 1e3)} ms a step; "
                 f"{describe(chosen.graph, chosen.strategy)}")
         others = [(p, p.best()) for i, p in enumerate(self.predictions) if i != self.chosen]
         others = [(p, b) for p, b in others if b is not None]
@@ -155,9 +160,9 @@ class Comparison:
             what = f"{rival.strategy.name} {'with Duplex' if rk > 1 else 'without Duplex'}"
             if rr.step_time >= result.step_time:
                 line += (f"; {rr.step_time / result.step_time:.3f}x faster than the next best, "
-                         f"{what} ({rr.step_time * 1e3:.4g} ms)")
+                         f"{what} ({number(rr.step_time * 1e3)} ms)")
             else:  # the planner ranks by its one-pass estimate; the simulator adds interference
-                line += (f"; the simulator finds {what} faster ({rr.step_time * 1e3:.4g} ms): "
+                line += (f"; the simulator finds {what} faster ({number(rr.step_time * 1e3)} ms): "
                          f"the planner's estimate, which chose, ranks it slower")
         spmd, duplex_run = chosen.spmd, chosen.duplex
         if k > 1:
@@ -169,7 +174,7 @@ class Comparison:
             why = (f"its extra kernels ({kernels * 1e3:+.4g} ms) cost more than the "
                    f"communication it hides" if kernels >= exposed else
                    f"it leaves more communication exposed ({exposed * 1e3:+.4g} ms)")
-            line += f"; Duplex would take {duplex_run.step_time * 1e3:.4g} ms: {why}"
+            line += f"; Duplex would take {number(duplex_run.step_time * 1e3)} ms: {why}"
         return line
 
     def to_dict(self) -> dict:
@@ -187,7 +192,7 @@ def _ms(p: Prediction, i: int) -> str:
     if i == 1 and p.notes:  # Duplex not simulated: the batch does not split so
         return "-"
     _, result, memory = p.runs()[i]
-    return f"{result.step_time * 1e3:.4g}" + ("" if p.fits(memory) else "*")
+    return number(result.step_time * 1e3) + ("" if p.fits(memory) else "*")
 
 
 def _setting(model: str, batch: int, profile: Profile, gpus: int, optimizer: str) -> str:
@@ -214,9 +219,9 @@ def _table(rows: list[tuple[str, Result, MemoryReport]]) -> list[str]:
     width = max(len(name) for name, _, _ in rows)
     lines = [" " * width + "".join(f"  {c:>{len(c)}}" for c in COLUMNS)]
     for name, r, m in rows:
-        cells = (f"{r.step_time * 1e3:.4g}", f"{r.computation * 1e3:.4g}",
-                 f"{r.communication * 1e3:.4g}", f"{r.overlap_ratio:.1%}",
-                 f"{r.exposed_communication * 1e3:.4g}", f"{m.peak / 2**30:.3g}")
+        cells = (number(r.step_time * 1e3), number(r.computation * 1e3),
+                 number(r.communication * 1e3), f"{r.overlap_ratio:.1%}",
+                 number(r.exposed_communication * 1e3), number(m.peak / 2**30, 3))
         row = "".join(f"  {v:>{len(c)}}" for v, c in zip(cells, COLUMNS))
         lines.append(f"{name:<{width}}{row}")
     return lines

@@ -156,3 +156,21 @@ def test_bucket_mb_zero_reduces_each_parameter_on_its_own():
         p = predict("mlp:tiny", "v100-1x4-nvlink", 2, "ddp", None, 1, SimOptions(bucket_mb=mb))
         return sum(r.task.kind == "all_reduce" for r in p.spmd.records[0] if hasattr(r.task, "kind"))
     assert reductions(0) > reductions(25) >= 1
+
+
+def test_numbers_print_plain():
+    from hidup.cli import number
+    assert [number(72451.3), number(318.34), number(5.3012, 3), number(1554.9, 3)] == \
+        ["72451", "318.3", "5.3", "1555"]
+
+
+def test_the_comparison_gives_each_runs_peak_and_stars_only_what_does_not_fit(capsys):
+    """Peak memory per k beside each plan; the footnote only where a run is starred."""
+    assert main(["--model", "gpt:tiny", "--gpus", "2", "--cluster", "v100-1x4-nvlink"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\nddp +[\d.]+ +[\d.]+ +[\d.]+x +[\d.]+ / [\d.]+\n", out), out
+    assert "peak k=1 / k=2 (GiB)" in out and "*" not in out and "does not fit" not in out
+    assert main(["--model", "gpt:tiny", "--gpus", "2", "--cluster", "v100-1x4-nvlink",
+                 "--memory", "0.0005"]) == 0
+    out = capsys.readouterr().out
+    assert "*" in out and "(*: does not fit a device's memory)" in out, out

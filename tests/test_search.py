@@ -151,7 +151,7 @@ def test_plan_cli_writes_a_plan_that_loads(tmp_path, capsys):
     assert plan_main(["--model", "bert-switch:tiny", "--gpus", "2", "--out", str(out),
                       "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert set(doc["plans"]) == {"hidup", "ddp", "fsdp", "megatron", "expert"}
+    assert set(doc["plans"]) == {"hidup", "ddp", "fsdp", "megatron", "megatron-sp", "expert"}
     chosen = doc["plans"][doc["chosen"]][f"k{doc['chosen_k']}_ms"]
     assert all(chosen <= min(t[key] for key in ("k1_ms", "k2_ms") if t[key] is not None)
                * (1 + 1e-9) for t in doc["plans"].values())
@@ -160,14 +160,14 @@ def test_plan_cli_writes_a_plan_that_loads(tmp_path, capsys):
     assert {n: str(o) for n, o in strategy.options.items()} == doc["options"]  # what it printed
     assert json.loads(out.read_text())["cluster"] == doc["cluster"] == "v100-8x8-10gbps"
     # the plan is named by what it does, with each plan's memory beside its times
-    assert doc["chosen"] in ("hidup", "ddp", "fsdp", "megatron", "expert")
+    assert doc["chosen"] in ("hidup", "ddp", "fsdp", "megatron", "megatron-sp", "expert")
     assert "key ops" in doc["description"] and doc["memory_limit_gib"] == 32
     assert all(t["k1_gib"] > 0 for t in doc["plans"].values())
     assert plan_main(["--model", "bert-switch:tiny", "--gpus", "2"]) == 0
     text = capsys.readouterr().out
     assert re.search(r"\nchose (the searched plan|the fixed strategy \w+, which no searched plan "
                      r"beat) \(.*key ops.*\), with(out)? Duplex", text), text
-    assert "peak mem (GiB)" in text and "search#" not in text
+    assert "peak k=1 / k=2 (GiB)" in text and "search#" not in text
     assert plan_main(["--model", "nope:tiny"]) == 2
     assert "unknown model 'nope'" in capsys.readouterr().err
 

@@ -182,3 +182,9 @@ RECOMPUTE_HELP = ("activation checkpointing: 'auto' recomputes in the backward t
                   "'all', N (the first N layers) or layer names joined by commas (e.g. "
                   "blocks.0,blocks.1) in every plan, whole, or after 'selective:' selectively "
                   "('selective': every layer) (default: auto)")
+
+
+def number(x: float, digits: int = 4) -> str:
+    """x to `digits` significant digits, written out in full where it has more digits before
+    the point (72450, never 7.245e+04): how reports print times and sizes."""
+    return f"{x:.0f}" if abs(x) >= 10 ** digits else f"{x:.{digits}g}"
