@@ -42,6 +42,9 @@ class Result:
     comm_stream: int  # the stream number of the communication stream in `records`
     records: tuple[tuple[Record, ...], ...]  # per rank, in order of completion
     events: int = 0  # discrete events processed
+    # the step's time with neither of rank 0's streams busy: its host issuing tasks (a GPU
+    # profile's host figures), or waiting for another rank
+    idle: float = 0.0
 
     def __str__(self) -> str:
         ms = {k: getattr(self, k) * 1e3 for k in ("step_time", "computation", "communication",
@@ -59,7 +62,9 @@ def step_result(records: list[list[Record]]) -> Result:
     comm = [(r.start, r.end) for r in mine if r.stream == COMM_STREAM]
     communication = sum(e - s for s, e in comm)
     overlapped = sum(covered(s, e, busy) for s, e in comm)
-    return Result(max(ends, default=0.0), sum(e - s for s, e in busy), communication,
+    step = max(ends, default=0.0)
+    either = sum(e - s for s, e in union(busy + comm))
+    return Result(step, sum(e - s for s, e in busy), communication,
                   overlapped / communication if communication > 0 else 0.0,
                   communication - overlapped, COMM_STREAM,
-                  tuple(tuple(rank) for rank in records))
+                  tuple(tuple(rank) for rank in records), idle=max(step - either, 0.0))

@@ -174,3 +174,19 @@ def test_the_comparison_gives_each_runs_peak_and_stars_only_what_does_not_fit(ca
                  "--memory", "0.0005"]) == 0
     out = capsys.readouterr().out
     assert "*" in out and "(*: does not fit a device's memory)" in out, out
+
+
+def test_the_columns_add_up_to_the_step_with_the_host_shown(capsys):
+    """On a GPU profile with host figures a small model's step is mostly the host issuing
+    tasks: computation + exposed communication + idle is the step, and the verdict on Duplex
+    names the host, not the kernels."""
+    assert main(["--model", "gpt:small", "--cluster", "h100-bf16", "--gpus", "1",
+                 "--strategy", "ddp", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for run in ("spmd", "duplex"):
+        r = out[run]
+        total = r["computation_ms"] + r["exposed_communication_ms"] + r["idle_ms"]
+        assert abs(total - r["step_time_ms"]) <= 1e-6 * r["step_time_ms"], r
+        assert r["idle_ms"] > r["computation_ms"]  # host-bound: the idle fills the step
+    assert main(["--model", "gpt:small", "--cluster", "h100-bf16", "--gpus", "1"]) == 0
+    assert "Duplex would take" in (text := capsys.readouterr().out) and "ms idle)" in text, text
