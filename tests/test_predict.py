@@ -114,6 +114,11 @@ def test_a_plan_for_another_world_size_is_refused_naming_the_count(capsys, tmp_p
      "split (256, 1024, 4096) divides by 3"),
     (["--model", "gpt:tiny", "--gpus", "100000", "--strategy", "ddp"],
      "strategy ddp on 100000 GPUs: the batch of 8 (input tokens) does not split"),
+    # a GPU count beyond every dimension is refused before the search
+    (["--model", "mlp:tiny", "--gpus", "4096", "--cluster", "v100-8x8-10gbps"],
+     "4096 GPUs: no op of the model can be split over them (a split over n ranks needs a "
+     "dimension of n or more; the largest is 64, the batch 8), so each GPU would run the "
+     "whole step; give at most 64 GPUs"),
     # a one-machine profile is not stretched over machines it has no link figures for
     (["--model", "bert-sgmoe:tiny", "--gpus", "8", "--cluster", "v100-1x4-nvlink"],
      "cluster v100-1x4-nvlink describes machines of 4 GPU(s) and has no figures for a link "

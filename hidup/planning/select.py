@@ -168,6 +168,8 @@ def _settle(graph: Graph, profile: Profile, goal: Goal
     if len(mesh) != 2 or mesh[0] < 1 or mesh[1] < 1 or mesh[0] * mesh[1] != goal.gpus:
         raise ValueError(f"mesh {'x'.join(map(str, mesh))} is not the {goal.gpus} GPUs; give "
                          f"MACHINESxGPUS whose product is {goal.gpus}")
+    if goal.strategy == SEARCH:  # a fixed strategy says what of its own does not split
+        _check_splits(graph, goal.gpus, mesh[0])
     k, notes = goal.micro_batches or DUPLEX_K, ()
     if k > 1:
         try:
@@ -177,3 +179,18 @@ def _settle(graph: Graph, profile: Profile, goal: Goal
                 raise ValueError(f"micro_batches={goal.micro_batches}: {exc}") from exc
             notes, k = (f"no Duplex: {exc}",), 1
     return replace(goal, mesh=mesh), profile, k, notes
+
+
+def _check_splits(graph: Graph, gpus: int, machines: int) -> None:
+    """Refuse, before any search, a GPU count over which no op can split: a split over n ranks
+    needs a dim of n or more (over the machines of a 2-D mesh, the batch), so beyond the largest
+    dim every GPU would run the whole step."""
+    largest = max((d for n in graph.nodes for d in n.out.shape), default=1)
+    batches = [n.out.shape[0] for n in graph.user_inputs if n.out.shape]
+    batch = min(batches, default=1)
+    if gpus <= largest or machines > 1 and batch % machines == 0 and gpus // machines <= largest:
+        return
+    raise ValueError(f"{gpus} GPUs: no op of the model can be split over them (a split over n "
+                     f"ranks needs a dimension of n or more; the largest is {largest}, the batch "
+                     f"{batch}), so each GPU would run the whole step; give at most {largest} "
+                     f"GPUs, or a larger batch")
