@@ -20,6 +20,8 @@ The rules are about ops and placements, never about a model:
   flattened rows, a mixture-of-experts dispatch)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hidup.graph.capture import Graph
 from hidup.graph.placement import R, Partial, Placement, Shard, ShardingOption
 from hidup.strategy.base import Strategy, fitting_options, propagate
@@ -54,11 +56,7 @@ def sequence_parallel(graph: Graph, strategy: Strategy, world: int) -> Strategy:
         split = _split_stretch(graph, strategy, stretch, world)
         if split:
             options.update(split)
-    if options == strategy.options:
-        return strategy
-    return Strategy(strategy.name, strategy.placements, options, strategy.notes,
-                    strategy.machines, strategy.reshard, strategy.across, strategy.recompute,
-                    strategy.selective, strategy.transposed)
+    return strategy if options == strategy.options else replace(strategy, options=options)
 
 
 def _whole(option: ShardingOption) -> bool:
