@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 
+from hidup.graph.connected import connected
 from hidup.graph.flops import library_op
 from hidup.planning.costs import kernel_key
 from hidup.program.recompute import dropped
@@ -57,9 +58,9 @@ def fused_groups(program: Program, profile) -> list[list[Compute]]:
         if generated(task) and kernel_key(task) not in measured:
             run.append(task)
             continue
-        groups += _connected(run)
+        groups += connected(run, _keys)
         run = []
-    groups += _connected(run)
+    groups += connected(run, _keys)
     return [g for g in groups if len(g) > 1]
 
 
@@ -70,29 +71,9 @@ def generated(task) -> bool:
     return isinstance(task, Compute) and task.phase != "update" and not library_op(task.op)
 
 
-def _connected(run: list[Compute]) -> list[list[Compute]]:
-    """`run` split into the groups of tasks that share a value, each in program order."""
-    parent = list(range(len(run)))
-
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    seen: dict[str, int] = {}
-    for i, task in enumerate(run):
-        for key in (*task.inputs, *task.outputs):
-            if not key:
-                continue
-            if key in seen:
-                parent[root(i)] = root(seen[key])
-            else:
-                seen[key] = i
-    groups: dict[int, list[Compute]] = {}
-    for i, task in enumerate(run):
-        groups.setdefault(root(i), []).append(task)
-    return list(groups.values())
+def _keys(task: Compute) -> list[str]:
+    """The value keys a task reads or writes (what groups it with others in a run)."""
+    return [key for key in (*task.inputs, *task.outputs) if key]
 
 
 def _values(task: Compute) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:

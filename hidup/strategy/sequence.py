@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hidup.graph.capture import Graph
+from hidup.graph.connected import connected
 from hidup.graph.placement import R, Partial, Placement, Shard, ShardingOption
 from hidup.strategy.base import Strategy, fitting_options, propagate
 
@@ -80,22 +81,8 @@ def stretches(graph: Graph, strategy: Strategy) -> list[list[str]]:
         if op not in reach:
             reach.add(op)
             todo += [r for r in readers.get(op, ()) if r in whole]
-    part = {op: op for op in reach}  # union-find over the values the reached ops share
-
-    def root(op: str) -> str:
-        while part[op] != op:
-            part[op] = part[part[op]]
-            op = part[op]
-        return op
-    for op in reach:
-        for t in graph.node(op).inputs:
-            if t in reach:
-                part[root(t)] = root(op)
-    groups: dict[str, list[str]] = {}
-    for n in graph.ops:
-        if n.name in reach:
-            groups.setdefault(root(n.name), []).append(n.name)
-    return list(groups.values())
+    ordered = [n.name for n in graph.ops if n.name in reach]
+    return connected(ordered, lambda op: (op, *(t for t in graph.node(op).inputs if t in reach)))
 
 
 def _split_stretch(graph: Graph, strategy: Strategy, stretch: list[str],
