@@ -29,7 +29,8 @@ import torch
 
 from hidup.graph.capture import capture
 from hidup.models import get_model
-from hidup.planning.profile_file import ProfileError, load_profile
+from hidup.planning.costs import Profile
+from hidup.planning.profile_file import ProfileError, load_profile, profile_path
 from hidup.program import lower
 from hidup.strategy import fixed_strategy
 from simulator.engine import simulate
@@ -71,35 +72,24 @@ def _captured(model: str, batch: int | None):
     return spec, capture(spec.build(), example)
 
 
-def predict(row: dict, host: dict[str, float], batch: int | None,
-            profiles: dict[str, str] = PROFILES) -> tuple[float, float]:
-    """Predicted step and kernel seconds of one hidup row (ddp on one device, SGD), with
-    `profiles[precision]` (a shipped name or a file's path)."""
+def predict(row: dict, profile: Profile, batch: int | None) -> tuple[float, float]:
+    """Predicted step and kernel seconds of one hidup row (ddp on one device, SGD) on `profile`
+    (its precision's, with the fitted host figures)."""
     spec, graph = _captured(row["model"], batch)
-    profile = replace(load_profile(profiles[row["precision"]]), host=host)
     program = lower(graph, fixed_strategy("ddp", graph, 1), 1, row["k"], spec.name,
                     optimizer="sgd")
     result = simulate(program, profile, mode=row["contestant"].removeprefix("hidup "))
     return result.step_time, result.computation
 
 
-def profile_path(name_or_path: str) -> Path:
-    """The file of a profile: a shipped name's in hidup/profiles, or the path itself (read as
-    load_profile reads it)."""
-    if Path(name_or_path).is_file() or name_or_path.endswith(".json") or "/" in name_or_path:
-        return Path(name_or_path)
-    return PROFILE_DIR / f"{name_or_path}.json"
-
-
 def parse_profiles(text: str) -> dict[str, str]:
-    """'bf16=NAME_OR_PATH[,fp32=NAME_OR_PATH]' over the shipped defaults; each one loadable."""
+    """'bf16=NAME_OR_PATH[,fp32=NAME_OR_PATH]' over the shipped defaults."""
     out = dict(PROFILES)
     for item in filter(None, text.split(",")):
         precision, sep, value = item.partition("=")
         if not sep or precision not in PROFILES or not value:
             raise ValueError(f"{item!r}: give PRECISION=PROFILE, PRECISION one of "
                              f"{', '.join(PROFILES)}, PROFILE a shipped name or a file's path")
-        load_profile(value)  # a missing or broken profile is an error now, not mid-table
         out[precision] = value
     return out
 
@@ -134,8 +124,9 @@ def main(argv=None) -> int:
                     help="write the host figures into the profiles' files (hidup/profiles/"
                          "h100*.json, or --profiles' files)")
     args = ap.parse_args(argv)
-    try:
+    try:  # a missing or broken profile is an error now, not mid-table
         profiles = parse_profiles(args.profiles)
+        loaded = {precision: load_profile(name) for precision, name in profiles.items()}
     except (ValueError, ProfileError) as exc:
         ap.error(f"--profiles {exc}")
     rows, setups = [], set()
@@ -148,8 +139,8 @@ def main(argv=None) -> int:
         rows += doc.get("rows", [])
     fit_models = frozenset(args.fit_models)
     hosts = host_figures(rows, args.fit_k, fit_models)
+    of = f" of {', '.join(sorted(fit_models))}" if fit_models else ""
     if not hosts:
-        of = f" of {', '.join(sorted(fit_models))}" if fit_models else ""
         ap.error(f"no hidup row{of} with k={args.fit_k} and host figures (run executor_overhead "
                  f"with --busy on a GPU)")
     print(f"{PROG} {' '.join(map(str, argv if argv is not None else sys.argv[1:]))}")
@@ -158,7 +149,6 @@ def main(argv=None) -> int:
         print("profiles: " + ", ".join(f"{p} {profiles[p]}" for p in sorted(hosts)))
     for precision, host in hosts.items():
         figures = ", ".join(f"{m} {1e6 * s:.1f} us" for m, s in host.items())
-        of = f" of {', '.join(sorted(fit_models))}" if fit_models else ""
         print(f"host per task ({precision}, from k={args.fit_k}{of}): {figures}")
         if args.write:
             flags = f"--fit-k {args.fit_k}" + (
@@ -168,15 +158,16 @@ def main(argv=None) -> int:
                       f"step (at most the step) over the tasks issued, in runs of `bash "
                       f"experiments/gpu_table.sh` ({'; '.join(sorted(setups))})")
             path = write_host(precision, host, source, profiles)
-            shown = f"hidup/profiles/{path.name}" if path.parent == PROFILE_DIR else path
+            shown = f"hidup/profiles/{path.name}" if path.parent.resolve() == PROFILE_DIR else path
             print(f"  written into {shown}")
     print(f"{'model':18s} {'prec':4s} k  {'mode':11s} {'measured':>9s} {'predicted':>9s} "
           f"{'error':>7s} {'busy':>7s} {'kernels':>8s}")
+    priced = {precision: replace(loaded[precision], host=host) for precision, host in hosts.items()}
     errors = []
     for r in rows:
         if not r["contestant"].startswith("hidup ") or r["precision"] not in hosts:
             continue
-        step, kernels = predict(r, hosts[r["precision"]], args.batch, profiles)
+        step, kernels = predict(r, priced[r["precision"]], args.batch)
         err = 1e3 * step / r["median_ms"] - 1
         sample = "in " if in_sample(r, args.fit_k, fit_models) else "out"
         if sample == "out":

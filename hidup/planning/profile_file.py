@@ -55,14 +55,19 @@ def shipped_names() -> list[str]:
 
 def load_profile(name_or_path: str | Path) -> Profile:
     """A shipped profile by name (e.g. 'v100-1x4-nvlink'), or the profile file at a path."""
+    return _read(profile_path(name_or_path))
+
+
+def profile_path(name_or_path: str | Path) -> Path:
+    """The file of a profile: the path itself, or a shipped name's file in hidup/profiles."""
     text = str(name_or_path)
     if Path(text).is_file() or text.endswith(".json") or "/" in text:
-        return _read(Path(text))
+        return Path(text)
     path = resources.files("hidup") / "profiles" / f"{text}.json"
     if not path.is_file():
         raise ProfileError(f"unknown cluster profile {text!r}; choose one of {shipped_names()} "
                            f"or give the path of a profile file")
-    return _read(Path(str(path)))
+    return Path(str(path))
 
 
 def _read(path: Path) -> Profile:
