@@ -199,8 +199,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help=f"model NAME:SIZE, one of {names()}")
     ap.add_argument("--strategy", nargs="+", default=["ddp"],
-                    help="strategies whose kernels to measure: ddp, fsdp, megatron, megatron-sp, expert, a "
-                         "plan file")
+                    help="strategies whose kernels to measure: ddp, fsdp, megatron, megatron-sp, "
+                         "expert, a plan file")
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2],
                     help="micro-batch counts to measure (default 1 2: plain SPMD and Duplex)")
     ap.add_argument("--batch", type=int, default=None, help="global batch (default: the model's)")

@@ -49,6 +49,11 @@ class Prediction:
         """(micro-batches, simulated step, memory) of SPMD and of Duplex."""
         return [(1, self.spmd, self.memory[0]), (self.k, self.duplex, self.memory[1])]
 
+    def simulated(self) -> list[tuple[int, Result, MemoryReport]]:
+        """The runs of `runs` that were simulated: SPMD alone where the batch does not split
+        into Duplex's micro-batches (then `notes` says so)."""
+        return self.runs()[:1 if self.notes else 2]
+
     def fits(self, memory: MemoryReport) -> bool:
         return self.profile.fits(memory.peak) is not False
 
@@ -134,13 +139,12 @@ class Comparison:
         width = max(len(head[0]), *(len(p.strategy.name) for p in self.predictions))
         lines.append(f"{head[0]:<{width}}" + "".join(f"  {h}" for h in head[1:]))
         for i, p in enumerate(self.predictions):
-            peaks = [number(m.peak / 2**30, 3) for _, _, m in p.runs()[:1 if p.notes else 2]]
+            peaks = [number(m.peak / 2**30, 3) for _, _, m in p.simulated()]
             cells = [_ms(p, 0), _ms(p, 1), f"{p.speedup:.3f}x", " / ".join(peaks)]
             mark = "  <- chosen" if i == self.chosen else ""
             lines.append(f"{p.strategy.name:<{width}}" + "".join(
                 f"  {c:>{len(h)}}" for c, h in zip(cells, head[1:])) + mark)
-        starred = any(not p.fits(m) for p in self.predictions
-                      for _, _, m in p.runs()[:1 if p.notes else 2])
+        starred = any(not p.fits(m) for p in self.predictions for _, _, m in p.simulated())
         lines += ["(*: does not fit a device's memory)"] if starred else []
         lines += ["", self.why(), ""]
         chosen = self.predictions[self.chosen]
@@ -153,8 +157,8 @@ class Comparison:
         chosen = self.predictions[self.chosen]
         k, result = chosen.best()
         duplex = f"with Duplex (k={k})" if k > 1 else "without Duplex"
-        line = (f"chose {chosen.strategy.name} {duplex}: {number(result.step_time * 1e3)} ms a step; "
-                f"{describe(chosen.graph, chosen.strategy)}")
+        line = (f"chose {chosen.strategy.name} {duplex}: {number(result.step_time * 1e3)} ms a "
+                f"step; {describe(chosen.graph, chosen.strategy)}")
         others = [(p, p.best()) for i, p in enumerate(self.predictions) if i != self.chosen]
         others = [(p, b) for p, b in others if b is not None]
         if others:
@@ -194,7 +198,7 @@ class Comparison:
 
 
 def _ms(p: Prediction, i: int) -> str:
-    if i == 1 and p.notes:  # Duplex not simulated: the batch does not split so
+    if i >= len(p.simulated()):  # Duplex not simulated: the batch does not split so
         return "-"
     _, result, memory = p.runs()[i]
     return number(result.step_time * 1e3) + ("" if p.fits(memory) else "*")

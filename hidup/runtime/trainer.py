@@ -208,8 +208,8 @@ def parallelize(model: torch.nn.Module, plan, *, optimizer: Callable,
                 cuda_graphs: bool = False, example_inputs: tuple | None = None,
                 state_dict: dict | None = None) -> Trainer:
     """Run `plan` (a hidup.Plan, or a fixed strategy: "ddp", "fsdp", "megatron", "megatron-sp",
-    "expert") for `model` on this rank (under torchrun with the process group initialized, or alone): returns
-    the Trainer.
+    "expert") for `model` on this rank (under torchrun with the process group initialized, or
+    alone): returns the Trainer.
 
     optimizer: a function of the parameters that returns a torch.optim optimizer (it gets this
     rank's shards), e.g. `lambda params: torch.optim.AdamW(params, lr=3e-4)`; lr_scheduler
