@@ -87,7 +87,10 @@ def test_embedding_and_cross_entropy():
                     "(S(1), R) -> S(2)", "(S(0), R) -> P(sum)"]
     opts = node_options(lambda x, t: F.cross_entropy(x, t), torch.randn(4, 5),
                         torch.randint(0, 5, (4,)), op="aten.cross_entropy_loss.default")
-    assert opts == ["(R, R) -> R", "(S(0), S(0)) -> P(sum)"]
+    assert opts == ["(R, R) -> R", "(S(0), S(0)) -> P(sum)", "(S(1), R) -> P(sum)"]
+    opts = node_options(lambda x, t: F.cross_entropy(x, t, label_smoothing=0.1), torch.randn(4, 5),
+                        torch.randint(0, 5, (4,)), op="aten.cross_entropy_loss.default")
+    assert opts == ["(R, R) -> R", "(S(0), S(0)) -> P(sum)"]  # no split of the classes
 
 
 @torch.library.custom_op("hidup_test::twice", mutates_args=())
@@ -267,3 +270,53 @@ def test_experts_mm_over_ranks_sums_to_the_grouped_matmul(world):
     assert torch.allclose(out, want, atol=1e-6)
     assert torch.allclose(xs.grad, xw.grad, atol=1e-6)
     assert torch.allclose(torch.cat([p.grad for p in shards]), ww.grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_vocabulary_parallel_cross_entropy_over_ranks_is_the_whole_loss(world, reduction):
+    """Cross-entropy with its classes split over `world` ranks (threads here, all-reducing
+    through a barrier): the ranks' terms sum to the whole loss, ignored targets dropped from the
+    mean, and each rank's gradient is its columns of the whole loss's; the Program is told of
+    the two all-reduces of one float32 per row."""
+    import threading
+
+    gen = torch.Generator().manual_seed(0)
+    logits, target = torch.randn(6, 8, generator=gen) * 3, torch.tensor([0, 7, -100, 3, 4, 5])
+    graph = capture(Fn(lambda x, t: F.cross_entropy(x, t, reduction=reduction).sum()),
+                    (logits, target))  # (a model returns a scalar loss)
+    node = next(n for n in graph.ops if n.op == "aten.cross_entropy_loss.default")
+    option = parse_option("(S(1), R) -> P(sum)")
+    assert ops.inner_reductions(node, option, ((6, 8 // world), (6,))) == (24, 24)
+    barrier, posted = threading.Barrier(world), [None] * world
+
+    def reduce_over_threads(rank):
+        def reduce(x, op):
+            posted[rank] = x
+            barrier.wait()
+            stacked = torch.stack(posted)
+            barrier.wait()
+            return stacked.amax(0) if op == "max" else stacked.sum(0)
+        return reduce
+
+    pieces = [part.clone().requires_grad_(True) for part in logits.chunk(world, dim=1)]
+    terms = [None] * world
+
+    def run(rank):
+        ctx = ops.LocalContext(rank, world, ((6, 8 // world), (6,)), (), (), ((6, 8), (6,)), True,
+                               whole=lambda name: target, reduce=reduce_over_threads(rank))
+        terms[rank] = ops.local_callable(node, option, ctx)([pieces[rank], target])
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    total = sum(terms)
+    whole = logits.clone().requires_grad_(True)
+    want = F.cross_entropy(whole, target, reduction=reduction)
+    grad = torch.randn(want.shape, generator=gen)
+    total.backward(grad)
+    want.backward(grad)
+    assert torch.allclose(total, want, atol=1e-6)
+    assert torch.allclose(torch.cat([p.grad for p in pieces], dim=1), whole.grad, atol=1e-6)

@@ -13,7 +13,7 @@ from hidup.models import get_model
 from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import PlanError, load_plan, save_plan
 from hidup.program import lower
-from hidup.program.tasks import Convert
+from hidup.program.tasks import Compute, Convert
 from hidup.strategy import data_parallel, fixed_strategy, megatron
 from hidup.strategy.sequence import megatron_sp
 
@@ -105,7 +105,16 @@ def test_sequence_parallelism_splits_the_stretches_between_regions(tiny_graphs):
     kinds = Counter(t.kind for t in forward)
     assert kinds["reduce_scatter"] >= 3 and kinds["all_gather"] >= 3, kinds
     assert not [t for t in forward if t.kind == "all_reduce"
-                and graph.node(t.tensor).out.shape[-1] == 32], kinds  # no hidden-wide all-reduce
+                and graph.node(t.tensor).out.shape[-1:] == (32,)], kinds  # none hidden-wide
+    # the loss reads the logits split by vocabulary (never gathered), all-reducing each row's
+    # maximum and sum of exponentials inside itself: two float32 per row of the batch
+    assert str(s.options["cross_entropy_loss"]) == "(S(1), R) -> P(sum)"
+    logits = graph.node("cross_entropy_loss").inputs[0]
+    assert not [t for t in forward if graph.node(t.tensor).name == logits]
+    loss = next(t for t in lower(graph, s, 2, k=1).tasks if isinstance(t, Compute)
+                and t.node == "cross_entropy_loss" and t.phase == "fwd")
+    rows = graph.node(graph.node("cross_entropy_loss").inputs[1]).out.numel
+    assert loss.reduces == (4 * rows, 4 * rows)
 
 
 def test_sequence_parallelism_holds_less_than_megatron():

@@ -25,6 +25,7 @@ import math
 
 from hidup.graph.connected import connected
 from hidup.graph.flops import library_op
+from hidup.graph.placement import is_flat
 from hidup.planning.costs import kernel_key
 from hidup.program.recompute import dropped
 from hidup.program.tasks import Compute, Convert, Program
@@ -38,12 +39,15 @@ def kernel_times(program: Program, profile, mode: str = "graph") -> dict[int, fl
     gone = dropped(program)
     times = {t.id: 0.0 if t.id in gone else profile.compute_time(t) for t in program.tasks
              if isinstance(t, Compute) or (isinstance(t, Convert) and not t.collective)}
-    if mode != "compile":
-        return times
-    for group in fused_groups(program, profile):
-        flops = sum(t.flops for t in group)
-        times.update({t.id: 0.0 for t in group})
-        times[group[-1].id] = profile.kernel_time(flops, _group_bytes(group, program))
+    if mode == "compile":
+        for group in fused_groups(program, profile):
+            flops = sum(t.flops for t in group)
+            times.update({t.id: 0.0 for t in group})
+            times[group[-1].id] = profile.kernel_time(flops, _group_bytes(group, program))
+    for t in program.tasks:  # all-reduces inside a kernel (Compute.reduces) hold its stream
+        if isinstance(t, Compute) and t.reduces and t.id not in gone:
+            group = program.group(0, is_flat(t.option.output))
+            times[t.id] += sum(profile.collective_time("all_reduce", b, group) for b in t.reduces)
     return times
 
 

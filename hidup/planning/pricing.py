@@ -22,10 +22,11 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from hidup.graph import ops
 from hidup.graph.capture import Node
 from hidup.graph.flops import backward_flops, forward_flops
 from hidup.graph.placement import Placement, R, Replicate, Shard, ShardingOption, flat, \
-    is_flat, plain
+    is_flat, plain, plain_option
 from hidup.strategy import conversion
 from hidup.program.scopes import crossing
 from hidup.program.tasks import LoweringError
@@ -142,7 +143,9 @@ class Pricing:
         nbytes = sum(math.prod(s) for s in ins + [out]) * node.out.itemsize
         compute = self.profile.kernel_time(fwd, nbytes) + \
             self.profile.kernel_time(backward_flops(node.op, fwd, ins, out, node.args),
-                                     2 * nbytes)
+                                     2 * nbytes) + \
+            sum(self.scope_time("all_reduce", b, is_flat(opt.output))
+                for b in ops.inner_reductions(node, plain_option(opt), tuple(ins)))
         if self.mbs.home(node.name) == R:
             compute /= self.k  # runs once per step
         grads = 0.0

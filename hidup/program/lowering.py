@@ -17,17 +17,13 @@ from __future__ import annotations
 
 import math
 
+from hidup.graph import ops
 from hidup.graph.capture import Graph
 from hidup.graph.flops import backward_flops, forward_flops
 from hidup.graph.placement import (Partial, Placement, R, Replicate, Shard, flat, is_flat,
-                                   plain)
+                                   plain, plain_option)
 from hidup.graph.saved import backward_saves
 
-# views whose output is not contiguous: a composite that views a contiguous input copies theirs
-_STRIDED = frozenset(f"aten.{op}" for op in (
-    "transpose.int", "permute.default", "expand.default", "slice.Tensor", "select.int", "t.default",
-    "as_strided.default", "diagonal.default", "narrow.default", "unfold.default",
-    "movedim.int"))
 from hidup.strategy import Strategy, microbatch_split
 from hidup.program.buckets import GradientBuckets
 from hidup.program.microbatches import MicroBatches
@@ -36,6 +32,12 @@ from hidup.program.scopes import Scopes
 from hidup.program.tasks import (BUCKET_BYTES, COLLECTIVES, Compute, Convert,
                                  LoweringError, Program, Task, Wait, gkey, mesh_groups,
                                  optimizer_cost, Shapes, param_key, vkey)
+
+# views whose output is not contiguous: a composite that views a contiguous input copies theirs
+_STRIDED = frozenset(f"aten.{op}" for op in (
+    "transpose.int", "permute.default", "expand.default", "slice.Tensor", "select.int", "t.default",
+    "as_strided.default", "diagonal.default", "narrow.default", "unfold.default",
+    "movedim.int"))
 
 
 class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
@@ -253,7 +255,8 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
         self.add(Compute(
             len(self.tasks), node.name, node.op, "fwd", m, flops, nbytes, ins, out, tuple(keys),
             (vkey(node.name, opt.output, m),), opt, partial, reads=reads, keeps=keeps,
-            alias=self.aliases(node), scratch=self.scratch(node, ins, backward=False)))
+            alias=self.aliases(node), scratch=self.scratch(node, ins, backward=False),
+            reduces=ops.inner_reductions(node, plain_option(opt), ins)))
         self.convert_for_consumers(node.name, m)
         if node.name == self.g.loss:
             self.loss_keys.append(self._report_loss(m))

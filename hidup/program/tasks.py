@@ -105,6 +105,9 @@ class Compute:
     # local bytes it holds only while it runs, beyond what it writes and keeps: a composite
     # op's intermediates (hidup.graph.saved.Saves.scratch)
     scratch: int = 0
+    # a forward's: bytes of each all-reduce it runs inside itself, blocking, over the ranks its
+    # option splits over (Program.group; hidup.graph.ops.inner_reductions)
+    reduces: tuple[int, ...] = ()
 
     def __str__(self) -> str:
         mb = "*" if self.mb is None else self.mb
@@ -203,6 +206,14 @@ class Program:
     def position(self, rank: int) -> tuple[int, int]:
         """A rank's (data-parallel part, place in its row): hidup.program.mesh_position."""
         return mesh_position(rank, self.world, self.machines, self.transposed)
+
+    def group(self, rank: int, flat: bool = False) -> tuple[int, ...]:
+        """The ranks that an op's placements split over, seen from `rank`: its row of the mesh,
+        or (`flat`) every rank."""
+        if flat:
+            return tuple(range(self.world))
+        return next(row for row in mesh_groups(self.world, self.machines, self.transposed)[0]
+                    if rank in row)
 
     @property
     def collectives(self) -> list[Convert]:

@@ -211,8 +211,17 @@ class _TaskRunner:
                (not task.mb_partial or task.mb in (0, None) and (flat or self.machine == 0))
         ctx = ops.LocalContext(rank, world, task.in_shapes, task.out_shape,
                                node.out.shape, tuple(m.shape for m in node.in_metas(self.g)),
-                               root, self.spec.device_type, self.whole)
+                               root, self.spec.device_type, self.whole,
+                               lambda x, op: self.reduce_inside(x, op, flat))
         return ops.local_callable(node, option, ctx)
+
+    def reduce_inside(self, x: torch.Tensor, op: str, flat: bool) -> torch.Tensor:
+        """x all-reduced by `op` over the ranks an op's placements split over, for an op that
+        reduces inside itself (LocalContext.reduce; the Program's Compute.reduces)."""
+        group = self.p.group(self.spec.rank, flat)
+        if len(group) == 1 or self.spec.local_collectives:
+            return x
+        return _C.wait_tensor(_C.all_reduce(x, op, self.spec.group_names[group]))
 
     def whole(self, name: str) -> torch.Tensor | None:
         """Graph tensor `name` computed whole from the whole global batch (each op replicated),

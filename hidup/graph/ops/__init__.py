@@ -2,5 +2,5 @@
 from hidup.graph.ops import (  # noqa: F401 (importing them registers their rules)
     conv, embedding, factory, gating, grouped, loss, matmul, pointwise, reduction, shape)
 from hidup.graph.ops.registry import (  # noqa: F401
-    LocalContext, local_callable, node_options, options, register, register_local, replicated_ops,
+    LocalContext, inner_reductions, local_callable, node_options, options, register, register_local, replicated_ops,
     source)

@@ -1,4 +1,9 @@
-"""Losses: split the batch (and extra target dims); a mean becomes a Partial sum over the global count."""
+"""Losses: split the batch (and extra target dims); a mean becomes a Partial sum over the global
+count. A class loss may also split its classes (vocabulary parallel, as Megatron-LM's and
+torchtitan's `loss_parallel`): each rank holds the logits of its slice of the classes, the
+log-sum-exp of each row comes from two all-reduces inside the op (the rows' maximum, then their
+sums of exponentials), and each rank adds the log-probability of the targets in its slice, a
+Partial sum."""
 from __future__ import annotations
 
 import math
@@ -6,7 +11,8 @@ import math
 import torch
 
 from hidup.graph.capture import Ref, fill
-from hidup.graph.ops.registry import arg, default_local, register, register_local
+from hidup.graph.ops.registry import (arg, default_local, register, register_local,
+                                      register_reductions)
 from hidup.graph.placement import P, R, Shard, ShardingOption
 
 aten = torch.ops.aten
@@ -33,7 +39,28 @@ def class_loss(node, ins):
             d_input = d_target if d_target == 0 else d_target + 1
             out = P if reduced else Shard(d_target)
             opts.append(ShardingOption((Shard(d_input), Shard(d_target)) + (R,) * (n - 2), out))
+    if _vocabulary_parallel_allowed(node, ins):
+        opts.append(ShardingOption((Shard(1), R) + (R,) * (n - 2), P))
     return opts
+
+
+def _vocabulary_parallel_allowed(node, ins) -> bool:
+    """Classes may be split for cross-entropy without label smoothing (whose mean over the
+    classes this split does not compute) and for an nll loss on log-probabilities."""
+    smoothing = arg(node, 5, "label_smoothing", 0.0) if node.op == str(CLASS_LOSSES[0]) else 0.0
+    return ins[0].shape[1] > 1 and smoothing == 0.0
+
+
+def _vocabulary_split(node, option) -> bool:
+    return node.op in map(str, CLASS_LOSSES) and option.inputs[0] == Shard(1)
+
+
+@register_reductions(CLASS_LOSSES)
+def class_loss_reductions(node, option, in_shapes):
+    """The split cross-entropy's two all-reduces of one float32 per row (maximum, then sum)."""
+    if not _vocabulary_split(node, option) or node.op != str(CLASS_LOSSES[0]):
+        return ()
+    return (4 * math.prod(in_shapes[1]),) * 2
 
 
 @register(POINT_LOSSES)
@@ -50,6 +77,8 @@ def point_loss(node, ins):
 def local_loss(node, option, ctx):
     """A mean is this rank's sum over the global number of terms: right for any split of the batch,
     across ranks or across micro-batches."""
+    if _vocabulary_split(node, option):
+        return _vocabulary_parallel(node, ctx)
     if _reduction(node) != MEAN:
         return default_local(node, option, ctx)
     is_class = node.op in map(str, CLASS_LOSSES)
@@ -75,3 +104,64 @@ def local_loss(node, option, ctx):
 
     return run
 
+
+
+def _vocabulary_parallel(node, ctx):
+    """This rank's part of a class loss whose classes are split: the negative log-probability of
+    each row's target where the target is in this rank's slice (0 elsewhere), reduced as the
+    loss reduces (a mean over the whole batch's kept targets)."""
+    reduction, ignore = _reduction(node), arg(node, 4, "ignore_index", -100)
+    logits_too = node.op == str(CLASS_LOSSES[0])  # cross-entropy; nll losses read log-probs
+    count = math.prod(ctx.global_in[1])
+    whole_target = ctx.whole(node.inputs[1]) if ctx.whole is not None else None
+
+    def run(t):
+        x, target = t[0], t[1]
+        first = ctx.rank * x.shape[1]
+        kept = target != ignore
+        local = target - first
+        mine = kept & (local >= 0) & (local < x.shape[1])
+        index = local.clamp(0, x.shape[1] - 1)
+        if logits_too:
+            rows = _SplitCrossEntropy.apply(x, index, mine, kept, ctx.reduce)
+        else:
+            rows = -x.gather(1, index.unsqueeze(1)).squeeze(1) * mine
+        if reduction == 0:
+            return rows
+        total = rows.sum()
+        if reduction == SUM:
+            return total
+        if whole_target is not None:
+            return total / (whole_target != ignore).sum()
+        torch._assert_async(kept.all(), f"node {node.name}: a target equals ignore_index="
+                                        f"{ignore}, and the target depends on parameters, so "
+                                        f"the kept targets of the whole batch cannot be counted")
+        return total / count
+
+    return run
+
+
+class _SplitCrossEntropy(torch.autograd.Function):
+    """Per row, -log softmax(x)[target] over classes split across ranks: this rank's columns x,
+    `index` the target's column here where `mine`. Its output is this rank's term of a Partial
+    sum; its backward gives this rank's columns of the gradient of the whole sum, which needs no
+    communication: softmax(x) - onehot(target) on the kept rows. Like cross-entropy it computes
+    in float32 and keeps its log-probabilities for the backward."""
+
+    @staticmethod
+    def forward(ctx, x, index, mine, kept, reduce):
+        xf = x.float()
+        top = reduce(xf.detach().amax(dim=1), "max")
+        total = reduce((xf - top.unsqueeze(1)).exp().sum(dim=1), "sum")
+        logp = xf - (top + total.log()).unsqueeze(1)
+        ctx.save_for_backward(logp, index, mine, kept)
+        ctx.dtype = x.dtype
+        return -logp.gather(1, index.unsqueeze(1)).squeeze(1) * mine
+
+    @staticmethod
+    def backward(ctx, grad):
+        logp, index, mine, kept = ctx.saved_tensors
+        g = (grad * kept).unsqueeze(1)
+        dx = logp.exp() * g
+        dx = dx.scatter_add(1, index.unsqueeze(1), -(g * mine.unsqueeze(1)))
+        return dx.to(ctx.dtype), None, None, None, None

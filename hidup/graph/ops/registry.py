@@ -13,6 +13,7 @@ from hidup.graph.placement import R, ShardingOption
 RuleFn = Callable[[Node, tuple[TensorMeta, ...]], list[ShardingOption]]
 _RULES: dict[str, RuleFn] = {}
 _LOCALS: dict[str, Callable] = {}
+_REDUCTIONS: dict[str, Callable] = {}
 
 
 def _keys(ops) -> list[str]:
@@ -39,6 +40,26 @@ def register_local(ops):
         return fn
 
     return deco
+
+
+def register_reductions(ops):
+    """Decorator: `fn(node, option, local_in_shapes) -> (bytes, ...)` gives the all-reduces an
+    op of `ops` runs inside itself under `option` (LocalContext.reduce), for the Program."""
+
+    def deco(fn):
+        for key in _keys(ops):
+            _REDUCTIONS[key] = fn
+        return fn
+
+    return deco
+
+
+def inner_reductions(node: Node, option: ShardingOption,
+                     in_shapes: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+    """Bytes of each all-reduce the node runs inside itself under `option` on inputs of these
+    local shapes, over the ranks its placements split over (none for most ops)."""
+    fn = _REDUCTIONS.get(node.op)
+    return () if fn is None else tuple(fn(node, option, in_shapes))
 
 
 def has_rule(op: str) -> bool:
@@ -102,6 +123,10 @@ class LocalContext:
     # a graph tensor computed whole from the whole global batch (every rank has it), or None
     # where it depends on parameters: how a loss counts the targets it keeps over the batch
     whole: Callable[[str], object] | None = None
+    # reduce(x, op): x all-reduced ('sum' or 'max') over the ranks the option splits over, for
+    # an op that reduces inside itself (a vocabulary-parallel loss; inner_reductions says so
+    # to the Program); the identity where the op runs on one rank
+    reduce: Callable[[torch.Tensor, str], torch.Tensor] = lambda x, op: x
 
 
 def default_local(node: Node, option: ShardingOption, ctx: LocalContext):
