@@ -214,6 +214,20 @@ def test_a_view_read_after_a_write_through_another_is_refused_in_one_line():
         capture(Fn(f), (torch.randn(4),))
 
 
+def test_ops_on_tensor_lists_and_where_with_a_number_split():
+    """stack takes DTensor's strategies for a list given each placement alike (DTensor's own
+    answer follows the list's first tensor); where with a Python number for a branch, which
+    DTensor cannot decompose, is element-wise by the overlay."""
+    x = torch.randn(4, 3)
+    stack = node_options(lambda a, b: torch.stack([a, b], dim=1).sum(), x, x,
+                         op="aten.stack.default")
+    assert stack == ["(R, R) -> R", "(P(sum), P(sum)) -> P(sum)", "(S(0), S(0)) -> S(0)",
+                     "(S(1), S(1)) -> S(2)"]
+    where = node_options(lambda a: torch.where(a > 0, a, 0.0).sum(), x,
+                         op="aten.where.ScalarOther")
+    assert where == ["(R, R) -> R", "(S(0), S(0)) -> S(0)", "(S(1), S(1)) -> S(1)"]
+
+
 def test_option_text_round_trips():
     assert str(parse_option("(S(0), R, P(sum)) -> S(1)")) == "(S(0), R, P(sum)) -> S(1)"
     assert str(parse_option("(P, R) -> P")) == "(P(sum), R) -> P(sum)"  # plans saved before

@@ -63,3 +63,48 @@ def test_random_strategy_matches_single_device(world, name):
         assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (SEED, seed, text)
         for pname, g in grads.items():
             assert rel_err(g, ref_grads[pname], scale) <= 1e-5, (SEED, seed, pname, text)
+
+
+class Stacked(torch.nn.Module):
+    """A model of ops DTensor answers only through the adapter's list handling (stack) or the
+    overlay answers (where with a number for a branch)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.where(x > 0, self.a(x), 0.5)
+        s = torch.stack([h, self.b(x)], dim=1)
+        return (s * s).mean()
+
+
+def _stacked_runs(rank, world, seeds):
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    graph = capture(Stacked(), (x,))
+    return {seed: one_step(Stacked(), graph, random_strategy(graph, world, random.Random(seed),
+                                                             divide=world * (1 + seed % 2)),
+                           world, 1 + seed % 2, "stacked", (x,),
+                           mode="graph" if seed % 3 == 0 else "untraced")
+            for seed in seeds}
+
+
+def test_stack_and_where_with_a_number_split_as_one_device():
+    """Random plans of a model with stack and where(cond, x, number), their splits among them
+    (on the batch, on the features, stack's new dim), train as one device does on 2 ranks."""
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    model = Stacked()
+    loss = model(x)
+    loss.backward()
+    seeds = random.Random(SEED).sample(range(2**31), 12)
+    results = run_ranks(2, _stacked_runs, seeds)[0]
+    split = set()
+    for seed, (got, grads, text) in results.items():
+        assert abs(got - loss.item()) <= 1e-5 * abs(loss.item()), (SEED, seed, text)
+        for pname, g in grads.items():
+            want = dict(model.named_parameters())[pname].grad
+            assert rel_err(g, want) <= 1e-5, (SEED, seed, pname, text)
+        split |= {line.split(":")[0].strip() for line in text.splitlines()
+                  if line.strip().startswith(("stack:", "where:")) and "S(" in line}
+    assert split == {"stack", "where"}, (SEED, split)

@@ -51,7 +51,7 @@ def _dtensor():
     from torch.distributed.tensor._decompositions import DecompShardingStrategy
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.distributed.tensor._dtensor_spec import TensorMeta as DMeta
-    from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
+    from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
     from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -69,6 +69,7 @@ def _dtensor():
         api.mesh = DeviceMesh("cpu", torch.arange(2), _init_backend=False, _rank=0)
     api.Spec, api.Meta, api.Schema = DTensorSpec, DMeta, OpSchema
     api.OpSpec, api.OpStrategy, api.Placeholder = OpSpec, OpStrategy, _ShardingPlaceholder
+    api.Tuple = TupleStrategy
     api.Shard, api.Replicate, api.Partial, api.Strided = DShard, DReplicate, DPartial, _StridedShard
     return api
 
@@ -183,12 +184,30 @@ def _spec(api, meta: TensorMeta, placement):
 
 
 def _strategy(api, node: Node, in_metas) -> list[ShardingOption]:
-    """A registered strategy given every placement of every input: each OpSpec it keeps."""
+    """A registered strategy given every placement of every input: each OpSpec it keeps. An op
+    on a list of tensors (stack, cat) is asked once per placement that every tensor of the list
+    has alike: DTensor's strategy for a list follows its first tensor's first placement."""
+    if any(isinstance(a, (list, tuple)) and any(isinstance(x, Ref) for x in a)
+           for a in node.args):
+        return [o for p in _candidates(api, in_metas[0])
+                for o in _strategy_options(api, node, in_metas, lambda meta, p=p: [p])]
+    return _strategy_options(api, node, in_metas, lambda meta: _candidates(api, meta))
+
+
+def _strategy_options(api, node: Node, in_metas, placements) -> list[ShardingOption]:
+    """The registered strategy's OpSpecs given each input tensor the `placements(meta)`."""
     def leaf(meta):
-        return api.OpStrategy([api.OpSpec(_spec(api, meta, p)) for p in _candidates(api, meta)])
+        return api.OpStrategy([api.OpSpec(_spec(api, meta, p)) for p in placements(meta)])
 
     args, kwargs = _args(node, in_metas, leaf)
-    strategy = api.prop.op_strategy_funcs[node.target](api.Schema(node.target, args, kwargs))
+    args = tuple(api.Tuple(list(a)) if isinstance(a, (list, tuple)) and a
+                 and all(isinstance(x, api.OpStrategy) for x in a) else a for a in args)
+    try:
+        strategy = api.prop.op_strategy_funcs[node.target](api.Schema(node.target, args, kwargs))
+    except Exception:  # this placement of a list's tensors has no strategy
+        if placements(in_metas[0]) != _candidates(api, in_metas[0]):
+            return []
+        raise
     found = []
     for spec in strategy.strategies:
         outs = spec.output_specs

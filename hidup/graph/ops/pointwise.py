@@ -41,7 +41,10 @@ BINARY = [aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor,
           aten.eq.Tensor, aten.ne.Tensor, aten.gt.Tensor, aten.lt.Tensor, aten.ge.Tensor,
           aten.le.Tensor, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
           aten.eq.Scalar, aten.ne.Scalar, aten.gt.Scalar, aten.lt.Scalar,
-          aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar, aten.div.Scalar]
+          aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar, aten.div.Scalar,
+          # where with a Python number for a branch: DTensor's decomposition of it makes a
+          # scalar tensor it has no strategy for
+          aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar]
 
 
 @register(UNARY + BINARY)
