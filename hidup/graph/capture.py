@@ -10,9 +10,7 @@ import inspect
 import math
 import operator
 import sys
-from dataclasses import dataclass, field, replace
-from functools import cached_property
-from typing import Any
+from dataclasses import replace
 
 import torch
 from torch.export.graph_signature import InputKind
@@ -21,134 +19,13 @@ from torch.utils import _pytree as pytree
 from hidup.graph.decompose import decompose
 from hidup.graph.flops import forward_flops
 from hidup.graph.functional import functional, functional_view_writes, writes_in_place
+from hidup.graph.nodes import Graph, Node, Ref, TensorMeta, fill  # noqa: F401 (the data model)
 from hidup.graph.regions import inline_regions
+from hidup.graph.tokens import per_token_regions
 
 
 class CaptureError(ValueError):
     """A model could not be captured; the message names the node and op where known."""
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    shape: tuple[int, ...]
-    dtype: str
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def itemsize(self) -> int:
-        return getattr(torch, self.dtype).itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.itemsize
-
-    @property
-    def is_float(self) -> bool:
-        return getattr(torch, self.dtype).is_floating_point
-
-    def __str__(self) -> str:
-        return f"{self.dtype}[{','.join(map(str, self.shape))}]"
-
-
-@dataclass(frozen=True)
-class Ref:
-    """Stands in a node's args for its `index`-th tensor input."""
-
-    index: int
-
-
-def fill(template, tensors):
-    """Replace every Ref in a node's args/kwargs by the matching tensor."""
-    return pytree.tree_map(lambda a: tensors[a.index] if isinstance(a, Ref) else a, template,
-                           is_leaf=lambda a: isinstance(a, Ref))
-
-
-@dataclass(frozen=True)
-class Node:
-    """One graph node: a parameter, a buffer, a user input, or one ATen op call."""
-
-    name: str
-    kind: str  # 'param' | 'buffer' | 'input' | 'op'
-    op: str  # e.g. 'aten.linear.default'; '' for placeholders
-    inputs: tuple[str, ...]  # producer names of the tensor inputs, in argument order
-    out: TensorMeta
-    flops: float = 0.0
-    bytes: float = 0.0
-    target: Any = field(default=None, compare=False, repr=False)
-    args: tuple = field(default=(), compare=False, repr=False)  # tensors replaced by Ref
-    kwargs: dict = field(default_factory=dict, compare=False, repr=False)
-    source: str = ""  # parameter / buffer fully-qualified name, or the user input's name
-    out_index: int | None = None  # which output of a multi-output op this node is
-    autocast: str | None = None  # inside a model's autocast block: "off" or its dtype
-    #   ("bfloat16"), run so whatever the run's autocast (hidup.graph.regions); None: the run's
-    layer: str = field(default="", compare=False)  # the repeated block it belongs to: the module
-    #   path up to its first number ("blocks.3" of "blocks.3.fc1"); "" outside any (layer_of)
-
-    def in_metas(self, graph: Graph) -> tuple[TensorMeta, ...]:
-        return tuple(graph.node(i).out for i in self.inputs)
-
-    def __str__(self) -> str:
-        ins = ", ".join(self.inputs)
-        return f"{self.name} = {self.op or self.kind}({ins}) -> {self.out}"
-
-
-@dataclass(frozen=True)
-class Graph:
-    nodes: tuple[Node, ...]
-    loss: str
-    fingerprint: str
-    # (buffer, op): forward writes the op's value into the buffer (BatchNorm's running statistics,
-    # counters), as eager's in-place ops do; the step writes it back
-    updates: tuple[tuple[str, str], ...] = ()
-    # tensors that forward makes from nothing (torch.export lifts them as constants), by source:
-    # the step reads them as it reads buffers
-    constants: dict = field(default_factory=dict, compare=False, repr=False)
-    # the dtypes a run at a precision gives the values (hidup.graph.dtypes.RunDtypes; its op
-    # nodes' dtypes are then the run's); None: as captured
-    run: object = field(default=None, compare=False, repr=False)
-    _index: dict = field(default_factory=dict, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self._index.update({n.name: n for n in self.nodes})
-
-    def node(self, name: str) -> Node:
-        return self._index[name]
-
-    def consumers(self, name: str) -> list[Node]:
-        return [n for n in self.nodes if name in n.inputs]
-
-    @property
-    def ops(self) -> list[Node]:
-        return [n for n in self.nodes if n.kind == "op"]
-
-    @property
-    def params(self) -> list[Node]:
-        return [n for n in self.nodes if n.kind == "param"]
-
-    @property
-    def user_inputs(self) -> list[Node]:
-        return [n for n in self.nodes if n.kind == "input"]
-
-    @cached_property
-    def gradients(self) -> frozenset[str]:
-        """The tensors that get a gradient in training: float ones that depend on a parameter
-        (other than through a detach) and that the loss depends on."""
-        needs = {n.name for n in self.params if n.out.is_float}
-        for node in self.ops:
-            if node.out.is_float and node.op != "aten.detach.default" and \
-                    any(t in needs for t in node.inputs):
-                needs.add(node.name)
-        grads = {self.loss} & needs
-        for node in reversed(self.ops):
-            if node.name in grads:
-                grads.update(t for t in node.inputs if t in needs)
-        return frozenset(grads)
-
-    def __str__(self) -> str:
-        return "\n".join(str(n) for n in self.nodes)
 
 
 _KIND = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer", InputKind.USER_INPUT: "input",
@@ -223,7 +100,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> Graph:
     constants = {spec.target: exported.constants[spec.target]
                  for spec in exported.graph_signature.input_specs
                  if spec.kind == InputKind.CONSTANT_TENSOR and spec.target in exported.constants}
-    return Graph(tuple(nodes), loss, _fingerprint(nodes), updates, constants)
+    return per_token_regions(Graph(tuple(nodes), loss, _fingerprint(nodes), updates, constants))
 
 
 def _meta(fx_node) -> TensorMeta:

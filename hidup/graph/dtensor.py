@@ -17,7 +17,7 @@ import itertools
 import torch
 from torch.utils import _pytree as pytree
 
-from hidup.graph.capture import Node, Ref, TensorMeta
+from hidup.graph.nodes import Node, Ref, TensorMeta
 from hidup.graph.placement import P, R, Placement, Shard, ShardingOption
 
 TESTED_TORCH = ("2.11", "2.13")  # the torch versions this adapter is tested with (major.minor):

@@ -33,6 +33,8 @@ def library_op(op: str) -> bool:
 
 
 def forward_flops(op: str, in_shapes, out_shape, args=()) -> float:
+    if op == "hidup.tokens":  # a per-token region (hidup.graph.tokens): its ops' on these rows
+        return args[0].flops * args[0].fraction(in_shapes)
     out = math.prod(out_shape)
     if op in _MATMUL:
         k = in_shapes[0][-1] if op != "aten.addmm.default" else in_shapes[1][-1]

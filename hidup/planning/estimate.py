@@ -47,9 +47,10 @@ def estimate(program: Program, profile: Profile, mode: str = "graph") -> Estimat
             ci += 1
             if kind == "kernel":
                 kernel = list(what)
-            elif what in unpacks:  # the first Wait unpacks the collective's result
+            elif what in unpacks:  # the first Wait unpacks the collective's result (its end
+                # counts toward the step's: the last of a step's waits may unpack last)
                 seconds, slowed = unpacks.pop(what)
-                kernel = [seconds, slowed, ()]
+                kernel = [seconds, slowed, (("unpacked", what),)]
         if wire is None and qi < len(collectives):  # the communication stream's next
             cid, needs, issued, latency, transfer = collectives[qi]
             start = max([issued, *(done.get(n, math.inf) for n in needs)])

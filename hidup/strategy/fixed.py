@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from hidup.graph.capture import Graph, Node
 from hidup.graph.flops import GROUPED_MM
+from hidup.graph.tokens import TOKENS
 from hidup.graph.placement import (R, Partial, Placement, Shard, ShardingOption, flat,
                                    flat_option, is_flat, plain)
 from hidup.strategy.base import Strategy, fitting_options, placed, propagate, splits_evenly
@@ -68,14 +69,15 @@ def expert_parallel(graph: Graph, world: int, batch_dim: int = 0) -> Strategy:
     """DeepSpeed-MoE / FastMoE: data parallel, except the experts, split across ranks (each holds
     experts / world of them), reached with all-to-all and left the same way (no partial sums).
     Expert weights are the 3-d parameters that einsums or grouped matmuls read (experts first),
-    themselves or through views; a grouped matmul's experts give a Partial sum (each rank its
-    experts' rows), all-reduced where it is read. The loss's sum
+    themselves or through views, also inside a per-token region (hidup.graph.tokens); a grouped
+    matmul's experts give a Partial sum (each rank its experts' rows), all-reduced where it is
+    read. The loss's sum
     over the batch stays a partial sum, as in data parallel."""
     seeds: dict[str, Placement] = {n.name: Shard(batch_dim) for n in graph.user_inputs}
     einsums = {n.name for n in graph.ops if n.op == "aten.einsum.default"}
     for node in graph.ops:
-        if node.name in einsums or node.op in GROUPED_MM:
-            for t in node.inputs:
+        if node.name in einsums or node.op in GROUPED_MM or node.op == TOKENS:
+            for t in _expert_inputs(node):
                 weight = _through_views(graph, t)
                 if weight.kind == "param" and len(weight.out.shape) == 3:
                     seeds[weight.name] = Shard(0)
@@ -89,6 +91,14 @@ def expert_parallel(graph: Graph, world: int, batch_dim: int = 0) -> Strategy:
         raise ValueError(f"strategy expert on {world} GPUs: the {count} experts do not split "
                          f"over {world} ranks; choose a GPU count that divides {count}")
     return propagate(graph, world, "expert", seeds, shard_params=False, no_partial=einsums)
+
+
+def _expert_inputs(node: Node) -> tuple[str, ...]:
+    """The inputs of an einsum or grouped matmul, or the experts' weights that a per-token
+    region's grouped matmuls read (hidup.graph.tokens)."""
+    if node.op != TOKENS:
+        return node.inputs
+    return tuple(t for t, e in zip(node.inputs, node.args[0].experts) if e)
 
 
 def _through_views(graph: Graph, t: str) -> Node:

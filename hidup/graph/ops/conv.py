@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hidup.graph.capture import fill
+from hidup.graph.nodes import fill
 from hidup.graph.ops.registry import default_local, register, register_local
 from hidup.graph.placement import P, R, Shard, ShardingOption
 

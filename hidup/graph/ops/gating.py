@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from hidup.graph.ops.pointwise import pointwise_options
-from hidup.graph.ops.registry import arg, register
-from hidup.graph.placement import R, Shard, ShardingOption
+from hidup.graph.ops.registry import arg, register, register_local
+from hidup.graph.placement import P, R, Shard, ShardingOption
 
 aten = torch.ops.aten
 
@@ -48,3 +48,24 @@ def one_hot(node, ins):
 @register([aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default])
 def clamp(node, ins):
     return pointwise_options(node.out.shape, [m.shape for m in ins])
+
+
+@register("hidup.tokens")
+def per_token_region(node, ins):
+    """A per-token region (hidup.graph.tokens) runs on any part of the rows: replicated, or its
+    row-wise inputs and its output split on the rows (dim 0), its weights whole; and where it
+    runs experts, on every row with the experts split over the ranks (expert parallel: each
+    rank computes its experts' rows, a Partial sum)."""
+    region = node.args[0]
+    rows = tuple(Shard(0) if r else R for r in region.rowwise)
+    opts = [ShardingOption((R,) * len(ins), R), ShardingOption(rows, Shard(0))]
+    if any(region.experts):
+        opts.append(ShardingOption(tuple(Shard(0) if e else R for e in region.experts), P))
+    return opts
+
+
+@register_local("hidup.tokens")
+def local_region(node, option, ctx):
+    """The region on this rank's inputs, its experts' grouped matmuls on this rank's experts."""
+    region = node.args[0]
+    return lambda tensors: region(*tensors, rank=ctx.rank)

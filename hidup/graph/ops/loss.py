@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from hidup.graph.capture import Ref, fill
+from hidup.graph.nodes import Ref, fill
 from hidup.graph.ops.registry import (arg, default_local, register, register_local,
                                       register_reductions)
 from hidup.graph.placement import P, R, Shard, ShardingOption

@@ -6,7 +6,7 @@ import string
 
 import torch
 
-from hidup.graph.capture import Ref, fill
+from hidup.graph.nodes import Ref, fill
 from hidup.graph.ops.registry import arg, default_local, register, register_local
 from hidup.graph.placement import P, R, Shard, ShardingOption
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from hidup.graph.capture import Ref
+from hidup.graph.nodes import Ref
 from hidup.graph.ops.registry import arg, register
 from hidup.graph.placement import P, R, Shard, ShardingOption
 

@@ -7,7 +7,7 @@ from typing import Callable, Iterable
 import torch
 
 from hidup.graph import dtensor
-from hidup.graph.capture import Node, TensorMeta, fill
+from hidup.graph.nodes import Node, TensorMeta, fill
 from hidup.graph.placement import R, ShardingOption
 
 RuleFn = Callable[[Node, tuple[TensorMeta, ...]], list[ShardingOption]]

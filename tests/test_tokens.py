@@ -1,0 +1,87 @@
+"""Per-token regions (hidup.graph.tokens): a router that sorts rows and puts them back is one node
+that runs on any part of the rows; a sort that really mixes rows is left as it was."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hidup.graph.capture import capture
+from hidup.graph.ops import node_options
+from hidup.graph.tokens import TOKENS
+from hidup.program import lower
+from hidup.runtime.execute import Executor
+from hidup.strategy import fixed_strategy, microbatch_split
+
+
+class SortedRouter(torch.nn.Module):
+    """Not a library's router, one written here: each row goes to one of 4 experts (by its top
+    score), rows sorted by expert, each expert's rows through its own weight, put back in order."""
+
+    def __init__(self, experts: int = 4, dim: int = 8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.gate = torch.nn.Linear(dim, experts)
+        self.weight = torch.nn.Parameter(torch.randn(experts, dim, dim) / dim ** 0.5)
+
+    def forward(self, x):
+        rows = x.reshape(-1, x.shape[-1])
+        expert = self.gate(rows).argmax(-1)
+        order = torch.argsort(expert, stable=True)
+        picked = rows[order]
+        out = torch.einsum("nd,nde->ne", picked, self.weight[expert[order]])
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.shape[0])
+        return (out[back].tanh() * rows).sum()
+
+
+class SortedAcrossRows(torch.nn.Module):
+    """A sort whose result depends on every row: the rows' running sum in sorted order."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        key = (x * self.w).sum(-1)
+        order = torch.argsort(key)
+        return (x[order].cumsum(0) * self.w).sum()
+
+
+def test_a_router_is_one_node_that_splits_with_the_rows():
+    x = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(1))
+    graph = capture(SortedRouter(), (x,))
+    regions = [n for n in graph.ops if n.op == TOKENS]
+    assert len(regions) == 1 and not [n for n in graph.ops if "sort" in n.op]
+    [node] = regions
+    assert [str(o) for o in node_options(graph, node)][:2] == ["(R, R, R) -> R",
+                                                               "(S(0), S(0), R) -> S(0)"]
+    split = microbatch_split(graph, 2)  # no join: each micro-batch runs the region on its rows
+    assert split.notes == () and str(split.options[node.name]) == "(S(0), S(0), R) -> S(0)"
+    assert str(fixed_strategy("ddp", graph, 2).options[node.name]) == "(S(0), S(0), R) -> S(0)"
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_a_router_trains_as_eager_on_each_micro_batch(k):
+    x = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(1))
+    model = SortedRouter()
+    eager = copy.deepcopy(model)
+    loss = eager(x)
+    loss.backward()
+    graph = capture(model, (x,))
+    strategy = fixed_strategy("ddp", graph, 1)
+    ex = Executor(graph, strategy, lower(graph, strategy, 1, k), dict(model.named_parameters()))
+    got = ex.step({"x": x}, update=False)
+    assert float(got) == pytest.approx(float(loss), rel=1e-5)
+    grads = {graph.node(p).source: ex.full(p, g) for p, g in ex.grads.items()}
+    assert set(grads) == {"weight"}  # the gate gets none: an argmax
+    assert torch.allclose(grads["weight"], eager.weight.grad, atol=1e-5)
+
+
+def test_a_sort_that_mixes_rows_stays_as_it_was():
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    graph = capture(SortedAcrossRows(), (x,))
+    assert not [n for n in graph.ops if n.op == TOKENS]
+    assert any("sort" in n.op for n in graph.ops)
+    assert microbatch_split(graph, 2).notes  # the micro-batches join before it
