@@ -102,15 +102,18 @@ def run_region(region: Region, *tensors):
 def per_token_regions(graph: Graph) -> Graph:
     """`graph` with each per-token region replaced by one TOKENS node named as its output (the
     same graph where it has none)."""
-    readers = _readers(graph)
-    for node in graph.ops:
-        if node.op not in SORTS:
-            continue
-        region = next(filter(None, (_checked(graph, r) for r in _grow(graph, node, readers))),
+    tried: set[str] = set()  # sorts that start no region
+    while True:
+        seed = next((n for n in graph.ops if n.op in SORTS and n.name not in tried), None)
+        if seed is None:
+            return graph
+        readers = _readers(graph)
+        region = next(filter(None, (_checked(graph, r) for r in _grow(graph, seed, readers))),
                       None)
-        if region is not None:
-            return per_token_regions(_replace(graph, region, readers))  # the next one
-    return graph
+        if region is None:
+            tried.add(seed.name)
+        else:
+            graph = _replace(graph, region, readers)
 
 
 def _depends_on_inputs(graph: Graph) -> set[str]:
