@@ -9,7 +9,7 @@ from conftest import build_model, read_by, run_ranks
 from hidup.graph.capture import capture
 from hidup.models import get_model
 from hidup.strategy import fixed_strategy
-from hidup.program import Convert, Wait, lower
+from hidup.program import Compute, Convert, Wait, lower
 from hidup.runtime.execute import Executor
 from hidup.runtime.passes import communication_order
 from hidup.runtime.collectives import issue
@@ -19,9 +19,18 @@ FUNCTIONAL = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor"
 
 
 def program_order(program) -> list[str]:
-    return [FUNCTIONAL[t.kind] if isinstance(t, Convert) else "wait_tensor"
-            for t in program.tasks if isinstance(t, Wait) or (isinstance(t, Convert)
-                                                             and t.collective)]
+    """The functional collectives the Program's tasks issue and wait for, in its order: its
+    collectives and waits, and the all-reduces a kernel runs inside itself (Compute.reduces:
+    a vocabulary-parallel loss), each waited for at once."""
+    order = []
+    for t in program.tasks:
+        if isinstance(t, Wait):
+            order.append("wait_tensor")
+        elif isinstance(t, Convert) and t.collective:
+            order.append(FUNCTIONAL[t.kind])
+        elif isinstance(t, Compute):
+            order += ["all_reduce", "wait_tensor"] * len(t.reduces)
+    return order
 
 
 def setup(name, strategy, world, k):
