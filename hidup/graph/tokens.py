@@ -38,6 +38,7 @@ SORTS = frozenset(("aten.sort.default", "aten.sort.stable", "aten.argsort.defaul
                    "aten.argsort.stable"))
 PROBE_ROWS = 8  # rows of the smallest input in the check's first run (half in its second)
 _EXPANDED = 2 ** 22  # a whole input with more elements is checked with a broadcast random one
+MAX_CANDIDATES = 4  # regions checked per sort, smallest first
 
 
 @dataclass(frozen=True, eq=False)
@@ -134,12 +135,16 @@ def _readers(graph: Graph) -> dict[str, set[str]]:
 
 
 def _grow(graph: Graph, seed: Node, readers):
-    """The candidate regions that start at `seed`, smallest first: every op after it that reads
-    what it made, up to an op whose value alone the ops outside read."""
+    """The candidate regions that start at `seed`, smallest first (at most MAX_CANDIDATES, all
+    in the seed's layer): every op after it that reads what it made, up to an op whose value
+    alone the ops outside read."""
     ops = graph.ops
     start = next(i for i, n in enumerate(ops) if n.name == seed.name)
     inside: set[str] = set()
+    tried = 0
     for node in ops[start:]:
+        if node.layer != seed.layer or tried == MAX_CANDIDATES:
+            return  # a region stays inside its repeated block
         if node.name == seed.name or any(t in inside for t in node.inputs) or \
                 node.op in SORTS and node.inputs == seed.inputs:
             inside.add(node.name)
@@ -149,6 +154,7 @@ def _grow(graph: Graph, seed: Node, readers):
         if live == {node.name} and node.out.shape and node.op not in SORTS:
             region = _region(graph, _pulled_in(graph, inside, readers), node.name)
             if region is not None:
+                tried += 1
                 yield region
 
 
@@ -188,7 +194,21 @@ def _region(graph: Graph, inside: set[str], output: str) -> Region | None:
     return Region(nodes, reads, shapes, rowwise, rows, sum(n.flops for n in nodes), experts)
 
 
+_CHECKED: dict[tuple, tuple | None] = {}  # a model's repeated layers are checked once
+
+
 def _checked(graph: Graph, region: Region) -> Region | None:
+    """`_check`, once per region of the same ops on the same shapes."""
+    key = (repr(region), region.shapes, region.rowwise,
+           tuple(graph.node(t).out.dtype for t in region.inputs))
+    if key not in _CHECKED:
+        found = _check(graph, region)
+        _CHECKED[key] = None if found is None else found.differentiable
+    differentiable = _CHECKED[key]
+    return None if differentiable is None else replace(region, differentiable=differentiable)
+
+
+def _check(graph: Graph, region: Region) -> Region | None:
     """Run on random rows, and on their first half: the first half alike (the region, with
     which of its inputs the output's gradient reaches; None where it is no region)."""
     gen = torch.Generator().manual_seed(0)
@@ -199,19 +219,22 @@ def _checked(graph: Graph, region: Region) -> Region | None:
              for t, r in zip(region.inputs, region.rowwise)]
     half = [x[:x.shape[0] // 2] if r else x for x, r in zip(probe, region.rowwise)]
     out_meta = region.nodes[-1].out
+    asked = [x.dtype.is_floating_point and (r or x.numel() <= _EXPANDED)
+             for x, r in zip(probe, region.rowwise)]  # a large weight is read by a matmul
     try:
         with torch.no_grad():
             part = region(*half)
-        probe = [x.detach().requires_grad_(x.dtype.is_floating_point) for x in probe]
+        probe = [x.detach().requires_grad_(a) for x, a in zip(probe, asked)]
         full = region(*probe)
         floats = [x for x in probe if x.requires_grad]
         reached = torch.autograd.grad(full.float().sum(), floats, allow_unused=True) \
-            if full.requires_grad else [None] * len(floats)
+            if full.requires_grad and floats else [None] * len(floats)
         full = full.detach()
     except Exception:
         return None
     found = iter(g is not None for g in reached)
-    differentiable = tuple(next(found) if x.requires_grad else False for x in probe)
+    differentiable = tuple(next(found) if a else x.dtype.is_floating_point
+                           for x, a in zip(probe, asked))
     want = tuple(int(s * fraction) if i == 0 else s for i, s in enumerate(out_meta.shape))
     if tuple(full.shape) != want or str(full.dtype).removeprefix("torch.") != out_meta.dtype \
             or full.shape[0] % 2 or tuple(part.shape) != (full.shape[0] // 2, *full.shape[1:]):
