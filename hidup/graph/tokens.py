@@ -31,7 +31,6 @@ from torch.utils import _pytree as pytree
 
 from hidup.graph.flops import GROUPED_MM
 from hidup.graph.nodes import Graph, Node, Ref, TensorMeta, fill
-from hidup.graph.ops.grouped import experts_mm
 
 TOKENS = "hidup.tokens"  # the op of a region's node
 SORTS = frozenset(("aten.sort.default", "aten.sort.stable", "aten.argsort.default",
@@ -67,25 +66,24 @@ class Region:
         return pytree.tree_map(
             lambda a: round(a * fraction) if type(a) is int and a in counts else a, args)
 
-    def __call__(self, *tensors, rank: int = 0):
-        """The region's output for these inputs (their rows a part of the captured ones). Where
-        the experts' weights are split over ranks (this rank's `rank`-th part), each grouped
-        matmul computes this rank's experts' rows only, the others zero: the output is this
-        rank's term of a Partial sum."""
+    def __call__(self, *tensors, run=None):
+        """The region's output for these inputs (their rows a part of the captured ones).
+        `run(node, inputs, split)` may compute a node instead (None: the node runs itself);
+        `split` maps the experts' weights split over ranks to this rank's expert count
+        (hidup.graph.ops.gating runs their grouped matmuls on this rank's experts)."""
         fraction = self.fraction([t.shape for t in tensors])
         values = dict(zip(self.inputs, tensors))
         split = {t: x.shape[0] for t, x, e, s in zip(self.inputs, tensors, self.experts,
                                                      self.shapes) if e and x.shape[0] < s[0]}
         for node in self.nodes:
             ins = [values[t] for t in node.inputs]
-            if node.op in GROUPED_MM and node.inputs[1] in split:
-                count = split[node.inputs[1]]
-                values[node.name] = experts_mm(ins[0], ins[1], ins[2], rank * count)
-                continue
-            args, kwargs = (node.args, node.kwargs) if fraction == 1 else \
-                (self.scale(node.args, fraction), self.scale(node.kwargs, fraction))
-            out = node.target(*fill(args, ins), **fill(kwargs, ins))
-            values[node.name] = out[node.out_index] if node.out_index is not None else out
+            out = run(node, ins, split) if run is not None else None
+            if out is None:
+                args, kwargs = (node.args, node.kwargs) if fraction == 1 else \
+                    (self.scale(node.args, fraction), self.scale(node.kwargs, fraction))
+                out = node.target(*fill(args, ins), **fill(kwargs, ins))
+                out = out[node.out_index] if node.out_index is not None else out
+            values[node.name] = out
         return values[self.nodes[-1].name]
 
     def __repr__(self) -> str:  # what it computes, alike for the same ops on the same shapes

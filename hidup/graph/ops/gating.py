@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from hidup.graph.flops import GROUPED_MM
+from hidup.graph.ops.grouped import experts_mm
 from hidup.graph.ops.pointwise import pointwise_options
 from hidup.graph.ops.registry import arg, register, register_local
 from hidup.graph.placement import P, R, Shard, ShardingOption
@@ -66,6 +68,13 @@ def per_token_region(node, ins):
 
 @register_local("hidup.tokens")
 def local_region(node, option, ctx):
-    """The region on this rank's inputs, its experts' grouped matmuls on this rank's experts."""
+    """The region on this rank's inputs; where its experts' weights are split, each grouped
+    matmul computes this rank's experts' rows only, the others zero (a Partial sum)."""
     region = node.args[0]
-    return lambda tensors: region(*tensors, rank=ctx.rank)
+
+    def run(inner, ins, split):
+        if inner.op in GROUPED_MM and inner.inputs[1] in split:
+            return experts_mm(ins[0], ins[1], ins[2], ctx.rank * split[inner.inputs[1]])
+        return None
+
+    return lambda tensors: region(*tensors, run=run)
