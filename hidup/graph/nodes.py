@@ -117,6 +117,15 @@ class Graph:
         return [n for n in self.nodes if n.kind == "input"]
 
     @cached_property
+    def from_inputs(self) -> frozenset[str]:
+        """The tensors computed from the user's inputs (the rest: from weights and constants)."""
+        found = {n.name for n in self.user_inputs}
+        for node in self.ops:
+            if any(t in found for t in node.inputs):
+                found.add(node.name)
+        return frozenset(found)
+
+    @cached_property
     def gradients(self) -> frozenset[str]:
         """The tensors that get a gradient in training: float ones that depend on a parameter
         (other than through a detach) and that the loss depends on."""

@@ -115,15 +115,6 @@ def per_token_regions(graph: Graph) -> Graph:
             graph = _replace(graph, region, readers)
 
 
-def _depends_on_inputs(graph: Graph) -> set[str]:
-    """The tensors computed from the user's inputs (the rest: from weights and constants)."""
-    found = {n.name for n in graph.user_inputs}
-    for node in graph.ops:
-        if any(t in found for t in node.inputs):
-            found.add(node.name)
-    return found
-
-
 def _readers(graph: Graph) -> dict[str, set[str]]:
     readers: dict[str, set[str]] = {n.name: set() for n in graph.nodes}
     for node in graph.ops:
@@ -177,8 +168,7 @@ def _region(graph: Graph, inside: set[str], output: str) -> Region | None:
     if nodes[-1].name != output:
         return None
     reads = tuple(dict.fromkeys(t for n in nodes for t in n.inputs if t not in inside))
-    from_inputs = _depends_on_inputs(graph)
-    rowwise = tuple(t in from_inputs for t in reads)
+    rowwise = tuple(t in graph.from_inputs for t in reads)
     shapes = tuple(graph.node(t).out.shape for t in reads)
     if not any(rowwise) or any(r and not s for s, r in zip(shapes, rowwise)):
         return None

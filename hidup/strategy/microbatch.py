@@ -58,20 +58,11 @@ def _with_joins(graph: Graph, parts: int, seeds, first: Exception) -> Strategy:
     return replace(split, notes=(f"micro-batches joined where {first}",))
 
 
-def _from_batch(graph: Graph) -> set[str]:
-    """The tensors computed from the user inputs."""
-    found = {n.name for n in graph.user_inputs}
-    for node in graph.ops:
-        if any(t in found for t in node.inputs):
-            found.add(node.name)
-    return found
-
-
 def _one_part(graph: Graph) -> Strategy:
     """The micro-batch split of one part where ops cannot keep a split: every tensor made from
     the batch is held per micro-batch (as P, a sum over the one part: the whole value), the rest
     once per step (R)."""
-    per = _from_batch(graph)
+    per = graph.from_inputs
     options = {node.name: ShardingOption(tuple(P if t in per else R for t in node.inputs),
                                          P if node.name in per else R) for node in graph.ops}
     return Strategy("micro-batches", {n.name: P if n.name in per else R for n in graph.nodes
