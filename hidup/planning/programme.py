@@ -80,6 +80,9 @@ class SearchOptions:
     #   time per task where the profile has host figures; 'compile': Inductor's fused kernels)
     flat: bool = True  # on a 2-D mesh (not turned around), also each op's options over every
     #   rank (flat placements), beside those over a machine's ranks
+    extrapolate: int = 1000  # graphs of this many ops or more, where they repeat layers, are
+    #   ranked from short copies (hidup.planning.extrapolate; smaller ones lower in well under
+    #   a second); the chosen plan is always lowered whole
 
 
 class Search(Pricing, Beam):

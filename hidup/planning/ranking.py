@@ -14,13 +14,12 @@ from typing import NamedTuple
 from hidup.cli.progress import progress
 from hidup.graph.capture import Graph
 from hidup.planning.costs import Profile
-from hidup.planning.estimate import Estimate, estimate
-from hidup.planning.memory import peak_memory
+from hidup.planning.estimate import Estimate
+from hidup.planning.extrapolate import Priced, price
 from hidup.planning.planfile import check
 from hidup.planning.programme import Search, SearchOptions
 from hidup.strategy import (Strategy, first_layers, layers, recomputing, sharded_storage,
                             stored_across)
-from hidup.program.lowering import lower
 from hidup.program.tasks import LoweringError
 
 log = logging.getLogger(__name__)
@@ -49,6 +48,7 @@ class Ranked(NamedTuple):
     dp_cost: float  # the programme's own price of it (nan for a baseline)
     estimate: Estimate
     k: int
+    extrapolated: bool = False  # priced from short copies of the model (Ranking.confirm)
 
 
 DEFERRED = "deferred"  # Ranking.add's word for a plan over the limit kept to be recomputed
@@ -155,17 +155,16 @@ class Ranking:
             tried[kk] = False
             progress(f"ranking the plans ({len(self.ranked)} ranked): {name} with k={kk}")
             try:
-                program = lower(self.graph, strategy, self.world, kk,
-                                optimizer=self.options.optimizer)
+                priced = self.price(strategy, kk)
             except (LoweringError, ValueError) as exc:
                 log.info("plan %s with k=%d cannot be lowered: %s", name, kk, exc)
                 continue
-            memory = peak_memory(program)
+            memory = priced.memory
             if memory.peak > self.memory:
                 self.least = min(self.least, memory.peak)
                 log.info("plan %s with k=%d needs %.3g GiB per device: over the limit", name, kk,
                          memory.peak / 2**30)
-                if self.defer_recomputed(strategy, name, dp_cost, kk, memory, program):
+                if self.defer_recomputed(strategy, name, dp_cost, kk, priced):
                     tried[kk] = DEFERRED  # as it fits: ranked recomputed, or a faster plan is
                     continue
                 # no larger count can fit where what any count holds (parameters and optimizer
@@ -176,7 +175,7 @@ class Ranking:
                                       or memory.peak * kk > more * self.memory):
                         tried[more] = False
                 continue
-            step_time = self.rank(program, strategy, name, dp_cost, kk)
+            step_time = self.rank(priced, strategy, name, dp_cost, kk)
             tried[kk] = True
             if self.options.objective == "time" and step_time > BEHIND * self.fastest:
                 for more in counts:
@@ -187,13 +186,40 @@ class Ranking:
                         tried[more] = HOPELESS
         return tried
 
-    def rank(self, program, strategy: Strategy, name: str, dp_cost: float, kk: int) -> float:
-        """Rank a plan lowered with kk micro-batches (`program`) that fits, by its estimate;
-        the estimate's step time."""
-        est = estimate(program, self.profile, self.options.mode)
-        self.ranked.append(Ranked(est.step_time, name, strategy, dp_cost, est, kk))
+    def price(self, strategy: Strategy, kk: int, whole: bool = False) -> Priced:
+        """The plan lowered with kk micro-batches: its estimate in the goal's mode and its
+        memory (extrapolated from short copies of the model where it repeats layers, unless
+        `whole`: hidup.planning.extrapolate)."""
+        return price(self.graph, strategy, self.world, kk, self.options.optimizer,
+                     self.profile, self.options.mode,
+                     min_ops=math.inf if whole else self.options.extrapolate)
+
+    def rank(self, priced: Priced, strategy: Strategy, name: str, dp_cost: float,
+             kk: int) -> float:
+        """Rank a plan priced with kk micro-batches that fits, by its estimate; the estimate's
+        step time."""
+        est = priced.estimate
+        self.ranked.append(Ranked(est.step_time, name, strategy, dp_cost, est, kk,
+                                  priced.extrapolated))
         self.estimated[_plan_key(strategy), kk] = est.step_time
         return est.step_time
+
+    def confirm(self) -> None:
+        """Lower the fastest plan ranked on the whole graph where its figures were extrapolated
+        and rank it by those (dropped where it turns out not to fit), until the fastest is one
+        lowered whole: what the user reads of the chosen plan is never extrapolated."""
+        while self.ranked:
+            best = min(self.ranked, key=attrgetter("step_time"))
+            if not best.extrapolated:
+                return
+            self.ranked.remove(best)
+            progress(f"confirming the fastest plan: {best.name} with k={best.k}")
+            priced = self.price(best.strategy, best.k, whole=True)
+            log.info("plan %s with k=%d lowered whole: %.4g s (extrapolated %.4g s), %.3g GiB",
+                     best.name, best.k, priced.estimate.step_time, best.step_time,
+                     priced.memory.peak / 2**30)
+            if priced.memory.peak <= self.memory:
+                self.rank(priced, best.strategy, best.name, best.dp_cost, best.k)
 
     def add_hand(self, strategy: Strategy, name: str) -> None:
         """Rank a configuration a user would pick by hand (a fixed strategy, NAME) as it is (not
@@ -234,14 +260,15 @@ class Ranking:
         self.hand = []
 
     def defer_recomputed(self, strategy: Strategy, name: str, dp_cost: float, kk: int,
-                         memory, program) -> bool:
+                         priced: Priced) -> bool:
         """Where the plan does not fit with kk micro-batches but its parameters and optimizer
         state do, keep it for `recompute_deferred` with its estimate without recomputation
-        (`program`'s); whether it was kept."""
+        (`priced`'s); whether it was kept."""
+        memory = priced.memory
         if strategy.recompute or strategy.selective or self.options.recompute is not None or \
                 not layers(self.graph) or memory.params + memory.optimizer > self.memory:
             return False
-        bound = estimate(program, self.profile, self.options.mode).step_time
+        bound = priced.estimate.step_time
         self.estimated[_plan_key(strategy), kk] = bound
         self.deferred.append((bound, len(self.deferred), strategy, name, dp_cost, kk,
                               memory.peak))
@@ -273,10 +300,10 @@ class Ranking:
         names = layers(self.graph)
         every = recomputing(self.graph, strategy, names, selective)
         try:
-            program = lower(self.graph, every, self.world, kk, optimizer=self.options.optimizer)
+            priced = self.price(every, kk)
         except (LoweringError, ValueError):
             return False
-        least = peak_memory(program).peak
+        least = priced.memory.peak
         if least > self.memory:
             self.least = min(self.least, least)
             return False
@@ -287,7 +314,7 @@ class Ranking:
             plan = recomputing(self.graph, strategy, first_layers(self.graph, count), selective)
             if self.add(plan, name, dp_cost, [kk])[kk]:
                 return True
-        self.rank(program, every, name, dp_cost, kk)  # every layer (lowered above): it fits
+        self.rank(priced, every, name, dp_cost, kk)  # every layer (priced above): it fits
         self.seen.setdefault(_plan_key(every), {})[kk] = True
         return True
 
@@ -306,4 +333,5 @@ def rank_plans(graph: Graph, world: int, profile: Profile, plans: dict[str, Stra
     for name, strategy in plans.items():
         ranking.add_hand(strategy, name)
     ranking.recompute_deferred()
+    ranking.confirm()
     return sorted(ranking.ranked, key=attrgetter("step_time"))

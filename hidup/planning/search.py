@@ -106,11 +106,13 @@ def _search(graph: Graph, world: int, profile: Profile, options: SearchOptions,
     for name, strategy in baselines.items():  # also recomputed (Ranking.recompute_hand)
         ranking.add_hand(strategy, name)
     ranking.recompute_deferred()
+    ranking.confirm()
     if not ranking.ranked and ranking.deferred_fit:  # the plans over the limit that would
         # fit recomputed do not: rank more of the programmes' plans, as they fit or not
         ranking.deferred_fit = False
         _rank_finals(ranking, runs, least, None)
         ranking.recompute_deferred()
+        ranking.confirm()
     if not ranking.ranked:
         if (1, False) in failed:  # the programme over every GPU found nothing: its reason
             raise ValueError(failed[1, False])

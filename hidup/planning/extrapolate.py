@@ -1,0 +1,127 @@
+"""A plan's step time and peak memory, from short copies of a model with repeated layers.
+
+A transformer stack is N copies of one block (hidup.graph.repeats). Where a plan treats each
+layer of a run alike (the same options, storage and recomputation: a *segment*), the layers it
+adds to a short copy each add the same tasks to the Program: the same kernels, collectives and
+held bytes. So the plan is lowered on the model cut to KEPT layers of each segment (the base)
+and, per segment longer than that, with one layer more (that segment's slope), and each figure
+of the whole model is the base's plus, per segment, its slope times its cut layers. This costs
+about 2 + (segments) short lowerings instead of one of every layer; it is used only where that
+is under a SHARE of the whole graph's ops, and for graphs of `min_ops` ops or more (smaller
+ones lower in well under a second: SearchOptions.extrapolate). The ranking confirms its best plan on the whole graph
+(hidup.planning.ranking.Ranking.confirm): the figures a user reads are never extrapolated."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from hidup.graph.nodes import Graph
+from hidup.graph.repeats import layer_ops, layer_params, layer_runs, shortened
+from hidup.planning.costs import Profile
+from hidup.planning.estimate import Estimate, estimate
+from hidup.planning.memory import MemoryReport, peak_memory
+from hidup.program.lowering import lower
+from hidup.strategy import Strategy
+
+KEPT = 2  # layers of each segment in the base (the first sees the stretch before the segment,
+#   the last the stretch after it; the slope's extra layer sits between layers alike)
+SHARE = 0.5  # extrapolated only where the short lowerings' ops are under this share of the graph's
+
+
+@dataclass(frozen=True)
+class Priced:
+    """A plan lowered with some micro-batch count: its estimate and its memory."""
+
+    estimate: Estimate
+    memory: MemoryReport
+    extrapolated: bool  # from short copies of the model (False: the whole Program, lowered)
+
+
+def price(graph: Graph, strategy: Strategy, world: int, k: int, optimizer: str,
+          profile: Profile, mode: str, *, min_ops: int, share: float = SHARE) -> Priced:
+    """The plan's estimate and memory with k micro-batches: extrapolated from short copies where
+    the graph has `min_ops` ops or more and runs of repeated layers that the plan treats alike,
+    and the short lowerings' ops are under `share` of the graph's; else from the whole Program.
+    LoweringError or ValueError where the plan does not lower."""
+    segments = () if len(graph.ops) < min_ops else segments_of(graph, strategy)
+    long = [s for s in segments if len(s) > KEPT]
+    base = {s: min(len(s), KEPT) for s in segments}
+    cut = sum(len(s) - KEPT for s in long)
+    per_layer = sum(len(layer_ops(graph)[s[0]]) for s in long) / max(len(long), 1)
+    lowered = (1 + len(long)) * (len(graph.ops) - cut * per_layer) + len(long) * per_layer
+    if not long or lowered >= share * len(graph.ops):
+        program = lower(graph, strategy, world, k, optimizer=optimizer)
+        return Priced(estimate(program, profile, mode), peak_memory(program), False)
+    first = _short(graph, strategy, base, world, k, optimizer, profile, mode)
+    total_e, total_m = _vector(first), _memory_vector(first.memory)
+    for segment in long:
+        more = _short(graph, strategy, {**base, segment: KEPT + 1}, world, k, optimizer, profile,
+                      mode)
+        cut_layers = len(segment) - KEPT
+        total_e = [t + cut_layers * (m - f) for t, m, f in zip(total_e, _vector(more),
+                                                                 _vector(first))]
+        total_m = [t + cut_layers * (m - f) for t, m, f in zip(
+            total_m, _memory_vector(more.memory), _memory_vector(first.memory))]
+    return Priced(Estimate(*total_e), MemoryReport(*(round(x) for x in total_m), None), True)
+
+
+def segments_of(graph: Graph, strategy: Strategy) -> tuple[tuple[str, ...], ...]:
+    """The graph's runs of repeated layers (hidup.graph.repeats.layer_runs) cut where the plan
+    treats a layer unlike the one before it: each segment's layers alike."""
+    found = []
+    for run in layer_runs(graph):
+        segment, before = [run[0]], _layer_plan(graph, strategy, run[0])
+        for layer in run[1:]:
+            plan = _layer_plan(graph, strategy, layer)
+            if plan == before:
+                segment.append(layer)
+            else:
+                found.append(tuple(segment))
+                segment, before = [layer], plan
+        found.append(tuple(segment))
+    return tuple(s for s in found if len(s) > 1)
+
+
+def _layer_plan(graph: Graph, strategy: Strategy, layer: str) -> tuple:
+    """What the plan does with one layer, alike for layers it treats alike."""
+    params = layer_params(graph, layer)
+    return (tuple(strategy.options[n.name] for n in layer_ops(graph)[layer]),
+            tuple((strategy.placements.get(p), p in strategy.reshard, strategy.across.get(p))
+                  for p in params),
+            layer in strategy.recompute, layer in strategy.selective)
+
+
+def _short(graph: Graph, strategy: Strategy, kept: dict, world: int, k: int, optimizer: str,
+           profile: Profile, mode: str) -> Priced:
+    short = _shortened(graph, kept)
+    names = short._index
+    plan = replace(strategy,
+                   placements={n: p for n, p in strategy.placements.items() if n in names},
+                   options={n: o for n, o in strategy.options.items() if n in names},
+                   reshard=frozenset(p for p in strategy.reshard if p in names),
+                   across={p: d for p, d in strategy.across.items() if p in names},
+                   recompute=strategy.recompute & _layers(short),
+                   selective=strategy.selective & _layers(short))
+    program = lower(short, plan, world, k, optimizer=optimizer)
+    return Priced(estimate(program, profile, mode), peak_memory(program), False)
+
+
+def _shortened(graph: Graph, kept: dict) -> Graph:
+    """shortened(graph, kept), once per graph and cut."""
+    cache = graph.__dict__.setdefault("_shortened", {})
+    key = tuple(sorted(kept.items()))
+    if key not in cache:
+        cache[key] = shortened(graph, kept)
+    return cache[key]
+
+
+def _layers(graph: Graph) -> frozenset[str]:
+    return frozenset(n.layer for n in graph.ops if n.layer)
+
+
+def _vector(priced: Priced) -> list[float]:
+    e = priced.estimate
+    return [e.step_time, e.computation, e.communication]
+
+
+def _memory_vector(m: MemoryReport) -> list[float]:
+    return [m.params, m.inputs, m.optimizer, m.grads_peak, m.activations_peak, m.peak]
