@@ -92,9 +92,14 @@ class Ranking:
     def finals(self, dp: Search, finals, cost, keep: int, tag: str, at: list[int]) -> None:
         """Rank the first `keep` distinct plans of `finals` that fit with a micro-batch count of
         `at` (named TAG#j, the programme's `cost` of its label beside it), each lowered with k
-        and with one but where tried already."""
+        and with one but where tried already; after the first, none that the programme prices
+        over BEHIND times the fastest ranked (the baselines are ranked before)."""
         mine: list[tuple] = []
         for j, label in enumerate(finals[:10 * keep]):
+            if j and dp.objective == "time" and far_behind(cost(label), self.fastest):
+                log.info("plans %s#%d.. not lowered: priced %.4g s, over %g times the fastest "
+                         "ranked", tag, j, cost(label), BEHIND)
+                break  # finals come cheapest first: so are the rest
             strategy = dp.strategy(label, "hidup" if dp.objective == "time" else "min-comm")
             plan = _plan_key(strategy)
             if plan in mine:

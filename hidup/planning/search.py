@@ -98,13 +98,15 @@ def _search(graph: Graph, world: int, profile: Profile, options: SearchOptions,
         labels += dp.labels
     least = min((finals[0].best for _, _, finals in runs), default=math.inf)
     timed = options.objective == "time"
+    for name, strategy in baselines.items():  # first, so that the programmes' plans priced
+        # far behind the fastest of them are not lowered (Ranking.finals); also recomputed
+        # (Ranking.recompute_hand)
+        ranking.add_hand(strategy, name)
     _rank_finals(ranking, runs, least, proofs)
     one_d = next((dp for mesh, dp, _ in runs if mesh == 1), None)
     whole = replicated_plan(one_d) if timed and one_d is not None else None
     if whole is not None and not far_behind(one_d.plain.price(whole), least):
         ranking.add(whole, "search-replicated#0", one_d.plain.price(whole))
-    for name, strategy in baselines.items():  # also recomputed (Ranking.recompute_hand)
-        ranking.add_hand(strategy, name)
     ranking.recompute_deferred()
     ranking.confirm()
     if not ranking.ranked and ranking.deferred_fit:  # the plans over the limit that would
