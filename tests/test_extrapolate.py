@@ -8,11 +8,12 @@ from dataclasses import replace
 
 import pytest
 
-from hidup.graph.repeats import layer_ops, layer_runs, shortened
+from hidup.graph.repeats import Cut, layer_ops, layer_runs, shortened
 from hidup.models import capture_model, get_model
 from hidup.planning.profile_file import load_profile
 from hidup.planning.extrapolate import price, segments_of
-from hidup.planning.programme import SearchOptions
+from hidup.planning.planfile import check
+from hidup.planning.programme import Search, SearchOptions
 from hidup.planning.search import search
 from hidup.strategy import first_layers, fixed_strategy, layers, recomputing
 
@@ -89,13 +90,37 @@ def _options(graph, node):
     return fitting_options(graph, node, WORLD)
 
 
-def test_the_search_chooses_the_same_plan_with_the_shortcut(llama):
+def test_the_search_with_the_shortcuts_chooses_as_fast_a_plan(llama):
+    """Ranking from short copies, and the programme on the cut graph: a plan estimated within
+    0.5% of the whole search's (here +0.11% at a beam of 4, -0.21% at 16: the programme's
+    choice among options priced alike differs), its figures from the whole Program."""
     profile = load_profile("v100-1x4-nvlink")
     options = SearchOptions(k=2, memory=None, beam=4)
     whole = search(llama, WORLD, profile, replace(options, extrapolate=10 ** 9))
     short = search(llama, WORLD, profile, replace(options, extrapolate=0))
-    assert short.strategy.options == whole.strategy.options and short.k == whole.k
-    assert short.estimate == whole.estimate  # the chosen plan is lowered whole
-    assert [r.name for r in short.ranked] == [r.name for r in whole.ranked]
-    assert [r.step_time for r in short.ranked] == pytest.approx(
-        [r.step_time for r in whole.ranked], rel=1e-9)
+    assert short.estimate.step_time == pytest.approx(whole.estimate.step_time, rel=5e-3)
+    assert not short.ranked[0].extrapolated and short.ranked[0].estimate == short.estimate
+    lowered = price(llama, short.strategy, WORLD, short.k, "adamw", profile, "graph",
+                    min_ops=math.inf)
+    assert lowered.estimate == short.estimate
+
+
+def test_the_programme_searches_one_middle_layer_for_the_run(llama):
+    cut = Cut(llama)
+    run = layer_runs(llama)[0]
+    assert {n.layer for n in cut.short.ops} == {"", "layers.0", *run[:3]}
+    assert set(cut.weights) == {n.name for n in layer_ops(llama)[run[1]]}
+    assert set(cut.weights.values()) == {len(run) - 2}
+    profile = load_profile("v100-1x4-nvlink")
+    whole = Search(llama, WORLD, profile, SearchOptions(k=2))
+    short = Search(llama, WORLD, profile, SearchOptions(k=2), cut)
+    plan = short.strategy(short.run()[0], "cut")
+    assert set(plan.options) == {n.name for n in llama.ops}  # a plan of the whole graph
+    check(llama, plan)
+    for layer in run[2:-1]:  # each middle layer does what the short graph's middle one does
+        assert [plan.options[n.name] for n in layer_ops(llama)[layer]] == \
+            [plan.options[n.name] for n in layer_ops(llama)[run[1]]]
+    # the short programme prices a plan as the whole one does, up to its Duplex overlap
+    # across the layers it stands for
+    assert short.price(short.plan({n.name: plan.options[n.name] for n in cut.short.ops},
+                                  "x")) == pytest.approx(whole.price(plan), rel=0.05)

@@ -117,3 +117,34 @@ def _signature(graph: Graph, nodes: tuple[Node, ...], previous: tuple[Node, ...]
         sig.append((node.op, str(node.out), repr(node.args), repr(node.kwargs), node.autocast,
                     node.out_index, reads))
     return tuple(sig)
+
+
+class Cut:
+    """A graph whose runs of alike layers are cut to three, the middle one standing for every
+    layer between the first and the last (`weights`: how many), for the search's programme
+    (hidup.planning.programme): a plan of the short graph is one of the whole graph whose
+    layers between a run's first and last do what its middle layer does (`expand`)."""
+
+    def __init__(self, graph: Graph):
+        runs = [r for r in layer_runs(graph) if len(r) > 3]
+        ops = layer_ops(graph)
+        self.whole = graph
+        self.short = shortened(graph, {r: 3 for r in runs})
+        self.weights: dict[str, int] = {}
+        self.names: dict[str, str] = {}  # whole graph's node -> the short graph's that stands
+        #   for it (itself where it is kept)
+        for run in runs:
+            self.weights.update((n.name, len(run) - 2) for n in ops[run[1]])
+            for i, layer in enumerate(run[2:], 2):  # the last does what the short third does
+                like = run[2] if i == len(run) - 1 else run[1]
+                self.names.update((n.name, k.name) for n, k in zip(ops[layer], ops[like]))
+                self.names.update(zip(layer_params(graph, layer), layer_params(graph, like)))
+
+    @property
+    def cuts(self) -> bool:
+        """Does it cut anything?"""
+        return bool(self.weights)
+
+    def name(self, node: str) -> str:
+        """The short graph's node that stands for the whole graph's `node`."""
+        return self.names.get(node, node)

@@ -44,6 +44,11 @@ class _NodeCost(NamedTuple):
     update: float  # the optimizer's update of those parameters, per step
 
 
+def _scaled(cost: _NodeCost, weight: int) -> _NodeCost:
+    """The cost of `weight` nodes alike."""
+    return cost if weight == 1 else _NodeCost(*(x * weight for x in cost))
+
+
 class Pricing:
     """The programme's prices of conversions and of nodes' options, each priced once
     (a mixin of hidup.planning.programme.Search, whose graph, profile, shapes and caches it
@@ -187,13 +192,16 @@ class Pricing:
     def costs(self, node: Node, opt: ShardingOption) -> tuple[_NodeCost | None, _NodeCost | None]:
         """The option's cost with k micro-batches (None where its splits do not divide by
         them) and with one (None where there is no plain pricing); LoweringError where it
-        divides by neither."""
+        divides by neither. A node that stands for several (Search.weights) costs as many
+        times."""
+        weight = self.weights.get(node.name, 1)
         if self.plain is self:
-            cost = self.node_cost(node, opt)
+            cost = _scaled(self.node_cost(node, opt), weight)
             return cost, cost
-        plain = self.plain.node_cost(node, opt) if self.plain is not None else None
+        plain = _scaled(self.plain.node_cost(node, opt), weight) \
+            if self.plain is not None else None
         try:
-            return self.node_cost(node, opt), plain
+            return _scaled(self.node_cost(node, opt), weight), plain
         except LoweringError:
             if plain is None:
                 raise

@@ -29,12 +29,13 @@ from typing import NamedTuple
 
 from hidup.cli.progress import progress
 from hidup.graph.capture import Graph, Node
+from hidup.graph.repeats import Cut
 from hidup.graph.ops.registry import replicated
 from hidup.graph.placement import (Partial, Placement, R, Shard, ShardingOption, flat_option,
                                    is_flat)
 from hidup.planning.beam import Beam, _Label
 from hidup.planning.costs import Profile
-from hidup.planning.pricing import Pricing, _NodeCost
+from hidup.planning.pricing import Pricing, _NodeCost, _scaled
 from hidup.strategy import Strategy, fitting_options, microbatch_split
 from hidup.strategy.recompute import recomputable_share
 from hidup.program.tasks import LoweringError, Shapes, mesh_groups, optimizer_cost
@@ -90,7 +91,14 @@ class Search(Pricing, Beam):
     optimizer that will run (its update time and its state's memory)."""
 
     def __init__(self, graph: Graph, world: int, profile: Profile,
-                 options: SearchOptions = SearchOptions()):
+                 options: SearchOptions = SearchOptions(), cut: Cut | None = None):
+        """`cut`: search its short graph instead of `graph` (its whole one), each node of
+        a run's middle layer priced as the layers it stands for (Cut.weights), and give
+        plans of the whole graph (strategy)."""
+        if cut is not None:
+            graph = cut.short
+        self.cut = cut
+        self.weights = {} if cut is None else cut.weights
         if options.objective not in ("time", "comm"):
             raise ValueError(f"objective {options.objective!r}: choose 'time' or 'comm'")
         k, machines, self.options = options.k, options.machines, options
@@ -139,7 +147,8 @@ class Search(Pricing, Beam):
         # graph with one micro-batch) at k > 1; none for objective 'comm' at k > 1
         self.plain: Search | None = self if k == 1 else None
         if k > 1 and objective == "time":
-            self.plain = Search(graph, world, profile, replace(options, k=1))
+            self.plain = Search(graph if cut is None else cut.whole, world, profile,
+                                replace(options, k=1), cut)
 
     # -- the dynamic programme ----------------------------------------------------------------
     def run(self) -> list[_Label]:
@@ -172,6 +181,7 @@ class Search(Pricing, Beam):
             except LoweringError:
                 continue  # a split that does not divide with the micro-batches
         cut = self._cuts[self.position[node.name]]
+        weight = self.weights.get(node.name, 1)
         out: dict[tuple, list[_Label]] = {}
         steps: dict[tuple, tuple | None] = {}  # states differ mostly in what the node does not
         for key, labels in states.items():  # read: one step per option and values it reads
@@ -183,6 +193,8 @@ class Search(Pricing, Beam):
                 if steps[i, ins] is None:
                     continue
                 comm, comm1, touched = steps[i, ins]
+                if weight != 1:
+                    comm, comm1 = comm * weight, comm1 * weight
                 self.add(out, untouched + touched,
                          self.advance(labels, node, opt, comm, cost, comm1, plain))
         return self.prune(out)
@@ -346,7 +358,9 @@ class Search(Pricing, Beam):
                 raise ValueError(f"plan {strategy.name}: node {node.name} takes an input it "
                                  f"cannot have")
             comm, _, key = step
-            label, = self.advance([label], node, opt, comm, self.node_cost(node, opt))
+            weight = self.weights.get(node.name, 1)
+            label, = self.advance([label], node, opt, comm * weight,
+                                  _scaled(self.node_cost(node, opt), weight))
         return label.cost
 
     def add(self, out: dict, key: tuple, new: list[_Label]) -> None:
@@ -358,11 +372,23 @@ class Search(Pricing, Beam):
             out.setdefault(key, []).extend(fits)
 
     def strategy(self, label: _Label, name: str) -> Strategy:
+        """The label's plan, of the whole graph (expand)."""
         options: dict[str, ShardingOption] = {}
         while label is not None and label.option is not None:
             options[label.node] = label.option
             label = label.back
-        return self.plan(options, name)
+        return self.expand(self.plan(options, name))
+
+    def expand(self, strategy: Strategy) -> Strategy:
+        """A plan of the graph searched as one of the whole graph: each layer a run's middle
+        layer stands for does what that one does (the plan itself where nothing was cut)."""
+        if self.cut is None:
+            return strategy
+        name, nodes = self.cut.name, self.cut.whole.nodes
+        return replace(strategy, options={n.name: strategy.options[name(n.name)]
+                                          for n in nodes if n.kind == "op"},
+                       placements={n.name: strategy.placements[name(n.name)]
+                                   for n in nodes if n.kind != "op"})
 
     def plan(self, options: dict[str, ShardingOption], name: str) -> Strategy:
         """The strategy of one option per node: parameters and inputs live where their first
@@ -382,14 +408,18 @@ def programme(graph: Graph, world: int, profile: Profile, options: SearchOptions
     """The search's programme on a mesh of `options.machines`; on a 2-D mesh whose machines'
     parts of the batch do not split into k micro-batches, the programme with one (its plans run
     without Duplex there)."""
+    cut = None
+    if len(graph.ops) >= options.extrapolate and options.exact == 0:
+        cut = Cut(graph)
+        cut = cut if cut.cuts else None
     try:
-        return Search(graph, world, profile, options)
+        return Search(graph, world, profile, options, cut)
     except ValueError as exc:
         if options.machines == 1 or options.k == 1:
             raise
         log.info("search on %d machines x %d without Duplex: %s", options.machines,
                  world // options.machines, exc)
-        return Search(graph, world, profile, replace(options, k=1))
+        return Search(graph, world, profile, replace(options, k=1), cut)
 
 
 def replicated_plan(dp: Search) -> Strategy | None:

@@ -106,7 +106,7 @@ def _search(graph: Graph, world: int, profile: Profile, options: SearchOptions,
     one_d = next((dp for mesh, dp, _ in runs if mesh == 1), None)
     whole = replicated_plan(one_d) if timed and one_d is not None else None
     if whole is not None and not far_behind(one_d.plain.price(whole), least):
-        ranking.add(whole, "search-replicated#0", one_d.plain.price(whole))
+        ranking.add(one_d.expand(whole), "search-replicated#0", one_d.plain.price(whole))
     ranking.recompute_deferred()
     ranking.confirm()
     if not ranking.ranked and ranking.deferred_fit:  # the plans over the limit that would
