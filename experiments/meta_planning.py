@@ -2,8 +2,8 @@
 and a Mixtral-8x7B-shaped `transformers` model on 64 GPUs of `v100-8x8-10gbps`. Prints, per
 model, the time to build it, to capture it (torch.export), the whole `hidup.plan` (capture, and
 the search on the 8 x 8 mesh and over every GPU with the fixed strategies ranked beside it), the
-planning process's peak
-memory, and the plan (or why none fits). Each model is planned in a process of its own, so that
+planning process's peak memory, the plan (or why none fits) and its predicted step and peak
+memory per GPU (plain SGD, as planned). Each model is planned in a process of its own, so that
 the peak memory is its own.
 
     python -m experiments.meta_planning [--models llama3-8b,mixtral-8x7b] [--gpus 64]
@@ -40,6 +40,11 @@ def plan_one(name: str, gpus: int, batch: int, seq: int, cluster: str) -> dict:
     import hidup
     from experiments.third_party import WithLoss
     from hidup.graph.capture import capture
+    from hidup.graph.dtypes import run_dtypes
+    from hidup.planning.estimate import estimate
+    from hidup.planning.memory import peak_memory
+    from hidup.planning.profile_file import load_profile
+    from hidup.program import lower
 
     config, model_class, settings = MODELS[name]
     start = time.perf_counter()
@@ -57,8 +62,14 @@ def plan_one(name: str, gpus: int, batch: int, seq: int, cluster: str) -> dict:
         plan = hidup.plan(model, (ids, ids), cluster=cluster, gpus=gpus, optimizer="sgd")
         row["plan"] = plan.describe()
     except ValueError as exc:
-        row["plan"] = f"none: {exc}"
+        row["plan"], plan = f"none: {exc}", None
     row["plan s"] = time.perf_counter() - start
+    if plan is not None:  # the chosen plan's predicted step and peak, lowered whole
+        profile = load_profile(cluster)
+        program = lower(run_dtypes(plan.graph, plan.precision, profile.device), plan.strategy,
+                        gpus, plan.micro_batches, optimizer="sgd")
+        row["step ms"] = estimate(program, profile).step_time * 1e3
+        row["plan GiB"] = peak_memory(program).peak / 2**30
     row["peak GiB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return row
 
@@ -93,6 +104,9 @@ def main(argv=None) -> int:
               f"{row['build s']:.2f} s, capture {row['capture s']:.2f} s, hidup.plan "
               f"{row['plan s']:.2f} s (capture included), peak memory {row['peak GiB']:.2f} GiB")
         print(f"  plan: {row['plan']}")
+        if "step ms" in row:
+            print(f"  predicted step {row['step ms']:.1f} ms, peak {row['plan GiB']:.2f} GiB "
+                  f"per GPU")
     return 0
 
 

@@ -121,7 +121,8 @@ class Search(Pricing, Beam):
                 self.last[t] = max(self.last.get(t, -1), self.position[node.name])
                 self.first.setdefault(t, self.position[node.name])
         self.placeholders = {n.name for n in graph.nodes if n.kind != "op"}
-        self.kept_share = recomputable_share(graph, options.recompute)
+        self.kept_share = recomputable_share(graph if cut is None else cut.whole,
+                                             options.recompute)  # its layers, every one
         self.grads = graph.gradients  # the tensors with a gradient
         self.reduced = self.grads - {p.name for p in graph.params}  # whose replicated value's
         #   Partial gradient a conversion's dual or an all-reduce makes whole (parameters':
