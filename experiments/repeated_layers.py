@@ -13,7 +13,7 @@ import time
 
 from hidup.graph.dtypes import run_dtypes
 from hidup.models import capture_model, get_model
-from hidup.planning.extrapolate import price
+from hidup.planning.extrapolate import Pricer
 from hidup.planning.profile_file import load_profile
 from hidup.strategy import first_layers, fixed_strategy, layers, recomputing
 
@@ -28,7 +28,7 @@ def _variants(graph, plan):
 
 def _timed(graph, plan, gpus, k, profile, min_ops):
     start = time.perf_counter()
-    priced = price(graph, plan, gpus, k, "adamw", profile, "graph", min_ops=min_ops)
+    priced = Pricer(graph, gpus, profile, min_ops=min_ops).price(plan, k)
     return priced, time.perf_counter() - start
 
 

@@ -11,7 +11,7 @@ import pytest
 from hidup.graph.repeats import Cut, layer_ops, layer_runs, shortened
 from hidup.models import capture_model, get_model
 from hidup.planning.profile_file import load_profile
-from hidup.planning.extrapolate import price, segments_of
+from hidup.planning.extrapolate import Pricer, segments_of
 from hidup.planning.planfile import check
 from hidup.planning.programme import Search, SearchOptions
 from hidup.planning.search import search
@@ -58,9 +58,8 @@ def test_short_copies_price_a_plan_as_the_whole_program(llama, k):
     a layer of Llama 8B is larger than a bucket, and exact)."""
     profile = load_profile("v100-1x4-nvlink")
     for name, plan in _plans(llama):
-        whole = price(llama, plan, WORLD, k, "adamw", profile, "graph", min_ops=math.inf)
-        short = price(llama, plan, WORLD, k, "adamw", profile, "graph", min_ops=0,
-                      share=math.inf)
+        whole = Pricer(llama, WORLD, profile).price(plan, k, whole=True)
+        short = Pricer(llama, WORLD, profile, min_ops=0, share=math.inf).price(plan, k)
         assert short.extrapolated and not whole.extrapolated, name
         exact = not name.startswith("fsdp")
         assert short.estimate.step_time == pytest.approx(whole.estimate.step_time,
@@ -70,6 +69,20 @@ def test_short_copies_price_a_plan_as_the_whole_program(llama, k):
         assert short.memory.peak == pytest.approx(whole.memory.peak,
                                                   rel=1e-9 if exact else 1e-2), name
         assert short.memory.params == whole.memory.params, name
+
+
+def test_plans_with_the_same_short_copies_are_lowered_once(llama):
+    """The first three or the first four layers recomputed: the cut layers differ, the base
+    copy (two recomputed layers after the first, two not) does not."""
+    pricer = Pricer(llama, WORLD, load_profile("v100-1x4-nvlink"), min_ops=0, share=math.inf)
+    plan = fixed_strategy("fsdp", llama, WORLD)
+    three = pricer.price(recomputing(llama, plan, first_layers(llama, 3)), 1)
+    assert len(pricer._kept) == 2  # the base, and one not recomputed layer more
+    four = pricer.price(recomputing(llama, plan, first_layers(llama, 4)), 1)
+    assert len(pricer._kept) == 3  # and one recomputed layer more
+    assert three.extrapolated and four.extrapolated
+    whole = pricer.price(recomputing(llama, plan, first_layers(llama, 4)), 1, whole=True)
+    assert four.memory.peak == pytest.approx(whole.memory.peak, rel=1e-2)
 
 
 def test_a_plan_that_treats_layers_unlike_is_cut_into_segments(llama):
@@ -100,8 +113,7 @@ def test_the_search_with_the_shortcuts_chooses_as_fast_a_plan(llama):
     short = search(llama, WORLD, profile, replace(options, extrapolate=0))
     assert short.estimate.step_time == pytest.approx(whole.estimate.step_time, rel=5e-3)
     assert not short.ranked[0].extrapolated and short.ranked[0].estimate == short.estimate
-    lowered = price(llama, short.strategy, WORLD, short.k, "adamw", profile, "graph",
-                    min_ops=math.inf)
+    lowered = Pricer(llama, WORLD, profile).price(short.strategy, short.k, whole=True)
     assert lowered.estimate == short.estimate
 
 

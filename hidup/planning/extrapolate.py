@@ -6,13 +6,13 @@ adds to a short copy each add the same tasks to the Program: the same kernels, c
 held bytes. So the plan is lowered on the model cut to KEPT layers of each segment (the base)
 and, per segment longer than that, with one layer more (that segment's slope), and each figure
 of the whole model is the base's plus, per segment, its slope times its cut layers. This costs
-about 2 + (segments) short lowerings instead of one of every layer; it is used only where that
-is under a SHARE of the whole graph's ops, and for graphs of `min_ops` ops or more (smaller
-ones lower in well under a second: SearchOptions.extrapolate). The ranking confirms its best plan on the whole graph
+1 + (segments) short lowerings instead of one of every layer, each kept for plans whose short
+copies are the same; it is used where those hold fewer ops than the whole graph, for graphs of
+`min_ops` ops or more (smaller ones lower in well under a second: SearchOptions.extrapolate). The ranking confirms its best plan on the whole graph
 (hidup.planning.ranking.Ranking.confirm): the figures a user reads are never extrapolated."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from hidup.graph.nodes import Graph
 from hidup.graph.repeats import layer_ops, layer_params, layer_runs, shortened
@@ -24,7 +24,7 @@ from hidup.strategy import Strategy
 
 KEPT = 2  # layers of each segment in the base (the first sees the stretch before the segment,
 #   the last the stretch after it; the slope's extra layer sits between layers alike)
-SHARE = 0.5  # extrapolated only where the short lowerings' ops are under this share of the graph's
+SHARE = 1.0  # extrapolated only where the short lowerings' ops are under this share of the graph's
 
 
 @dataclass(frozen=True)
@@ -36,32 +36,79 @@ class Priced:
     extrapolated: bool  # from short copies of the model (False: the whole Program, lowered)
 
 
-def price(graph: Graph, strategy: Strategy, world: int, k: int, optimizer: str,
-          profile: Profile, mode: str, *, min_ops: int, share: float = SHARE) -> Priced:
-    """The plan's estimate and memory with k micro-batches: extrapolated from short copies where
-    the graph has `min_ops` ops or more and runs of repeated layers that the plan treats alike,
-    and the short lowerings' ops are under `share` of the graph's; else from the whole Program.
-    LoweringError or ValueError where the plan does not lower."""
-    segments = () if len(graph.ops) < min_ops else segments_of(graph, strategy)
-    long = [s for s in segments if len(s) > KEPT]
-    base = {s: min(len(s), KEPT) for s in segments}
-    cut = sum(len(s) - KEPT for s in long)
-    per_layer = sum(len(layer_ops(graph)[s[0]]) for s in long) / max(len(long), 1)
-    lowered = (1 + len(long)) * (len(graph.ops) - cut * per_layer) + len(long) * per_layer
-    if not long or lowered >= share * len(graph.ops):
-        program = lower(graph, strategy, world, k, optimizer=optimizer)
-        return Priced(estimate(program, profile, mode), peak_memory(program), False)
-    first = _short(graph, strategy, base, world, k, optimizer, profile, mode)
-    total_e, total_m = _vector(first), _memory_vector(first.memory)
-    for segment in long:
-        more = _short(graph, strategy, {**base, segment: KEPT + 1}, world, k, optimizer, profile,
-                      mode)
-        cut_layers = len(segment) - KEPT
-        total_e = [t + cut_layers * (m - f) for t, m, f in zip(total_e, _vector(more),
-                                                                 _vector(first))]
-        total_m = [t + cut_layers * (m - f) for t, m, f in zip(
-            total_m, _memory_vector(more.memory), _memory_vector(first.memory))]
-    return Priced(Estimate(*total_e), MemoryReport(*(round(x) for x in total_m), None), True)
+@dataclass
+class Pricer:
+    """Prices plans of one graph on one cluster: `price(strategy, k)`. A short copy's figures
+    are kept by what it computes (its ops, options, storage and recomputation in order), so a
+    plan whose short copies are another's (the same plan with more or fewer first layers
+    recomputed: the cut layers differ, the copies do not) is priced without lowering again."""
+
+    graph: Graph
+    world: int
+    profile: Profile
+    optimizer: str = "adamw"  # whose update and state the Programs hold
+    mode: str = "graph"  # the executor mode the estimate prices (hidup.program.HOST_MODES)
+    min_ops: float = 1000  # graphs with fewer ops are priced whole
+    share: float = SHARE  # extrapolated only where the short lowerings' ops are under this
+    #   share of the graph's
+    _kept: dict = field(default_factory=dict, repr=False)  # a short copy's figures, by key
+
+    def price(self, strategy: Strategy, k: int, whole: bool = False) -> Priced:
+        """The plan's estimate and memory with k micro-batches: extrapolated from short copies
+        where the graph has `min_ops` ops or more and runs of repeated layers that the plan
+        treats alike, and the short lowerings' ops are under `share` of the graph's; else (or
+        `whole`) from the whole Program. LoweringError or ValueError where it does not lower."""
+        graph = self.graph
+        segments = () if whole or len(graph.ops) < self.min_ops else \
+            segments_of(graph, strategy)
+        long = [s for s in segments if len(s) > KEPT]
+        base = {s: min(len(s), KEPT) for s in segments}
+        cut = sum(len(s) - KEPT for s in long)
+        per_layer = sum(len(layer_ops(graph)[s[0]]) for s in long) / max(len(long), 1)
+        lowered = (1 + len(long)) * (len(graph.ops) - cut * per_layer) + len(long) * per_layer
+        if not long or lowered >= self.share * len(graph.ops):
+            return self._lowered(graph, strategy, k, False)
+        first = self._short(strategy, base, k)
+        total_e, total_m = _vector(first), _memory_vector(first.memory)
+        for segment in long:
+            more = self._short(strategy, {**base, segment: KEPT + 1}, k)
+            cut_layers = len(segment) - KEPT
+            total_e = [t + cut_layers * (m - f) for t, m, f in zip(total_e, _vector(more),
+                                                                     _vector(first))]
+            total_m = [t + cut_layers * (m - f) for t, m, f in zip(
+                total_m, _memory_vector(more.memory), _memory_vector(first.memory))]
+        return Priced(Estimate(*total_e), MemoryReport(*(round(x) for x in total_m), None),
+                      True)
+
+    def _lowered(self, graph: Graph, strategy: Strategy, k: int, short: bool) -> Priced:
+        program = lower(graph, strategy, self.world, k, optimizer=self.optimizer)
+        return Priced(estimate(program, self.profile, self.mode), peak_memory(program), short)
+
+    def _short(self, strategy: Strategy, kept: dict, k: int) -> Priced:
+        short = _shortened(self.graph, kept)
+        names = short._index
+        plan = replace(strategy,
+                       placements={n: p for n, p in strategy.placements.items() if n in names},
+                       options={n: o for n, o in strategy.options.items() if n in names},
+                       reshard=frozenset(p for p in strategy.reshard if p in names),
+                       across={p: d for p, d in strategy.across.items() if p in names},
+                       recompute=strategy.recompute & _layers(short),
+                       selective=strategy.selective & _layers(short))
+        key = (k, _computes(short, plan))
+        if key not in self._kept:
+            self._kept[key] = self._lowered(short, plan, k, False)
+        return self._kept[key]
+
+
+def _computes(graph: Graph, plan: Strategy) -> tuple:
+    """What a plan of a short copy computes, alike for copies that compute the same: its ops
+    and their options in order, where each parameter lives, the layers recomputed in order."""
+    return (tuple((n.op, n.out, n.inputs.__len__(), plan.options[n.name]) for n in graph.ops),
+            tuple((n.out, plan.placements.get(n.name), n.name in plan.reshard,
+                   plan.across.get(n.name)) for n in graph.nodes if n.kind != "op"),
+            tuple((layer in plan.recompute, layer in plan.selective)
+                  for layer in dict.fromkeys(n.layer for n in graph.ops if n.layer)),
+            plan.machines, plan.transposed)
 
 
 def segments_of(graph: Graph, strategy: Strategy) -> tuple[tuple[str, ...], ...]:
@@ -88,21 +135,6 @@ def _layer_plan(graph: Graph, strategy: Strategy, layer: str) -> tuple:
             tuple((strategy.placements.get(p), p in strategy.reshard, strategy.across.get(p))
                   for p in params),
             layer in strategy.recompute, layer in strategy.selective)
-
-
-def _short(graph: Graph, strategy: Strategy, kept: dict, world: int, k: int, optimizer: str,
-           profile: Profile, mode: str) -> Priced:
-    short = _shortened(graph, kept)
-    names = short._index
-    plan = replace(strategy,
-                   placements={n: p for n, p in strategy.placements.items() if n in names},
-                   options={n: o for n, o in strategy.options.items() if n in names},
-                   reshard=frozenset(p for p in strategy.reshard if p in names),
-                   across={p: d for p, d in strategy.across.items() if p in names},
-                   recompute=strategy.recompute & _layers(short),
-                   selective=strategy.selective & _layers(short))
-    program = lower(short, plan, world, k, optimizer=optimizer)
-    return Priced(estimate(program, profile, mode), peak_memory(program), False)
 
 
 def _shortened(graph: Graph, kept: dict) -> Graph:

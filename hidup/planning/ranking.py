@@ -15,7 +15,7 @@ from hidup.cli.progress import progress
 from hidup.graph.capture import Graph
 from hidup.planning.costs import Profile
 from hidup.planning.estimate import Estimate
-from hidup.planning.extrapolate import Priced, price
+from hidup.planning.extrapolate import Priced, Pricer
 from hidup.planning.planfile import check
 from hidup.planning.programme import Search, SearchOptions
 from hidup.strategy import (Strategy, first_layers, layers, recomputing, sharded_storage,
@@ -83,6 +83,8 @@ class Ranking:
         # (plan key, k) -> the estimate of a plan lowered with k that fits, or that is over the
         # limit with its parameters and state within it (s): a bound for it recomputed
         self.estimated: dict[tuple, float] = {}
+        self.pricer = Pricer(graph, world, profile, options.optimizer, options.mode,
+                             options.extrapolate)
 
     @property
     def fastest(self) -> float:
@@ -195,9 +197,7 @@ class Ranking:
         """The plan lowered with kk micro-batches: its estimate in the goal's mode and its
         memory (extrapolated from short copies of the model where it repeats layers, unless
         `whole`: hidup.planning.extrapolate)."""
-        return price(self.graph, strategy, self.world, kk, self.options.optimizer,
-                     self.profile, self.options.mode,
-                     min_ops=math.inf if whole else self.options.extrapolate)
+        return self.pricer.price(strategy, kk, whole)
 
     def rank(self, priced: Priced, strategy: Strategy, name: str, dp_cost: float,
              kk: int) -> float:
