@@ -34,6 +34,9 @@ BEHIND = 2.0
 # and the most they hide is the shorter of the two, so the estimate with k is at least half the
 # estimate with one. Such a count is HOPELESS: tried, and not expected to win.
 HOPELESS = "hopeless"
+# Plans over the limit whose estimate and peak are within this share of each other's are
+# recomputed once (Ranking.recompute_deferred): the programme's near-copies of one plan
+ALIKE = 1e-3
 
 
 
@@ -287,12 +290,21 @@ class Ranking:
         to memory. The count is guessed from what recomputing every layer saves, as if each
         layer saved as much. Recomputing only adds work, so a plan whose estimate without it is
         no faster than a plan ranked already is not tried. Then the hand configurations
-        (recompute_hand), against the fastest ranked by then."""
+        (recompute_hand), against the fastest ranked by then. Of plans whose estimate and peak
+        without recomputation are within ALIKE of one tried with the same k (the programme's
+        plans that differ in ops that cost next to nothing, such as a view's split), none is
+        tried."""
+        tried: list[tuple] = []  # (bound, peak, k) of the plans tried
         for bound, _, strategy, name, dp_cost, kk, peak in sorted(self.deferred):
             if bound >= self.fastest:
                 log.info("plan %s with k=%d not recomputed: %.4g s without recomputation, "
                          "%.4g s ranked already", name, kk, bound, self.fastest)
                 continue
+            if any(kk == k0 and _alike(bound, b0) and _alike(peak, p0) for b0, p0, k0 in tried):
+                log.info("plan %s with k=%d not recomputed: estimated and holding within "
+                         "%g of one tried", name, kk, ALIKE)
+                continue
+            tried.append((bound, peak, kk))
             # whole layers first: where recomputing all of them does not fit, selectively
             # recomputing them (which keeps more) does not either
             if self._fewest_layers(strategy, f"{name}+recompute", dp_cost, kk, peak, False):
@@ -322,6 +334,10 @@ class Ranking:
         self.rank(priced, every, name, dp_cost, kk)  # every layer (priced above): it fits
         self.seen.setdefault(_plan_key(every), {})[kk] = True
         return True
+
+
+def _alike(a: float, b: float) -> bool:
+    return abs(a - b) <= ALIKE * max(abs(a), abs(b))
 
 
 def far_behind(price: float, least: float) -> bool:
