@@ -17,7 +17,8 @@ from hidup.cli import Parser
 from hidup.models import capture_model, get_model
 from hidup.planning.exact import exact_plan
 from hidup.planning.profile_file import load_profile
-from hidup.planning.programme import Search, SearchOptions, programme
+from hidup.planning.programme import Search, SearchOptions
+from hidup.planning.search import programme
 from experiments.outputs import default_out, note
 
 OPTIMIZER = "sgd"  # the update these figures price: SGD's, one pass over the parameters

@@ -14,7 +14,8 @@ from hidup.graph.dtypes import run_dtypes
 from hidup.graph.placement import flat, flat_option
 from hidup.models import get_model
 from hidup.planning.profile_file import load_profile
-from hidup.planning.programme import Search, SearchOptions, replicated_plan
+from hidup.planning.programme import Search, SearchOptions
+from hidup.planning.search import replicated_plan
 from hidup.planning.search import search
 from hidup.strategy import (fixed_strategy, layers, random_strategy, recomputing,
                             sharded_storage)

@@ -22,7 +22,6 @@ flattened (hidup.graph.placement's flat options: experts split over every GPU be
 split inside a machine), priced as hidup.planning.pricing says."""
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -30,7 +29,6 @@ from typing import NamedTuple
 from hidup.cli.progress import progress
 from hidup.graph.capture import Graph, Node
 from hidup.graph.repeats import Cut
-from hidup.graph.ops.registry import replicated
 from hidup.graph.placement import (Partial, Placement, R, Shard, ShardingOption, flat_option,
                                    is_flat)
 from hidup.planning.beam import Beam, _Label
@@ -40,7 +38,6 @@ from hidup.strategy import Strategy, fitting_options, microbatch_split
 from hidup.strategy.recompute import recomputable_share
 from hidup.program.tasks import LoweringError, Shapes, mesh_groups, optimizer_cost
 
-log = logging.getLogger(__name__)
 _NOTHING: frozenset = frozenset()
 _GRAD = "grad"  # in a state's converted-to set: the tensor's replicated gradient is a Partial
 #   sum, whose reduction is charged (to the first consumer that makes it one)
@@ -403,36 +400,3 @@ class Search(Pricing, Beam):
         placements = {n.name: placements.get(n.name, R) for n in self.g.nodes if n.kind != "op"}
         return Strategy(name, placements, options, machines=self.machines,
                         transposed=self.options.transposed)
-
-
-def programme(graph: Graph, world: int, profile: Profile, options: SearchOptions) -> Search:
-    """The search's programme on a mesh of `options.machines`; on a 2-D mesh whose machines'
-    parts of the batch do not split into k micro-batches, the programme with one (its plans run
-    without Duplex there)."""
-    cut = None
-    if len(graph.ops) >= options.extrapolate and options.exact == 0:
-        cut = Cut(graph)
-        cut = cut if cut.cuts else None
-    try:
-        return Search(graph, world, profile, options, cut)
-    except ValueError as exc:
-        if options.machines == 1 or options.k == 1:
-            raise
-        log.info("search on %d machines x %d without Duplex: %s", options.machines,
-                 world // options.machines, exc)
-        return Search(graph, world, profile, replace(options, k=1), cut)
-
-
-def replicated_plan(dp: Search) -> Strategy | None:
-    """The plan with no communication at all: every op replicated, on every rank (None where an
-    op offers no such option). Where links are slow it is the fastest, and the beam can miss it
-    (on 2 x 4 V100 at 1-10 Gbit/s, vit-sgmoe:paper's beam of 16 ended 9-90% over it at k = 1).
-    Keeping its state in the beam instead made the beam lose far more elsewhere (bert-sgmoe's
-    plans at 1 Gbit/s estimated 77 s instead of 7.2): so it is ranked beside the programme's."""
-    options = {}
-    for node in dp.g.ops:
-        option = replicated(len(node.inputs))
-        if option not in fitting_options(dp.g, node, dp.world):
-            return None
-        options[node.name] = option
-    return dp.plan(options, "hidup")

@@ -17,13 +17,15 @@ from dataclasses import dataclass, replace
 from operator import attrgetter
 
 from hidup.graph.capture import Graph
+from hidup.graph.ops.registry import replicated
+from hidup.graph.repeats import Cut
 from hidup.planning.beam import _BEST, _COST, _PLAIN
 from hidup.planning.costs import Profile
 from hidup.planning.estimate import Estimate
 from hidup.planning.exact import exact_plan
-from hidup.planning.programme import SearchOptions, programme, replicated_plan
+from hidup.planning.programme import Search, SearchOptions
 from hidup.planning.ranking import Ranked, Ranking, far_behind
-from hidup.strategy import Strategy
+from hidup.strategy import Strategy, fitting_options
 
 log = logging.getLogger(__name__)
 
@@ -178,3 +180,36 @@ def _orders(k: int, objective: str) -> list[tuple]:
     if k == 1 or objective != "time":  # one order: the cost (with k, or the bytes)
         return [(_COST, "search", [k])]
     return [(_COST, "search", [k]), (_PLAIN, "search-k1", [1])]
+
+
+def programme(graph: Graph, world: int, profile: Profile, options: SearchOptions) -> Search:
+    """The search's programme on a mesh of `options.machines`; on a 2-D mesh whose machines'
+    parts of the batch do not split into k micro-batches, the programme with one (its plans run
+    without Duplex there)."""
+    cut = None
+    if len(graph.ops) >= options.extrapolate and options.exact == 0:
+        cut = Cut(graph)
+        cut = cut if cut.cuts else None
+    try:
+        return Search(graph, world, profile, options, cut)
+    except ValueError as exc:
+        if options.machines == 1 or options.k == 1:
+            raise
+        log.info("search on %d machines x %d without Duplex: %s", options.machines,
+                 world // options.machines, exc)
+        return Search(graph, world, profile, replace(options, k=1), cut)
+
+
+def replicated_plan(dp: Search) -> Strategy | None:
+    """The plan with no communication at all: every op replicated, on every rank (None where an
+    op offers no such option). Where links are slow it is the fastest, and the beam can miss it
+    (on 2 x 4 V100 at 1-10 Gbit/s, vit-sgmoe:paper's beam of 16 ended 9-90% over it at k = 1).
+    Keeping its state in the beam instead made the beam lose far more elsewhere (bert-sgmoe's
+    plans at 1 Gbit/s estimated 77 s instead of 7.2): so it is ranked beside the programme's."""
+    options = {}
+    for node in dp.g.ops:
+        option = replicated(len(node.inputs))
+        if option not in fitting_options(dp.g, node, dp.world):
+            return None
+        options[node.name] = option
+    return dp.plan(options, "hidup")
