@@ -126,6 +126,15 @@ class Graph:
         return frozenset(found)
 
     @cached_property
+    def readers(self) -> dict[str, frozenset[str]]:
+        """Per node, the ops that read it."""
+        found: dict[str, set[str]] = {n.name: set() for n in self.nodes}
+        for node in self.ops:
+            for t in node.inputs:
+                found[t].add(node.name)
+        return {name: frozenset(names) for name, names in found.items()}
+
+    @cached_property
     def gradients(self) -> frozenset[str]:
         """The tensors that get a gradient in training: float ones that depend on a parameter
         (other than through a detach) and that the loss depends on."""

@@ -58,7 +58,7 @@ def layer_params(graph: Graph, layer: str) -> tuple[str, ...]:
         mine = {n.name for n in nodes}
         found = dict.fromkeys(
             t for n in nodes for t in n.inputs if graph.node(t).kind in ("param", "buffer")
-            and all(r.name in mine for r in _readers(graph)[t]))
+            and graph.readers[t] <= mine)
         cache[layer] = tuple(found)
     return cache[layer]
 
@@ -82,17 +82,6 @@ def shortened(graph: Graph, kept: dict[tuple[str, ...], int]) -> Graph:
     return replace(graph, nodes=nodes, loss=rename.get(graph.loss, graph.loss),
                    updates=tuple(u for u in graph.updates if u[0] not in gone
                                  and u[1] not in gone), _index={})
-
-
-def _readers(graph: Graph) -> dict[str, list[Node]]:
-    cache = graph.__dict__
-    if "_repeat_readers" not in cache:
-        readers: dict[str, list[Node]] = {n.name: [] for n in graph.nodes}
-        for node in graph.ops:
-            for t in node.inputs:
-                readers[t].append(node)
-        cache["_repeat_readers"] = readers
-    return cache["_repeat_readers"]
 
 
 def _adjacent(graph: Graph, before: tuple[Node, ...], after: tuple[Node, ...]) -> bool:
@@ -139,6 +128,13 @@ class Cut:
                 like = run[2] if i == len(run) - 1 else run[1]
                 self.names.update((n.name, k.name) for n, k in zip(ops[layer], ops[like]))
                 self.names.update(zip(layer_params(graph, layer), layer_params(graph, like)))
+
+    @classmethod
+    def of(cls, graph: Graph) -> Cut:
+        """The graph's Cut, made once per graph (the search runs a programme per mesh)."""
+        if "_cut" not in graph.__dict__:
+            graph.__dict__["_cut"] = cls(graph)
+        return graph.__dict__["_cut"]
 
     @property
     def cuts(self) -> bool:

@@ -106,21 +106,13 @@ def per_token_regions(graph: Graph) -> Graph:
         seed = next((n for n in graph.ops if n.op in SORTS and n.name not in tried), None)
         if seed is None:
             return graph
-        readers = _readers(graph)
+        readers = graph.readers
         region = next(filter(None, (_checked(graph, r) for r in _grow(graph, seed, readers))),
                       None)
         if region is None:
             tried.add(seed.name)
         else:
             graph = _replace(graph, region, readers)
-
-
-def _readers(graph: Graph) -> dict[str, set[str]]:
-    readers: dict[str, set[str]] = {n.name: set() for n in graph.nodes}
-    for node in graph.ops:
-        for t in node.inputs:
-            readers[t].add(node.name)
-    return readers
 
 
 def _grow(graph: Graph, seed: Node, readers):

@@ -21,7 +21,7 @@ from hidup.planning.costs import Profile
 from hidup.planning.estimate import Estimate, estimate
 from hidup.planning.memory import MemoryReport, peak_memory
 from hidup.program.lowering import lower
-from hidup.strategy import Strategy
+from hidup.strategy import Strategy, layers
 
 KEPT = 2  # layers of each segment in the base (the first sees the stretch before the segment,
 #   the last the stretch after it; the slope's extra layer sits between layers alike)
@@ -66,23 +66,20 @@ class Pricer:
         segments = () if whole or len(graph.ops) < self.min_ops else \
             segments_of(graph, strategy)
         long = [s for s in segments if len(s) > KEPT]
-        base = {s: min(len(s), KEPT) for s in segments}
-        cut = sum(len(s) - KEPT for s in long)
-        per_layer = sum(len(layer_ops(graph)[s[0]]) for s in long) / max(len(long), 1)
-        lowered = (1 + len(long)) * (len(graph.ops) - cut * per_layer) + len(long) * per_layer
-        if len(long) != 1 or lowered >= self.share * len(graph.ops):
+        if len(long) != 1:
             return self._lowered(graph, strategy, k, False)
+        segment = long[0]
+        cut = len(segment) - KEPT
+        per_layer = len(layer_ops(graph)[segment[0]])
+        if 2 * (len(graph.ops) - cut * per_layer) + per_layer >= self.share * len(graph.ops):
+            return self._lowered(graph, strategy, k, False)  # the two short lowerings' ops
+        base = {s: min(len(s), KEPT) for s in segments}
         first = self._short(strategy, base, k)
-        total_e, total_m = _vector(first), _memory_vector(first.memory)
-        for segment in long:
-            more = self._short(strategy, {**base, segment: KEPT + 1}, k)
-            cut_layers = len(segment) - KEPT
-            total_e = [t + cut_layers * (m - f) for t, m, f in zip(total_e, _vector(more),
-                                                                     _vector(first))]
-            total_m = [t + cut_layers * (m - f) for t, m, f in zip(
-                total_m, _memory_vector(more.memory), _memory_vector(first.memory))]
-        return Priced(Estimate(*total_e), MemoryReport(*(round(x) for x in total_m), None),
-                      True)
+        more = self._short(strategy, {**base, segment: KEPT + 1}, k)
+        step = [f + cut * (m - f) for f, m in zip(_vector(first), _vector(more))]
+        memory = [f + cut * (m - f) for f, m in zip(_memory_vector(first.memory),
+                                                    _memory_vector(more.memory))]
+        return Priced(Estimate(*step), MemoryReport(*(round(x) for x in memory), None), True)
 
     def _lowered(self, graph: Graph, strategy: Strategy, k: int, short: bool) -> Priced:
         program = lower(graph, strategy, self.world, k, optimizer=self.optimizer)
@@ -96,8 +93,8 @@ class Pricer:
                        options={n: o for n, o in strategy.options.items() if n in names},
                        reshard=frozenset(p for p in strategy.reshard if p in names),
                        across={p: d for p, d in strategy.across.items() if p in names},
-                       recompute=strategy.recompute & _layers(short),
-                       selective=strategy.selective & _layers(short))
+                       recompute=strategy.recompute & set(layers(short)),
+                       selective=strategy.selective & set(layers(short)))
         key = (k, _computes(short, plan))
         if key not in self._kept:
             self._kept[key] = self._lowered(short, plan, k, False)
@@ -110,8 +107,7 @@ def _computes(graph: Graph, plan: Strategy) -> tuple:
     return (tuple((n.op, n.out, n.inputs.__len__(), plan.options[n.name]) for n in graph.ops),
             tuple((n.out, plan.placements.get(n.name), n.name in plan.reshard,
                    plan.across.get(n.name)) for n in graph.nodes if n.kind != "op"),
-            tuple((layer in plan.recompute, layer in plan.selective)
-                  for layer in dict.fromkeys(n.layer for n in graph.ops if n.layer)),
+            tuple((layer in plan.recompute, layer in plan.selective) for layer in layers(graph)),
             plan.machines, plan.transposed)
 
 
@@ -148,10 +144,6 @@ def _shortened(graph: Graph, kept: dict) -> Graph:
     if key not in cache:
         cache[key] = shortened(graph, kept)
     return cache[key]
-
-
-def _layers(graph: Graph) -> frozenset[str]:
-    return frozenset(n.layer for n in graph.ops if n.layer)
 
 
 def _vector(priced: Priced) -> list[float]:

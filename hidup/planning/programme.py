@@ -145,8 +145,7 @@ class Search(Pricing, Beam):
         # graph with one micro-batch) at k > 1; none for objective 'comm' at k > 1
         self.plain: Search | None = self if k == 1 else None
         if k > 1 and objective == "time":
-            self.plain = Search(graph if cut is None else cut.whole, world, profile,
-                                replace(options, k=1), cut)
+            self.plain = Search(graph, world, profile, replace(options, k=1), cut)
 
     # -- the dynamic programme ----------------------------------------------------------------
     def run(self) -> list[_Label]:

@@ -188,7 +188,7 @@ def programme(graph: Graph, world: int, profile: Profile, options: SearchOptions
     without Duplex there)."""
     cut = None
     if len(graph.ops) >= options.extrapolate and options.exact == 0:
-        cut = Cut(graph)
+        cut = Cut.of(graph)
         cut = cut if cut.cuts else None
     try:
         return Search(graph, world, profile, options, cut)
