@@ -76,6 +76,9 @@ class _Plan:
     in_situ: frozenset[int]  # compute-stream tasks whose measured time was taken in real steps
     #   (Profile.kernels_in_situ): interference is already in it
     lanes: int = 1  # collectives in flight at once on a rank (Profile.comm_lanes)
+    copies: dict[int, dict] | None = None  # simulating rank 0 for all (`symmetric`): for each
+    #   collective, the links its group 0 crosses -> (how many of its groups cross that link,
+    #   the sum of their demands); None: every rank is simulated, each group's transfer its own
 
     @property
     def identical(self) -> bool:
@@ -97,7 +100,9 @@ def simulate(program: Program, profile: Profile, all_ranks: bool = False,
              noise: random.Random | None = None, mode: str = "graph") -> Result:
     """Run one step of `program` and measure it. Every rank runs the same tasks; when every
     collective spans the world the ranks are identical and one is simulated (all_ranks=True
-    simulates each of them, to the same result); sub-group collectives simulate them all.
+    simulates each of them, to the same result); so are ranks that are symmetric (sub-groups
+    alike on machines alike: _copies), rank 0's transfers loading the links as all the groups
+    of their collective do; other sub-group collectives simulate every rank.
     `slow_ranks` {rank: factor} makes those ranks' kernels take `factor` times longer
     (stragglers, noise): every rank is simulated then, and collectives wait at the rendezvous
     for the slowest member. With `noise`, each rank's run of each measured kernel takes a time
@@ -112,7 +117,10 @@ def simulate(program: Program, profile: Profile, all_ranks: bool = False,
     if bad:
         raise SimulationError(f"slow_ranks {bad}: ranks must be in 0..{program.world - 1} and "
                               f"factors positive")
-    ranks = program.world if all_ranks or slow or noise or not plan.identical else 1
+    every = all_ranks or slow or noise or (plan.copies is None and not plan.identical)
+    if every and plan.copies is not None:
+        plan = _plan(program, profile, mode, every_rank=True)
+    ranks = program.world if every else 1
     sim = _Sim(env, plan, ranks, profile, slow, noise)
     started, events = time.perf_counter(), _run(env)
     elapsed = time.perf_counter() - started
@@ -134,8 +142,12 @@ def _run(env: simpy.Environment) -> int:
         return events
 
 
-def _plan(program: Program, profile: Profile, mode: str = "graph") -> _Plan:
+def _plan(program: Program, profile: Profile, mode: str = "graph",
+          every_rank: bool = False) -> _Plan:
+    """What every rank does. Unless `every_rank`, where the ranks are symmetric (_copies) the
+    plan is for simulating rank 0 alone: only its groups' links are worked out."""
     collectives = tuple(program.collectives)
+    copies = None if every_rank else _copies(collectives, profile)
     ids = {c.id for c in collectives}
     compute: list = []
     seconds, gone = kernel_times(program, profile, mode), dropped(program)
@@ -149,10 +161,10 @@ def _plan(program: Program, profile: Profile, mode: str = "graph") -> _Plan:
                 host[task.id] = pack_unpack
                 if pack_unpack[0] > 0:  # issuing it takes the compute stream's time
                     compute.append(task)
-            for i, group in enumerate(task.parts):
+            for i, group in enumerate(task.parts[:1] if copies is not None else task.parts):
                 links[task.id, i] = (*profile.network_split(task, group), _crossed(profile, group),
                                      profile.link_demand(task.kind, task.bytes, group))
-                if len(task.parts) > 1:  # a world-spanning collective: every rank in group 0
+                if len(task.parts) > 1 and copies is None:  # (world-spanning: all in group 0)
                     part.update({(task.id, rank): i for rank in group})
             continue
         if isinstance(task, Wait) and task.collective not in ids:
@@ -167,7 +179,49 @@ def _plan(program: Program, profile: Profile, mode: str = "graph") -> _Plan:
     by_id = {c.id: c for c in collectives}
     in_situ = frozenset(t.id for t in compute if measured and timing_key(t, by_id) in measured)
     return _Plan(tuple(compute), collectives, _producers(program), duration, links, part, host,
-                 issue, in_situ, profile.comm_lanes)
+                 issue, in_situ, profile.comm_lanes,
+                 None if copies is None or all(len(c.parts) == 1 for c in collectives) else copies)
+
+
+def _copies(collectives: tuple[Convert, ...], profile: Profile) -> dict[int, dict] | None:
+    """Where the ranks are symmetric, for each collective the load its groups put on each link
+    its group 0 crosses ({link: (groups crossing it, the sum of their demands)}); None where they
+    are not. Symmetric: in every collective the groups are of one size, each crosses as many
+    links, and every link any of them crosses carries the same load from it (a mesh's rows,
+    columns or whole world on machines of equal size). Every rank then runs the same tasks at the
+    same times, the groups of a collective in flight together, and rank 0 alone, its transfers
+    loading each link as all the groups do, shows them all (tests/test_simulator_fidelity.py
+    holds it to simulating every rank)."""
+    out, seen = {}, {}
+    for task in collectives:
+        key = task.kind, task.bytes, task.parts
+        if key not in seen:
+            seen[key] = _group_load(task, profile)
+        if seen[key] is None:
+            return None
+        out[task.id] = seen[key]
+    return out
+
+
+def _group_load(task: Convert, profile: Profile) -> dict | None:
+    """_copies' load of one collective, or None if its groups are not alike."""
+    if len({len(g) for g in task.parts}) > 1:
+        return None
+    load: dict = {}
+    crossed = [_crossed(profile, g) for g in task.parts]
+    if len({len(c) for c in crossed}) > 1:
+        return None
+    demands = {profile.link_demand(task.kind, task.bytes, g) for g in task.parts}
+    if len(demands) > 1:
+        return None
+    demand = demands.pop()
+    for links in crossed:
+        for link in links:
+            count, total = load.get(link, (0, 0.0))
+            load[link] = count + 1, total + demand
+    if len(set(load.values())) > 1:
+        return None
+    return {link: load[link] for link in crossed[0]}
 
 
 def _crossed(profile: Profile, group: tuple[int, ...]) -> tuple:
@@ -295,7 +349,8 @@ class _Sim:
         # connection: two 1 MB all-reduces in flight gained nothing); its transfer also shares
         # the links it crosses with every transfer on them
         beside = ((self.beside[rank], task.id, ("lanes",), demand),) if self.beside else ()
-        net = ((self.links, key, crossed, demand),) if self.links is not None else ()
+        copies = self.plan.copies[task.id] if self.plan.copies is not None else None
+        net = ((self.links, key, crossed, copies or demand),) if self.links is not None else ()
         if not beside + net and self.slowdown["latency"] == self.slowdown["comm"]:
             yield from self.run(rank, COMM_STREAM, latency + transfer)
         else:  # the latency at its own slowdown, then the transfer

@@ -50,7 +50,7 @@ class Links:
     def __init__(self):
         self.members: dict[tuple, dict] = {}  # transfer -> its ranks' running processes, in order
         self.crossed: dict[tuple, tuple] = {}  # transfer -> the links it crosses
-        self.demand: dict[tuple, float] = {}
+        self.demand: dict[tuple, dict] = {}  # transfer -> {link: (transfers, demand)} it adds
         self.load: dict = {}  # link -> (transfers crossing it, the sum of their demands)
 
     def share(self, key: tuple) -> float:
@@ -58,12 +58,16 @@ class Links:
         return min(1.0 if self.load[link][0] == 1 else 1.0 / max(1.0, self.load[link][1])
                    for link in self.crossed[key])
 
-    def begin(self, key: tuple, links: tuple, demand: float, process) -> None:
+    def begin(self, key: tuple, links: tuple, demand: float | dict, process) -> None:
+        """`demand`: the transfer's on each link, or {link: (transfers, their demands)} where
+        one transfer stands for the others that cross its links at the same time (the groups of
+        a collective on symmetric ranks, simulator.engine._copies)."""
         if key not in self.members:  # a new transfer loads the links: the others slow down
-            self.members[key], self.crossed[key], self.demand[key] = {}, links, demand
+            added = demand if isinstance(demand, dict) else {link: (1, demand) for link in links}
+            self.members[key], self.crossed[key], self.demand[key] = {}, links, added
             for link in links:
                 count, total = self.load.get(link, (0, 0.0))
-                self.load[link] = (count + 1, total + demand)
+                self.load[link] = (count + added[link][0], total + added[link][1])
             self._retime(links)
         self.members[key].setdefault(process)
 
@@ -71,10 +75,10 @@ class Links:
         self.members[key].pop(process, None)
         if not self.members[key]:  # its last rank is done: the others speed up
             del self.members[key]
-            links, demand = self.crossed.pop(key), self.demand.pop(key)
+            links, added = self.crossed.pop(key), self.demand.pop(key)
             for link in links:
                 count, total = self.load[link]
-                self.load[link] = (count - 1, total - demand)
+                self.load[link] = (count - added[link][0], total - added[link][1])
             self._retime(links)
 
     def _retime(self, links: tuple) -> None:

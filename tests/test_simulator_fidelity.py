@@ -110,6 +110,45 @@ def test_identical_ranks_once_equals_all_ranks(strategy, k):
             assert getattr(one, field) == pytest.approx(getattr(every, field), rel=1e-12)
 
 
+@pytest.mark.parametrize("name,turned", [("dp-megatron", False), ("dp-megatron", True),
+                                          ("fsdp+tp", False)])
+def test_symmetric_ranks_once_equal_every_rank(tiny_graphs, name, turned):
+    """On a 2-D mesh (4 machines of 2 GPUs) the rows', columns' and world's groups are alike:
+    rank 0 alone, its transfers loading each link as all its collective's groups do, gives the
+    step that simulating all 8 ranks gives, on one lane and on two (transfers beside each other),
+    with the links shared or not, and with measured pair demands."""
+    from hidup.strategy import fixed_strategy
+    _, _, graph = tiny_graphs["gpt:tiny"]
+    strategy = replace(fixed_strategy(name, graph, 8, machines=4), transposed=turned)
+    base = replace(load_profile("v100-8x8-10gbps"), gpus_per_node=2)
+    pairs = replace(base, pair_points=(("inter", "all_reduce", 2, 1e3, 1.6),
+                                       ("inter", "all_reduce", 2, 1e8, 1.9)))
+    for k in (1, 2):
+        program = lower(graph, strategy, 8, k)
+        assert any(len(c.parts) > 1 for c in program.collectives)
+        for profile in (base, replace(base, comm_lanes=2), two_tier(compute=1.3, comm=1.2),
+                        pairs):
+            one, every = simulate(program, profile), simulate(program, profile, all_ranks=True)
+            assert len(one.records) == 1 and len(every.records) == 8
+            for field in ("step_time", "computation", "communication", "overlap_ratio"):
+                assert getattr(one, field) == pytest.approx(getattr(every, field), rel=1e-9)
+
+
+def test_ranks_that_are_not_alike_are_all_simulated():
+    """Groups of unequal size, or some crossing machines and some not, are not symmetric."""
+    from simulator.engine import _copies
+    from hidup.graph.placement import R
+    from hidup.program.tasks import Convert
+    profile = replace(load_profile("v100-8x8-10gbps"), gpus_per_node=2)
+
+    def task(parts):
+        return Convert(0, "all_reduce", "x", R, R, "fwd", None, (4,), 4096, parts[0], ("x",),
+                       ("y",), groups=parts)
+    assert _copies((task(((0, 2), (1, 3))),), profile) is not None  # columns: alike
+    assert _copies((task(((0, 1, 2), (3,))),), profile) is None  # sizes differ
+    assert _copies((task(((0, 1), (2, 4), (3, 5))),), profile) is None  # in one machine or across
+
+
 def test_duplex_trace_alternates_micro_batches_between_the_streams():
     """As in the executor's real trace: one micro-batch's collective runs while the other computes."""
     spec = get_model("gpt:tiny", gpus=2)
@@ -173,12 +212,14 @@ def _all_reduce_spans(result):
 def test_groups_crossing_the_same_links_share_them():
     """Pairs {0,2} and {1,3} each cross both machines' links: alone, a 2-rank ring all-reduce of
     1e9 bytes moves 2(n-1)/n x 1e9 = 1e9 bytes at 1 GB/s = 1 s; together each gets half: 2 s."""
-    r = simulate(_split(((0, 2), (1, 3))), _links())
-    assert len(r.records) == 4  # sub-groups: every rank simulated
+    r = simulate(_split(((0, 2), (1, 3))), _links(), all_ranks=True)
+    assert len(r.records) == 4
     assert _all_reduce_spans(r) == [(pytest.approx(1.0), pytest.approx(3.0))] * 4
     assert r.step_time == pytest.approx(4.0, rel=1e-12)
+    one = simulate(_split(((0, 2), (1, 3))), _links())  # alike pairs: rank 0 stands for all
+    assert len(one.records) == 1 and one.step_time == pytest.approx(4.0, rel=1e-12)
     # pairs inside a machine ({0,1}, {2,3}) use NVLink and share nothing: 1e9 / 100e9 = 0.01 s
-    inside = simulate(_split(((0, 1), (2, 3))), _links())
+    inside = simulate(_split(((0, 1), (2, 3))), _links(), all_ranks=True)
     assert _all_reduce_spans(inside) == [(pytest.approx(1.0), pytest.approx(1.01))] * 4
     # {0,2} alone on the links (ranks 1 and 3 in groups of one, which move nothing): 1 s
     alone = simulate(_split(((0, 2), (1,), (3,))), _links())
