@@ -55,6 +55,12 @@ def test_the_choice_is_the_fastest_plan_that_fits_by_the_estimate():
                                          r"device's .* GiB on 2 GPUs \(.*\); give more GPUs or "
                                          r"memory"):
         select_plan(graph, profile, Goal(2, memory=1000.0))
+    batch = graph.user_inputs[0].out.shape[0]  # over GPUs it does not split into: not "more"
+    assert batch % 3
+    with pytest.raises(ValueError, match=rf"give more memory, fewer GPUs or a batch that 3 "
+                                         rf"divides \(more GPUs do not help: the batch of "
+                                         rf"{batch} does not split over 3"):
+        select_plan(graph, profile, Goal(3, memory=1000.0))
     with pytest.raises(ValueError, match=r"strategy='fsdp2': give 'search' or one of"):
         select_plan(graph, profile, Goal(2, strategy="fsdp2"))
 

@@ -273,7 +273,17 @@ class Profile:
 
     def machines(self, group: tuple[int, ...]) -> tuple[int, ...]:
         """The machines whose inter-node link a group crosses (none if it stays in one)."""
-        return _machines(group, self.gpus_per_node) if self.inter_node else ()
+        if not self.inter_node:
+            return ()
+        if len(group) <= self.gpus_per_node:  # (cheap: not worth a cache entry)
+            return _machines(group, self.gpus_per_node)
+        cache = self.__dict__.setdefault("_groups_machines", {})
+        hit = cache.get(id(group))
+        if hit is None or hit[0] is not group:  # by the tuple's id, as _crossing
+            hit = cache[id(group)] = (group, _machines(group, self.gpus_per_node))
+            if len(cache) > 32:
+                cache.pop(next(iter(cache)))
+        return hit[1]
 
     def mesh(self, gpus: int) -> tuple[int, int]:
         """The default device mesh of `gpus` on this cluster: its machines x GPUs per machine
@@ -290,8 +300,28 @@ class Profile:
         mine = self.machines(group)
         if not mine or len(parts) < 2:
             return 1
-        crossing = [set(self.machines(g)) for g in parts]
-        return max(sum(m in c for c in crossing) for m in mine)
+        crossing, loads = self._crossing(parts)
+        hit = loads.get(id(group))
+        if hit is None or hit[0] is not group:
+            hit = loads[id(group)] = (group, max(crossing.get(m, 0) for m in mine))
+        return hit[1]
+
+    def _crossing(self, parts: tuple[tuple[int, ...], ...]) -> tuple[dict[int, int], dict]:
+        """(machine -> how many of the groups `parts` cross its link, link_load's answers by the
+        id of the group asked about); worked out once per
+        `parts` object (a lowering's collectives share their mesh's groups, and hashing a
+        world's worth of ranks for each would cost as much as counting them again)."""
+        cache = self.__dict__.setdefault("_crossings", {})
+        hit = cache.get(id(parts))
+        if hit is None or hit[0] is not parts:  # (the tuple is kept: its id is not reused)
+            counts: dict[int, int] = {}
+            for g in parts:
+                for m in self.machines(g):
+                    counts[m] = counts.get(m, 0) + 1
+            hit = cache[id(parts)] = (parts, counts, {})
+            if len(cache) > 32:
+                cache.pop(next(iter(cache)))
+        return hit[1], hit[2]
 
     def tier(self, group: tuple[int, ...]) -> dict[str, LinkCost]:
         """The intra-node figures, or the inter-node ones if the group spans machines."""

@@ -112,10 +112,14 @@ def select_plan(graph: Graph, profile: Profile, goal: Goal) -> Selection:
                                    else "every plan lowered is over the limit")
         limit = "no limit" if profile.device_memory is None else \
             f"a device's {profile.device_memory / 2**30:.3g} GiB"
+        batch = _batch(graph)
+        fix = "more GPUs or memory, a smaller batch" if batch % goal.gpus == 0 else \
+            (f"more memory, fewer GPUs or a batch that {goal.gpus} divides (more GPUs do not "
+             f"help: the batch of {batch} does not split over {goal.gpus}, so data parallelism "
+             f"cannot share it out)")
         raise ValueError(f"no plan{'' if goal.strategy == SEARCH else ' of ' + goal.strategy} "
                          f"with {' or '.join(map(str, sorted(allowed)))} micro-batches lowers "
-                         f"and fits {limit} on {goal.gpus} GPUs ({why}); give more GPUs or "
-                         f"memory, a smaller batch"
+                         f"and fits {limit} on {goal.gpus} GPUs ({why}); give {fix}"
                          f"{', or leave micro_batches to the planner' if goal.micro_batches else ''}")
     best = fitting[0]
     strategy = replace(best.strategy, name="hidup" if _searched(best) else
@@ -186,11 +190,15 @@ def _check_splits(graph: Graph, gpus: int, machines: int) -> None:
     needs a dim of n or more (over the machines of a 2-D mesh, the batch), so beyond the largest
     dim every GPU would run the whole step."""
     largest = max((d for n in graph.nodes for d in n.out.shape), default=1)
-    batches = [n.out.shape[0] for n in graph.user_inputs if n.out.shape]
-    batch = min(batches, default=1)
+    batch = _batch(graph)
     if gpus <= largest or machines > 1 and batch % machines == 0 and gpus // machines <= largest:
         return
     raise ValueError(f"{gpus} GPUs: no op of the model can be split over them (a split over n "
                      f"ranks needs a dimension of n or more; the largest is {largest}, the batch "
                      f"{batch}), so each GPU would run the whole step; give at most {largest} "
                      f"GPUs, or a larger batch")
+
+
+def _batch(graph: Graph) -> int:
+    """The batch: the smallest first dim of the user's inputs (1 where they have none)."""
+    return min((n.out.shape[0] for n in graph.user_inputs if n.out.shape), default=1)
