@@ -4,7 +4,7 @@ size, each wrapped so that `forward(*batch)` returns the scalar loss: what a use
 `transformers` is a test dependency (the dev extra): `pip install -e ".[dev]"`."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -53,6 +53,7 @@ def _transformers(config: str, model: str, names: tuple[str, ...], **settings):
     """A builder of transformers' `model` class from its `config` class with these settings."""
     def build() -> torch.nn.Module:
         import transformers
+        transformers.logging.set_verbosity_error()  # its notes on the tiny configs say nothing
         cfg = getattr(transformers, config)(**settings)
         return WithLoss(getattr(transformers, model)(cfg), names)
     return build
@@ -125,10 +126,15 @@ def any_model(spec: str) -> ThirdParty:
     known = set(inspect.signature(config.__init__).parameters) | set(config().to_dict())
     tiny = {**SMALL, **NO_DROPOUT, "image_size": 16, "patch_size": 4, "num_labels": 5,
             "num_key_value_heads": 2, "use_cache": False, "hidden_dropout": 0.0,
-            "attention_dropout": 0.0, "dropout": 0.0, "pad_token_id": 0, "bos_token_id": 1,
+            "attention_dropout": 0.0, "dropout": 0.0, "ffn_dim": 64, "pad_token_id": 0,
+            "bos_token_id": 1,
             "eos_token_id": 2}
     renamed = getattr(config, "attribute_map", {})  # e.g. GPT-J's n_embd for hidden_size
     settings = {renamed.get(k, k): v for k, v in tiny.items() if renamed.get(k, k) in known}
+    # every dropout off, whatever the family calls it (resid_pdrop, classifier_dropout_prob,
+    # seq_classif_dropout, layerdrop...): a step is then deterministic, as eager's reference
+    settings.update({k: 0.0 for k, v in config().to_dict().items()
+                     if isinstance(v, float) and "drop" in k})
     if model_name.endswith("ForImageClassification"):  # 64 pixels: convnets downsample 32x
         settings["num_labels"] = 5
         settings.update({k: 64 for k in ("image_size",) if k in known})
@@ -141,13 +147,46 @@ def any_model(spec: str) -> ThirdParty:
     return ThirdParty(spec, _transformers(config_name, model_name, names, **settings), batch)
 
 
+# more families, each at any_model's tiny size: causal LMs (dense and mixture-of-experts),
+# encoders for sequence classification and vision transformers
+MORE_SPECS = {
+    "qwen2": "Qwen2Config:Qwen2ForCausalLM", "qwen3": "Qwen3Config:Qwen3ForCausalLM",
+    "mistral": "MistralConfig:MistralForCausalLM", "phi": "PhiConfig:PhiForCausalLM",
+    "phi3": "Phi3Config:Phi3ForCausalLM", "gemma": "GemmaConfig:GemmaForCausalLM",
+    "gemma2": "Gemma2Config:Gemma2ForCausalLM", "gpt_neox": "GPTNeoXConfig:GPTNeoXForCausalLM",
+    "opt": "OPTConfig:OPTForCausalLM", "bloom": "BloomConfig:BloomForCausalLM",
+    "falcon": "FalconConfig:FalconForCausalLM", "starcoder2": "Starcoder2Config:Starcoder2ForCausalLM",
+    "olmo2": "Olmo2Config:Olmo2ForCausalLM", "cohere": "CohereConfig:CohereForCausalLM",
+    "granite": "GraniteConfig:GraniteForCausalLM", "glm": "GlmConfig:GlmForCausalLM",
+    "gpt_bigcode": "GPTBigCodeConfig:GPTBigCodeForCausalLM",
+    "qwen2_moe": "Qwen2MoeConfig:Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeConfig:Qwen3MoeForCausalLM",
+    "granite_moe": "GraniteMoeConfig:GraniteMoeForCausalLM",
+    "roberta": "RobertaConfig:RobertaForSequenceClassification",
+    "distilbert": "DistilBertConfig:DistilBertForSequenceClassification",
+    "albert": "AlbertConfig:AlbertForSequenceClassification",
+    "electra": "ElectraConfig:ElectraForSequenceClassification",
+    "deit": "DeiTConfig:DeiTForImageClassification",
+    "dinov2": "Dinov2Config:Dinov2ForImageClassification",
+}
+
+
+def more_model(name: str) -> ThirdParty:
+    """One of MORE_SPECS by its short name."""
+    return replace(any_model(MORE_SPECS[name]), name=name)
+
+
 def model_spec(name: str) -> ThirdParty:
-    """One of MODELS by name, or any transformers model as 'ConfigClass:ModelClass'."""
+    """One of MODELS or MORE_SPECS by name, or any transformers model as
+    'ConfigClass:ModelClass'."""
     if name in MODELS:
         return MODELS[name]
+    if name in MORE_SPECS:
+        return more_model(name)
     if ":" in name:
         return any_model(name)
-    raise ValueError(f"model {name!r}: give one of {sorted(MODELS)} or a transformers "
+    raise ValueError(f"model {name!r}: give one of {sorted(MODELS) + sorted(MORE_SPECS)} or a "
+                     f"transformers "
                      f"'ConfigClass:ModelClass'")
 
 

@@ -18,13 +18,13 @@ from hidup.strategy import conversion, fixed_strategy, microbatch_split, random_
 from hidup.runtime.layout import mb_join, mb_part, shard_of
 
 pytest.importorskip("transformers")
-from experiments.third_party import MODELS, build  # noqa: E402
+from experiments.third_party import MODELS, MORE_SPECS, build, model_spec  # noqa: E402
 
 BATCH = 8
 
 
 def batch(name: str, seed: int = 1):
-    return MODELS[name].batch(BATCH, torch.Generator().manual_seed(seed))
+    return model_spec(name).batch(BATCH, torch.Generator().manual_seed(seed))
 
 
 def reference(name: str):
@@ -55,9 +55,10 @@ def third_party_grads(rank, world, cases):
             graphs[name] = capture(model, batch(name, seed=0))
         graph = graphs[name]
         strategy = strategy_of(graph, how, world, k)
-        # traced as users run it under Duplex on 2 ranks; the rest untraced (the same tasks as
-        # Python: test_random_strategies holds the two modes to the same result bit for bit)
-        mode = mode_of(how, world) if k > 1 else "untraced"
+        # traced as users run it under Duplex on 2 ranks (the eight first families); the rest
+        # untraced (the same tasks as Python: test_random_strategies holds the two modes to the
+        # same result bit for bit)
+        mode = mode_of(how, world) if k > 1 and name in MODELS else "untraced"
         result = one_step(model, graph, strategy, world, k, name, batch(name), mode=mode)
         out[(name, how, k)] = result + ({n: b.clone() for n, b in model.named_buffers()},)
     return out
@@ -95,6 +96,40 @@ CASES_4 = [c for c in PLANS if c[0] not in ("bart", "t5")] + [("llama", "random"
 def test_third_party_models_match_eager(world, cases):
     results = run_ranks(world, third_party_grads, cases)
     check(results, cases)
+
+
+# more families (experiments.third_party.MORE_SPECS: 26, with the first eight 34, encoders,
+# vision transformers and three mixtures of experts among them), each under plans that
+# split its ops: ddp, fsdp, megatron, the search (on v100-8x8-10gbps, as strategy_of) and,
+# where it has experts, expert; each plain and with Duplex, on 2 ranks
+MOE = ("qwen2_moe", "qwen3_moe", "granite_moe")
+MORE = [(m, how, k) for m in MORE_SPECS for how in ("ddp", "fsdp", "megatron", "search")
+        for k in (1, 2)] + [(m, "expert", k) for m in MOE for k in (1, 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("part", range(3))
+def test_more_families_match_eager_under_plans_that_split(part):
+    names = list(MORE_SPECS)[part::3]
+    cases = [c for c in MORE if c[0] in names]
+    check(run_ranks(2, third_party_grads, cases), cases)
+
+
+def test_more_families_plans_split_their_ops():
+    """The plans of the families above split ops (not a replicated run under a plan's name):
+    on Qwen2-MoE, ddp, fsdp, expert and the search most ops (the batch), megatron some (the
+    linears' weights), and expert the experts' weights, read by its routers' per-token
+    regions."""
+    graph = capture(build("qwen2_moe"), batch("qwen2_moe"))
+    split = {how: sum(any(p != R for p in (*o.inputs, o.output))
+                      for o in strategy_of(graph, how, 2, 1).options.values())
+             for how in ("ddp", "fsdp", "megatron", "expert", "search")}
+    assert all(n > len(graph.ops) / 2 for how, n in split.items() if how != "megatron"), split
+    assert split["megatron"] > 10, split
+    expert = fixed_strategy("expert", graph, 2)
+    experts = [p.name for p in graph.params if len(p.out.shape) == 3]
+    assert len(experts) == 4 and all(expert.placements[p] == Shard(0) for p in experts)
+    assert sum(n.op == "hidup.tokens" for n in graph.ops) == 2
 
 
 def test_tied_weights_train_as_one_tensor():

@@ -27,7 +27,16 @@ def megatron(graph: Graph, world: int) -> Strategy:
     columns, one on a column-split input by rows (Partial output, all-reduced where needed)."""
     seeds = {n.name: R for n in graph.user_inputs}
     return propagate(graph, world, "megatron", seeds, shard_params=True,
-                     allowed={"all_gather", "all_reduce", "slice"})
+                     allowed={"all_gather", "all_reduce", "slice"},
+                     keep_whole=_reading_no_parameter(graph))
+
+
+def _reading_no_parameter(graph: Graph) -> set[str]:
+    """The ops that read no parameter: under tensor parallelism they split nothing made of whole
+    values, as a weight's split is what splits the work (a buffer expanded over the batch and
+    sliced there would make the rest of the model data parallel)."""
+    return {n.name for n in graph.ops
+            if not any(graph.node(t).kind == "param" for t in n.inputs)}
 
 
 
