@@ -189,8 +189,9 @@ def main(argv=None) -> int:
                            f"little to hide it under" if band[0] > low else "")
               + (f"; above {band[1]:.3g} too little communication is left to hide"
                  if band[1] < high else ""))
-    print(f"wrote {args.out / 'whatif.csv'} and {args.out / 'whatif.png'} in "
-          f"{time.perf_counter() - started:.0f} s")
+    print(f"wrote {args.out / 'whatif.csv'} and {args.out / 'whatif.png'}")
+    print(f"{PROG}: {time.perf_counter() - started:.0f} s", file=sys.stderr)  # (stdout: the
+    #   same for the same flags, as docs/whatif.md shows it)
     print(outputs.note(args.out, "whatif"))
     return 0
 

@@ -82,11 +82,12 @@ def check(results, cases):
                 assert err <= 1e-4, (case, pname, err)
 
 
-# every family under ddp, megatron and the searched plan, plain SPMD and Duplex (k = 2; ResNet's
-# BatchNorm statistics and Mixtral's router sort join the micro-batches: test_microbatch_joins)
+# every family under ddp, megatron and the searched plan (and fsdp on 2 ranks), plain SPMD and
+# Duplex (k = 2; ResNet's BatchNorm statistics join the micro-batches: test_microbatch_joins)
 # (the encoder-decoders, whose label shifting writes into a view in place, on 2 ranks only)
 PLANS = [(m, how, k) for m in MODELS for how in ("ddp", "megatron", "search") for k in (1, 2)]
-CASES = PLANS + [(m, "random", 2) for m in MODELS] + [("mixtral", "expert", k) for k in (1, 2)]
+CASES = PLANS + [(m, "random", 2) for m in MODELS] + [("mixtral", "expert", k) for k in (1, 2)] \
+    + [(m, "fsdp", k) for m in MODELS for k in (1, 2)]
 CASES_4 = [c for c in PLANS if c[0] not in ("bart", "t5")] + [("llama", "random", 1),
                                                              ("mixtral", "expert", 2)]
 

@@ -1,0 +1,35 @@
+"""The docs say what their commands print: every block marked `<!-- output of (checked): CMD -->`
+in README.md and docs/ is re-run and must be what CMD prints now, character for character
+(experiments.docs_blocks; the slow blocks are refreshed with its --write)."""
+from __future__ import annotations
+
+import pytest
+
+from experiments import docs_blocks
+
+BLOCKS = [b for page in docs_blocks.pages() for b in docs_blocks.blocks(page)]
+
+
+def test_the_marks_hold_blocks_and_the_main_job_is_checked():
+    assert BLOCKS and all(b.text.strip() for b in BLOCKS), [str(b) for b in BLOCKS]
+    assert any(b.checked and b.command == "python -m simulator.predict" and
+               b.page.name == "README.md" for b in BLOCKS)
+
+
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.checked], ids=str)
+def test_a_checked_block_is_what_its_command_prints(block):
+    assert docs_blocks.run(block.command, timeout=600) == block.text, (
+        f"{block} differs from what the command prints: run python -m experiments.docs_blocks "
+        f"--write --match '{block.command}' and read the change")
+
+
+def test_a_mark_without_a_block_is_refused(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("text\n<!-- output of: python -m simulator.predict -->\nno block\n")
+    with pytest.raises(ValueError, match=r"page.md:2: .* is not followed by a fenced block"):
+        docs_blocks.blocks(page)
+    page.write_text("<!-- output of (checked): python -m x -->\n```\nout\n```\n")
+    (block,) = docs_blocks.blocks(page)
+    assert block.checked and block.command == "python -m x" and block.text == "out"
+    docs_blocks.rewrite(block, "new\nlines")
+    assert page.read_text() == "<!-- output of (checked): python -m x -->\n```\nnew\nlines\n```\n"
