@@ -35,7 +35,7 @@ from hidup.runtime.data import (DataError, Vocabulary, build_vocabulary, eval_ba
 from hidup.runtime.launch import default_threads, launch
 from hidup.runtime.trainer import RunOptions, Trainer
 from hidup.train_model import model_spec
-from hidup.train_options import TrainOptions, parse_args
+from hidup.train_options import PROG, TrainOptions, parse_args
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ def _diverged(args: TrainOptions, step: int, loss: float, saved: int | None) -> 
     if args.checkpoint is not None:
         kept = f"; the last complete checkpoint (step {saved}) is in {args.checkpoint}" \
             if saved else f"; no checkpoint was written in {args.checkpoint} yet"
-    return (f"hidup.train: step {step}: the loss is {loss} (--lr {args.lr:g}); training stopped; "
+    return (f"{PROG}: error: step {step}: the loss is {loss} (--lr {args.lr:g}); training stopped; "
             f"try a smaller --lr{kept}")
 
 
@@ -287,10 +287,10 @@ def main(argv=None) -> int:
         if (args.nproc_per_node or 1) > 1 and "RANK" not in os.environ:  # start the ranks
             prepare(args, args.nproc_per_node, check_only=True)  # bad flags stop here, in one line
             argv = sys.argv[1:] if argv is None else list(argv)
-            return launch("hidup.train", argv, args.nproc_per_node, "hidup.train")
+            return launch("hidup.train", argv, args.nproc_per_node, f"{PROG}: error")
         result = run(args)
     except ValueError as exc:
-        say(f"hidup.train: {exc}", every_rank=isinstance(exc, checkpoint.CheckpointError))
+        say(f"{PROG}: error: {exc}", every_rank=isinstance(exc, checkpoint.CheckpointError))
         return 2
     except Diverged as exc:
         say(str(exc))
@@ -301,7 +301,7 @@ def main(argv=None) -> int:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         kept = f"; the last complete checkpoint is in {args.checkpoint} (--resume)" \
             if args.checkpoint else ""
-        say(f"hidup.train: rank {os.environ.get('RANK', '0')}: a collective failed, a peer is "
+        say(f"{PROG}: error: rank {os.environ.get('RANK', '0')}: a collective failed, a peer is "
             f"lost or did not answer within --timeout {args.timeout:g} s ({first}){kept}",
             every_rank=True)
         return 3

@@ -107,7 +107,7 @@ def test_a_ddp_checkpoint_resumes_under_megatron_and_on_one_rank(tmp_path, capsy
 
     said = one_line(main, USER + ["--steps", "7", "--checkpoint", str(ck), "--resume",
                                   "--optimizer", "sgd"], capsys, code=2)
-    assert said.startswith(f"hidup.train: --resume: the checkpoint in {ck} is of another run "
+    assert said.startswith(f"python -m hidup.train: error: --resume: the checkpoint in {ck} is of another run "
                            f"(model tests.user_model:make, batch 8, seed 0, optimizer adamw); "
                            f"this run is model tests.user_model:make, batch 8, seed 0, "
                            f"optimizer sgd; use the same"), said
@@ -118,7 +118,7 @@ def test_a_bad_model_is_one_line_with_the_fix(capsys, monkeypatch):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2 and not out, err
     assert err.count("\n") == 1 and err.startswith(
-        "hidup.train: --model a.b:c: cannot import a.b (No module named 'a'); give a zoo model "
+        "python -m hidup.train: error: --model a.b:c: cannot import a.b (No module named 'a'); give a zoo model "
         "NAME:SIZE"), err
     for var in ("RANK", "WORLD_SIZE", "HIDUP_ERROR_FILE"):
         monkeypatch.delenv(var, raising=False)

@@ -42,7 +42,7 @@ def _said(stderr: str) -> list[str]:
 
 
 def test_bad_flags_are_one_line_before_any_rank_starts():
-    cases = [(["--strategy", "megatorn"], "hidup.train: unknown strategy 'megatorn'; choose one "
+    cases = [(["--strategy", "megatorn"], "python -m hidup.train: error: unknown strategy 'megatorn'; choose one "
                                           "of ['ddp', 'expert', 'fsdp', 'megatron', 'megatron-sp', 'dp-expert', 'dp-megatron', 'fsdp+tp', 'tp+ep'] or a plan file"),
              (["--lr", "nan"], "python -m hidup.train: error: --lr must be a finite number, 0 or "
                                "more, got nan; e.g. --lr 0.01; see --help")]
@@ -86,7 +86,7 @@ def test_bad_flag_under_torchrun_is_said_once():
     done = subprocess.run(_torchrun(["--strategy", "megatorn"]), capture_output=True, text=True,
                           env=_env(), timeout=120)
     assert done.returncode != 0
-    assert done.stderr.count("hidup.train: unknown strategy 'megatorn'") == 1, done.stderr
+    assert done.stderr.count("python -m hidup.train: error: unknown strategy 'megatorn'") == 1, done.stderr
 
 
 def test_a_loss_that_becomes_nan_stops_the_run_at_its_step(tmp_path):
@@ -97,7 +97,7 @@ def test_a_loss_that_becomes_nan_stops_the_run_at_its_step(tmp_path):
                           capture_output=True, text=True, env=_env(), timeout=120)
     said = _said(done.stderr)
     assert done.returncode == 4 and len(said) == 1, done.stderr
-    assert said[0].startswith("hidup.train: step 2: the loss is nan (--lr 1e+20)"), said
+    assert said[0].startswith("python -m hidup.train: error: step 2: the loss is nan (--lr 1e+20)"), said
     assert f"the last complete checkpoint (step 1) is in {ck}" in said[0], said
     assert json.loads((ck / "latest.json").read_text())["step"] == 1
 
