@@ -211,3 +211,26 @@ def test_capture_after_init_lets_the_process_group_go(tmp_path):
         return int(run.stdout.split()[-1])
     assert threads_left("capture") == 0
     assert threads_left("export") > 0  # what capture undoes is there on this torch
+
+
+class _Branches(torch.nn.Module):
+    """Control flow on a value: torch.export cannot trace it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y.sum() if y.sum() > 0 else -y.sum()
+
+
+def test_an_export_failure_is_one_error_with_nothing_printed_before_it(capfd):
+    """torch.export logs its guards and prints the graph it traced before it raises; capture
+    keeps that off the user's stderr (the CaptureError says what failed), and passes on what
+    an export that succeeds prints."""
+    with pytest.raises(CaptureError, match=r"torch.export failed for _Branches: Could not guard "
+                                           r"on data-dependent expression"):
+        capture(_Branches(), (torch.randn(8, 4),))
+    out, err = capfd.readouterr()
+    assert out == "" and err == "", err

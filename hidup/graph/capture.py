@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import io
+import logging
 import math
 import operator
 import sys
+from contextlib import contextmanager, redirect_stderr
 from dataclasses import replace
 
 import torch
@@ -52,13 +55,35 @@ def unpin_default_group() -> None:
                                     for d in fn.__defaults__)
 
 
+@contextmanager
+def _torch_logs_quiet():
+    """While torch exports: its loggers at ERROR, and what it prints on stderr held back, then
+    passed on if the export succeeds. Where export fails it logs its guards and prints the graph
+    it traced (tens of lines) before raising, and the failure's one line (capture's CaptureError)
+    says what the user needs."""
+    names = [name for name in logging.root.manager.loggerDict if name.split(".")[0] == "torch"]
+    loggers = [logging.getLogger(name) for name in ["torch", *names]]
+    levels = [lg.level for lg in loggers]
+    held = io.StringIO()
+    for lg in loggers:
+        lg.setLevel(max(lg.getEffectiveLevel(), logging.ERROR))
+    try:
+        with redirect_stderr(held):
+            yield
+        sys.stderr.write(held.getvalue())
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def capture(model: torch.nn.Module, example_inputs: tuple) -> Graph:
     """Export `model(*example_inputs)` (which must return a scalar loss) to a Graph."""
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):  # no weights: no data
         example_inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x
                                for x in example_inputs)
     try:
-        exported = torch.export.export(model, tuple(example_inputs))
+        with _torch_logs_quiet():
+            exported = torch.export.export(model, tuple(example_inputs))
     except Exception as exc:  # torch.export names the failing op in its own message
         raise CaptureError(f"torch.export failed for {type(model).__name__}: {exc}") from exc
     finally:
