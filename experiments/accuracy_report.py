@@ -70,10 +70,7 @@ def write_outputs(rows: list[Row], summary: dict, folder: Path, command: str,
             writer.writerow([getattr(r, k) for k in fields] + [f"{r.error:+.4f}"])
     about = dict(summary, command=command, **({"sources": sources} if sources else {}))
     (folder / "accuracy.json").write_text(json.dumps(about, indent=1))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = outputs.pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 5.5))
     markers = {"searched": "*", "ddp": "o", "megatron": "s", "expert": "^", "dp-megatron": "D",

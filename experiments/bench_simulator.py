@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from experiments import outputs
 from hidup.cli import Parser
 from hidup.models import capture_model, get_model
 from hidup.planning.profile_file import load_profile
@@ -73,9 +74,7 @@ def report(rows: list[dict]) -> list[str]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = outputs.pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for k in (1, 2):
         pts = [(r["gpus"], r["wall_s"]) for r in rows if r["k"] == k]

@@ -33,3 +33,17 @@ def note(out: Path, experiment: str) -> str:
         return f"refreshed committed results in {out}/ (check `git diff --stat` before committing)"
     return (f"{out}/ is scratch (not the figures in docs/); the committed results are refreshed "
             f"with a full run and --out experiments/results/{experiment}")
+
+
+def pyplot():
+    """matplotlib's pyplot, drawing to files (Agg), its own log quiet: building its font cache
+    on a first run logs lines that say nothing about the figure."""
+    import logging
+
+    import matplotlib
+
+    logging.getLogger("matplotlib").setLevel(logging.ERROR)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

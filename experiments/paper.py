@@ -32,7 +32,7 @@ from pathlib import Path
 from experiments import outputs
 from experiments.paper_figures import FIGURES
 from experiments.paper_plots import write
-from hidup.cli import Parser
+from hidup.cli import Parser, command_logs
 from hidup.models import get_model
 from hidup.planning.costs import ProfileError
 
@@ -99,7 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"{PROG}: %(message)s")
+    command_logs(PROG, __name__, "experiments")
     names = list(FIGURES) if args.figure == "all" else [args.figure]
     started = time.perf_counter()
     for i, name in enumerate(names, 1):

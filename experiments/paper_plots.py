@@ -6,6 +6,7 @@ import csv
 import textwrap
 from pathlib import Path
 
+from experiments import outputs
 from experiments.paper_figures import Figure, cell
 
 
@@ -30,19 +31,12 @@ def write(fig: Figure, out: Path) -> None:
     print(f"\nwrote {out / fig.name}.csv and {out / fig.name}.png")
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _per_model(fig: Figure, path: Path, x: str, systems_: list[str], xlabel: str,
                logx: bool = False) -> None:
     """One panel per model: each system's step time against `x`."""
-    plt = _pyplot()
+    plt = outputs.pyplot()
     models = list(dict.fromkeys(r["model"] for r in fig.rows))
     panels, axes = plt.subplots(1, len(models), figsize=(3.6 * len(models), 3.2), squeeze=False)
     for ax, model in zip(axes[0], models):
@@ -76,7 +70,7 @@ def log_ticks(ax, values) -> None:
 
 
 def _plot_breakdown(fig: Figure, path: Path) -> None:
-    plt = _pyplot()
+    plt = outputs.pyplot()
     panels, ax = plt.subplots(figsize=(8, 3.6))
     labels = [f"{r['cluster'].replace(' machine', chr(10) + 'machine').replace(' Gbit', chr(10) + 'Gbit')}"
               f"\n{r['system']}" for r in fig.rows]
@@ -95,7 +89,7 @@ def _plot_breakdown(fig: Figure, path: Path) -> None:
 
 
 def _plot_robustness(fig: Figure, path: Path) -> None:
-    plt = _pyplot()
+    plt = outputs.pyplot()
     panels, ax = plt.subplots(figsize=(6, 3.2))
     x = range(len(fig.rows))
     ax.bar(x, [r["mean_relative_time"] - 1 for r in fig.rows], bottom=1, label="mean")
@@ -110,7 +104,7 @@ def _plot_robustness(fig: Figure, path: Path) -> None:
 
 
 def _plot_search_time(fig: Figure, path: Path) -> None:
-    plt = _pyplot()
+    plt = outputs.pyplot()
     panels, (a, b) = plt.subplots(1, 2, figsize=(8, 3.2))
     for gpus in sorted({r["gpus"] for r in fig.rows}):
         mine = [r for r in fig.rows if r["gpus"] == gpus]
@@ -130,7 +124,7 @@ def _plot_search_time(fig: Figure, path: Path) -> None:
 
 
 def _plot_convergence(fig: Figure, path: Path) -> None:
-    plt = _pyplot()
+    plt = outputs.pyplot()
     panels, ax = plt.subplots(figsize=(6, 3.4))
     steps = [r["step"] for r in fig.rows]
     ax.plot(steps, [r["ddp_loss"] for r in fig.rows], lw=2.5, alpha=0.5, label="ddp")

@@ -23,7 +23,7 @@ from calibration.derive import parse_rate, with_inter_link
 from experiments import outputs
 from experiments.paper_figures import hidup, ms
 from experiments.paper_plots import log_ticks, save_png
-from hidup.cli import Parser
+from hidup.cli import Parser, command_logs
 from hidup.models import capture_model, get_model
 from hidup.planning.costs import ProfileError
 from hidup.planning.profile_file import load_profile
@@ -84,10 +84,7 @@ def pays_off(rows: list[dict], threshold: float) -> tuple[float, float] | None:
 
 
 def plot(rows: list[dict], band: tuple[float, float] | None, title: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = outputs.pyplot()
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
     x = [r["gbit"] for r in rows]
@@ -155,7 +152,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"{PROG}: %(message)s")
+    command_logs(PROG, __name__, "experiments")
     started = time.perf_counter()
     try:
         base = load_profile(args.base)

@@ -5,6 +5,7 @@ and the rule (argparse's message, or the command's own), then exit code 2; Ctrl-
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import re
@@ -188,3 +189,12 @@ def number(x: float, digits: int = 4) -> str:
     """x to `digits` significant digits, written out in full where it has more digits before
     the point (72450, never 7.245e+04): how reports print times and sizes."""
     return f"{x:.0f}" if abs(x) >= 10 ** digits else f"{x:.{digits}g}"
+
+
+def command_logs(prog: str, *own: str) -> None:
+    """Log lines on stderr as `prog: message`: the command's own (the loggers `own`: its module,
+    its package) from INFO, the library's from WARNING (its INFO lines say what each plan
+    ranked, dozens a run)."""
+    logging.basicConfig(level=logging.WARNING, format=f"{prog}: %(message)s")
+    for name in own:
+        logging.getLogger(name).setLevel(logging.INFO)
