@@ -168,8 +168,12 @@ def main(argv=None) -> int:
         head = (f"{name:12} {total:4d} {row.get('overlay', 0):7d} {row.get('dtensor', 0):7d} "
                 f"{row.get('replicated', 0):7d}")
         for (how, k), run in row["plans"].items():
-            if isinstance(run, str):
-                continue  # the strategy does not apply to this model
+            if isinstance(run, str):  # the plan does not apply to this model: said, but for
+                if how != "expert":  # expert on a model without experts
+                    summary["n/a"] += 1
+                    print(f"{head}  {how:8} {k:1d}   n/a  {run}")
+                    head = " " * len(head)
+                continue
             equal, detail, _, split = run
             summary["runs"] += 1
             summary["equal"] += equal
@@ -179,7 +183,8 @@ def main(argv=None) -> int:
         print(f"{'':12} no rule, run replicated: {fallback or 'none'}")
         summary["models"] += 1
     print(f"{summary['models']} models planned; {summary['equal']} of {summary['runs']} runs "
-          f"equal to eager" + (f"; {summary['fails']} models failed" if summary["fails"] else ""))
+          f"equal to eager" + (f"; {summary['n/a']} did not apply" if summary["n/a"] else "")
+          + (f"; {summary['fails']} models failed" if summary["fails"] else ""))
     return 0 if summary["equal"] == summary["runs"] and not summary["fails"] else 1
 
 
