@@ -4,6 +4,8 @@ line
     <!-- output of: COMMAND -->
 
 is what COMMAND prints on stdout, run from the repository's root (`python` is this interpreter);
+where the command prints markdown (a table), the lines between the mark and a line
+`<!-- end of output -->` hold it instead, rendered;
 `<!-- output of (checked): COMMAND -->` marks one that the tests re-run and compare
 (tests/test_docs.py: the fast ones). This command re-runs the blocks' commands:
 
@@ -27,6 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MARK = re.compile(r"^<!-- output of( \(checked\))?: (.+) -->\s*$")
+END = "<!-- end of output -->"
 
 
 @dataclass(frozen=True)
@@ -36,8 +39,8 @@ class Block:
     page: Path
     command: str
     checked: bool
-    first: int  # the line after the opening fence
-    last: int  # the closing fence's line
+    first: int  # the output's first line (after the opening fence, if fenced)
+    last: int  # the closing fence's line, or the end mark's
     text: str  # what the block holds now
 
     def __str__(self) -> str:
@@ -57,14 +60,16 @@ def blocks(page: Path) -> list[Block]:
         mark = MARK.match(line)
         if not mark:
             continue
-        if i + 1 >= len(lines) or not lines[i + 1].startswith("```"):
-            raise ValueError(f"{page}:{i + 1}: '{line.strip()}' is not followed by a fenced "
-                             f"block (```); put the command's output right after it")
-        end = next((j for j in range(i + 2, len(lines)) if lines[j].startswith("```")), None)
+        fenced = i + 1 < len(lines) and lines[i + 1].startswith("```")
+        first = i + 2 if fenced else i + 1
+        end = next((j for j in range(first, len(lines))
+                    if (lines[j].startswith("```") if fenced else lines[j] == END)), None)
         if end is None:
-            raise ValueError(f"{page}:{i + 2}: the block after '{line.strip()}' is not closed")
-        found.append(Block(page, mark.group(2), bool(mark.group(1)), i + 2, end,
-                           "\n".join(lines[i + 2:end])))
+            raise ValueError(f"{page}:{i + 1}: '{line.strip()}' is followed neither by a fenced "
+                             f"block (```) nor by lines closed with '{END}'; put the command's "
+                             f"output right after it")
+        found.append(Block(page, mark.group(2), bool(mark.group(1)), first, end,
+                           "\n".join(lines[first:end])))
     return found
 
 

@@ -26,8 +26,11 @@ def test_a_checked_block_is_what_its_command_prints(block):
 def test_a_mark_without_a_block_is_refused(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("text\n<!-- output of: python -m simulator.predict -->\nno block\n")
-    with pytest.raises(ValueError, match=r"page.md:2: .* is not followed by a fenced block"):
+    with pytest.raises(ValueError, match=r"page.md:2: .* is followed neither by a fenced block"):
         docs_blocks.blocks(page)
+    page.write_text("<!-- output of: python -m x -->\n| a |\n| --- |\n<!-- end of output -->\n")
+    (table,) = docs_blocks.blocks(page)  # markdown, rendered: up to the end mark
+    assert not table.checked and table.text == "| a |\n| --- |"
     page.write_text("<!-- output of (checked): python -m x -->\n```\nout\n```\n")
     (block,) = docs_blocks.blocks(page)
     assert block.checked and block.command == "python -m x" and block.text == "out"
