@@ -117,6 +117,7 @@ def any_model(spec: str) -> ThirdParty:
 
     import transformers
 
+    transformers.logging.set_verbosity_error()  # (a default config may warn about itself)
     config_name, _, model_name = spec.partition(":")
     if not model_name or not hasattr(transformers, config_name) or \
             not hasattr(transformers, model_name):
