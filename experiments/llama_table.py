@@ -156,7 +156,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("out/llama_table"),
                     help="folder for the tables (Markdown) and rows (JSON) "
                          "(default: %(default)s)")
+    ap.add_argument("--plans-only", action="store_true",
+                    help="the plan table alone, without torchtitan's rows (as docs/ shows the "
+                         "two tables apart)")
     args = ap.parse_args(argv)
+    if args.plans_only and not args.gpus:
+        ap.error("--plans-only needs GPU counts for its table (--gpus 8 64 128, the default)")
     if any(g < 8 or g % 8 for g in args.gpus):
         ap.error(f"--gpus {args.gpus}: give multiples of 8 (whole machines), 8 or more")
 
@@ -164,14 +169,15 @@ def main(argv=None) -> int:
         print(line, file=sys.stderr, flush=True)
     try:
         args.out.mkdir(parents=True, exist_ok=True)
-        published = published_rows(args.cluster, log)
+        published = [] if args.plans_only else published_rows(args.cluster, log)
         plans = [row for gpus in args.gpus for row in plan_rows(args.cluster, gpus, log)]
     except (ValueError, OSError) as exc:
         print(f"python -m experiments.llama_table: error: {exc}", file=sys.stderr)
         return 2
+    tables = ([published_table(published)] if published else []) + \
+        ([plans_table(plans)] if plans else [])
     text = (f"Llama 3.1 8B (llama:8b), local batch {PER_GPU} x {SEQ} tokens, AdamW, cluster "
-            f"{args.cluster}\n\n" + published_table(published) +
-            ("\n\n" + plans_table(plans) if plans else ""))
+            f"{args.cluster}\n\n" + "\n\n".join(tables))
     print(text)
     (args.out / "llama_table.md").write_text(text + "\n")
     (args.out / "llama_table.json").write_text(
