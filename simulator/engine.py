@@ -76,7 +76,7 @@ class _Plan:
     in_situ: frozenset[int]  # compute-stream tasks whose measured time was taken in real steps
     #   (Profile.kernels_in_situ): interference is already in it
     lanes: int = 1  # collectives in flight at once on a rank (Profile.comm_lanes)
-    copies: dict[int, dict] | None = None  # simulating rank 0 for all (`symmetric`): for each
+    copies: dict[int, dict] | None = None  # simulating rank 0 for all (_copies): for each
     #   collective, the links its group 0 crosses -> (how many of its groups cross that link,
     #   the sum of their demands); None: every rank is simulated, each group's transfer its own
 
