@@ -46,6 +46,21 @@ def _machines(group: tuple[int, ...], gpus_per_node: int) -> tuple[int, ...]:
     return tuple(nodes) if len(nodes) > 1 else ()
 
 
+def _by_identity(cache: dict, key: tuple, make):
+    """`make()`, kept in `cache` for this very tuple `key` (by its id, the tuple held beside the
+    value so that its id is not reused; at most IDENTITY_CACHE of them, the oldest dropped):
+    a world's worth of ranks is not hashed again for every collective that shares its groups."""
+    hit = cache.get(id(key))
+    if hit is None or hit[0] is not key:
+        hit = cache[id(key)] = (key, make())
+        if len(cache) > IDENTITY_CACHE:
+            cache.pop(next(iter(cache)))
+    return hit[1]
+
+
+IDENTITY_CACHE = 32
+
+
 class ProfileError(ValueError):
     """A profile file is missing, unreadable or not a valid HiDup profile
     (hidup.planning.profile_file), or a profile lacks the figures asked of it."""
@@ -277,13 +292,8 @@ class Profile:
             return ()
         if len(group) <= self.gpus_per_node:  # (cheap: not worth a cache entry)
             return _machines(group, self.gpus_per_node)
-        cache = self.__dict__.setdefault("_groups_machines", {})
-        hit = cache.get(id(group))
-        if hit is None or hit[0] is not group:  # by the tuple's id, as _crossing
-            hit = cache[id(group)] = (group, _machines(group, self.gpus_per_node))
-            if len(cache) > 32:
-                cache.pop(next(iter(cache)))
-        return hit[1]
+        return _by_identity(self.__dict__.setdefault("_groups_machines", {}), group,
+                            lambda: _machines(group, self.gpus_per_node))
 
     def mesh(self, gpus: int) -> tuple[int, int]:
         """The default device mesh of `gpus` on this cluster: its machines x GPUs per machine
@@ -301,27 +311,20 @@ class Profile:
         if not mine or len(parts) < 2:
             return 1
         crossing, loads = self._crossing(parts)
-        hit = loads.get(id(group))
-        if hit is None or hit[0] is not group:
-            hit = loads[id(group)] = (group, max(crossing.get(m, 0) for m in mine))
-        return hit[1]
+        return _by_identity(loads, group, lambda: max(crossing.get(m, 0) for m in mine))
 
     def _crossing(self, parts: tuple[tuple[int, ...], ...]) -> tuple[dict[int, int], dict]:
-        """(machine -> how many of the groups `parts` cross its link, link_load's answers by the
-        id of the group asked about); worked out once per
-        `parts` object (a lowering's collectives share their mesh's groups, and hashing a
-        world's worth of ranks for each would cost as much as counting them again)."""
-        cache = self.__dict__.setdefault("_crossings", {})
-        hit = cache.get(id(parts))
-        if hit is None or hit[0] is not parts:  # (the tuple is kept: its id is not reused)
+        """(machine -> how many of the groups `parts` cross its link, link_load's answers for
+        the groups asked about); worked out once per `parts` object (a lowering's collectives
+        share their mesh's groups, and hashing a world's worth of ranks for each would cost as
+        much as counting them again)."""
+        def count() -> tuple[dict[int, int], dict]:
             counts: dict[int, int] = {}
             for g in parts:
                 for m in self.machines(g):
                     counts[m] = counts.get(m, 0) + 1
-            hit = cache[id(parts)] = (parts, counts, {})
-            if len(cache) > 32:
-                cache.pop(next(iter(cache)))
-        return hit[1], hit[2]
+            return counts, {}
+        return _by_identity(self.__dict__.setdefault("_crossings", {}), parts, count)
 
     def tier(self, group: tuple[int, ...]) -> dict[str, LinkCost]:
         """The intra-node figures, or the inter-node ones if the group spans machines."""
