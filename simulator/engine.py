@@ -110,17 +110,15 @@ def simulate(program: Program, profile: Profile, all_ranks: bool = False,
     a step as ranks whose kernels vary meet at each collective (simulator.montecarlo). `mode` is
     the executor mode (hidup.program.HOST_MODES; 'eager': plain PyTorch) whose host figures the
     profile gives, if it has any."""
-    plan = _plan(program, profile, mode)
-    env = simpy.Environment()
     slow = dict(slow_ranks or {})
     bad = {r: f for r, f in slow.items() if not (0 <= r < program.world) or f <= 0}
     if bad:
         raise SimulationError(f"slow_ranks {bad}: ranks must be in 0..{program.world - 1} and "
                               f"factors positive")
-    every = all_ranks or slow or noise or (plan.copies is None and not plan.identical)
-    if every and plan.copies is not None:
-        plan = _plan(program, profile, mode, every_rank=True)
-    ranks = program.world if every else 1
+    asked = bool(all_ranks or slow or noise)  # every rank simulated, alike or not
+    plan = _plan(program, profile, mode, every_rank=asked)
+    ranks = program.world if asked or (plan.copies is None and not plan.identical) else 1
+    env = simpy.Environment()
     sim = _Sim(env, plan, ranks, profile, slow, noise)
     started, events = time.perf_counter(), _run(env)
     elapsed = time.perf_counter() - started
