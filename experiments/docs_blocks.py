@@ -16,7 +16,6 @@ where the command prints markdown (a table), the lines between the mark and a li
 A block's prose around it must not repeat its figures: they are the block's own."""
 from __future__ import annotations
 
-import argparse
 import difflib
 import os
 import re
@@ -26,6 +25,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from hidup.cli import Parser
 
 ROOT = Path(__file__).resolve().parents[1]
 MARK = re.compile(r"^<!-- output of( \(checked\))?: (.+) -->\s*$")
@@ -96,8 +97,8 @@ def rewrite(block: Block, output: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.docs_blocks",
-                                description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = Parser(prog="python -m experiments.docs_blocks",
+               description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--checked", action="store_true",
                    help="only the blocks marked '(checked)' (the fast ones the tests re-run)")
     p.add_argument("--write", action="store_true",

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
 from collections import Counter
 
 import torch
@@ -23,7 +22,6 @@ import torch.multiprocessing as mp
 import hidup
 from hidup.graph import ops
 from hidup.graph.capture import capture
-from hidup.graph.placement import R
 
 BATCH = 8
 LR = 1e3  # one SGD step's update is -LR x the gradient: far above the weights, so rounding the
@@ -58,17 +56,12 @@ def _rank(rank: int, world: int, store: str, name: str, out: str, cases) -> None
                                         optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
             loss = float(trainer.step(*batch))
             whole = trainer.full_state_dict()  # every rank: it gathers the shards
-            results[how, k] = (loss, whole, plan.describe(), split_ops(plan.strategy))
+            results[how, k] = (loss, whole, plan.describe(), plan.strategy.split_ops)
         if rank == 0:
             torch.save(results, out)
         dist.barrier()
     finally:
         dist.destroy_process_group()
-
-
-def split_ops(strategy) -> int:
-    """How many op nodes the plan runs on a part of some tensor (not all of it whole)."""
-    return sum(any(p != R for p in (*o.inputs, o.output)) for o in strategy.options.values())
 
 
 def eager_step(name: str):

@@ -50,6 +50,11 @@ class Strategy:
             return f"data parallel over each machine's {self.machines} GPUs; across the machines"
         return f"data parallel across {self.machines} machines; inside each"
 
+    @property
+    def split_ops(self) -> int:
+        """How many op nodes run on a part of some tensor (not all of it whole)."""
+        return sum(any(p != R for p in (*o.inputs, o.output)) for o in self.options.values())
+
     def home(self, name: str) -> Placement:
         """Where a tensor lives after it is produced (before any conversion for a consumer)."""
         return self.placements[name] if name in self.placements else self.options[name].output

@@ -275,7 +275,7 @@ def _as_named(name: str, graph: Graph, strategy: Strategy, world: int,
                 f"({_divisors(size)})")
     weights = _tensor_parallel_weights(graph) if base in TENSOR_PARALLEL else []
     whole = [w for w in weights if strategy.placements.get(w) == R]
-    if weights and len(whole) == len(weights) or not _splits_anything(strategy):
+    if weights and len(whole) == len(weights) or not strategy.split_ops:
         dims = sorted({d for w in weights for d in graph.node(w).out.shape}) or \
             sorted({n.out.shape[0] for n in graph.user_inputs if n.out.shape})
         raise ValueError(
@@ -297,10 +297,6 @@ def _tensor_parallel_weights(graph: Graph) -> list[str]:
     """The 2-d parameters that linear layers read: what Megatron splits."""
     return [t for node in graph.ops if node.op.startswith("aten.linear") for t in node.inputs
             if graph.node(t).kind == "param" and len(graph.node(t).out.shape) == 2]
-
-
-def _splits_anything(strategy: Strategy) -> bool:
-    return any(p != R for o in strategy.options.values() for p in (*o.inputs, o.output))
 
 
 def _divisors(n: int) -> str:
