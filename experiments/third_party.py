@@ -124,7 +124,8 @@ def any_model(spec: str) -> ThirdParty:
         raise ValueError(f"model {spec!r}: give 'ConfigClass:ModelClass' of transformers, e.g. "
                          f"Qwen2Config:Qwen2ForCausalLM")
     config = getattr(transformers, config_name)
-    known = set(inspect.signature(config.__init__).parameters) | set(config().to_dict())
+    defaults = config().to_dict()
+    known = set(inspect.signature(config.__init__).parameters) | set(defaults)
     tiny = {**SMALL, **NO_DROPOUT, "image_size": 16, "patch_size": 4, "num_labels": 5,
             "num_key_value_heads": 2, "use_cache": False, "hidden_dropout": 0.0,
             "attention_dropout": 0.0, "dropout": 0.0, "ffn_dim": 64, "pad_token_id": 0,
@@ -134,7 +135,7 @@ def any_model(spec: str) -> ThirdParty:
     settings = {renamed.get(k, k): v for k, v in tiny.items() if renamed.get(k, k) in known}
     # every dropout off, whatever the family calls it (resid_pdrop, classifier_dropout_prob,
     # seq_classif_dropout, layerdrop...): a step is then deterministic, as eager's reference
-    settings.update({k: 0.0 for k, v in config().to_dict().items()
+    settings.update({k: 0.0 for k, v in defaults.items()
                      if isinstance(v, float) and "drop" in k})
     if model_name.endswith("ForImageClassification"):  # 64 pixels: convnets downsample 32x
         settings["num_labels"] = 5
