@@ -16,7 +16,7 @@ from hidup.planning.profile_file import load_profile
 from hidup.planning.programme import SearchOptions
 from hidup.planning.search import search
 from hidup.program import LoweringError, lower
-from hidup.strategy import describe
+from hidup.strategy import Mesh, describe
 from simulator import simulate
 
 OPTIMIZER = "sgd"  # the update these figures price: SGD's, one pass over the parameters
@@ -55,7 +55,9 @@ def compare(model: str, gpus: int, profile, memory: float) -> dict:
     machines = profile.mesh(gpus)[0]  # a 2-D mesh where the GPUs fill whole machines
     baselines = paper_baselines(graph, gpus, machines)  # the paper's (fsdp: simulator.predict)
     baselines["min-comm"] = search(graph, gpus, profile, SearchOptions(k=1, memory=memory, objective="comm", optimizer=OPTIMIZER)).strategy
-    found = search(graph, gpus, profile, SearchOptions(k=2, memory=memory, machines=machines, optimizer=OPTIMIZER), baselines=baselines)
+    found = search(graph, gpus, profile, SearchOptions(
+        k=2, memory=memory, mesh=Mesh.of_machines(machines, gpus // machines),
+        optimizer=OPTIMIZER), baselines=baselines)
     row = {"model": model, "gpus": gpus, "chosen": found.candidates[0][0],
            "hidup_ms": simulated_ms(graph, found.strategy, gpus, found.k, profile),
            "search_s": found.seconds, "dp_estimate_ms": found.dp_cost * 1e3,

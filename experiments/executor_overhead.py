@@ -34,7 +34,7 @@ from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import Plan
 from hidup.models import get_model
 from hidup.planning.profile_file import load_profile
-from hidup.strategy import fixed_strategy
+from hidup.strategy import Mesh, fixed_strategy
 from hidup.strategy.fixed import ACROSS
 from hidup.program import lower
 from hidup.runtime.execute import Executor
@@ -158,8 +158,9 @@ def _plan(name: str, model, graph, example, world: int, k: int, args):
     """hidup's plan `name` (a fixed strategy, or hidup.plan's choice for 'search') and its
     micro-batch count."""
     if name != "search":  # on the cluster's mesh where the strategy needs one (fsdp+tp)
-        machines = load_profile(args.cluster).mesh(world)[0] if name in ACROSS else 1
-        return fixed_strategy(name, graph, world, machines), k
+        mesh = Mesh.of_machines(*load_profile(args.cluster).mesh(world)) if name in ACROSS \
+            else None
+        return fixed_strategy(name, graph, world, mesh), k
     memory = None if args.memory is None else args.memory * 2**30
     chosen = hidup.plan(model, example, cluster=args.cluster, gpus=world, micro_batches=k,
                         memory=memory, optimizer=args.optimizer)

@@ -113,7 +113,7 @@ def plan_rows(cluster: str, gpus: int, log) -> list[dict]:
                      "peak_gib": memory.peak / 2**30,
                      "recomputed_layers": len(strategy.recompute),
                      "selective_layers": len(strategy.selective),
-                     "mesh": f"{strategy.machines}x{gpus // strategy.machines}"})
+                     "mesh": f"{strategy.parts}x{gpus // strategy.parts}"})
     return rows
 
 

@@ -25,7 +25,7 @@ from hidup.planning.programme import SearchOptions
 from hidup.planning.search import search
 from hidup.program import LoweringError, lower
 from hidup.runtime.data import build_vocabulary
-from hidup.strategy import fixed_strategies
+from hidup.strategy import Mesh, fixed_strategies
 from simulator.engine import simulate
 from simulator.montecarlo import scale_times
 
@@ -36,8 +36,9 @@ PAPER = ("ddp", "megatron", "expert", "dp-megatron", "dp-expert")
 
 
 def paper_baselines(graph, gpus: int, machines: int = 1) -> dict:
-    """The fixed strategies of the paper's comparison that apply."""
-    return {name: s for name, s in fixed_strategies(graph, gpus, machines).items() if name in PAPER}
+    """The fixed strategies of the paper's comparison that apply (on a mesh of `machines`)."""
+    return {name: s for name, s in fixed_strategies(
+        graph, gpus, Mesh.of_machines(machines, gpus // machines)).items() if name in PAPER}
 
 log = logging.getLogger(__name__)
 MEMORY = 32 * 2 ** 30  # a V100's memory: the search keeps plans that fit
@@ -86,7 +87,8 @@ def hidup(graph, gpus: int, profile, k: int = 2, machines: int = 1, exact: float
     SPMD, and the expert strategies, ranked with Duplex and without; on a 2-D mesh of `machines`
     also the plans searched on it and its baselines; with `exact` seconds also the integer
     programme's proven k = 1 plan), Duplex where it pays; (simulated Result, search result)."""
-    options = SearchOptions(k=k, memory=MEMORY, machines=machines, exact=exact, optimizer=OPTIMIZER)
+    options = SearchOptions(k=k, memory=MEMORY, mesh=Mesh.of_machines(machines, gpus // machines),
+                            exact=exact, optimizer=OPTIMIZER)
     found = search(graph, gpus, profile, options, baselines=paper_baselines(graph, gpus, machines))
     return run(graph, found.strategy, gpus, found.k, profile), found
 
@@ -256,7 +258,8 @@ def search_time(args) -> Figure:
             seconds = []
             for _ in range(repeats):  # this VM's speed drifts: one search is a noisy figure
                 graph = graph_of(model, gpus, layers=layers)
-                seconds.append(search(graph, gpus, profile, SearchOptions(k=2, machines=machines, optimizer=OPTIMIZER)).seconds)
+                seconds.append(search(graph, gpus, profile, SearchOptions(
+                    k=2, mesh=Mesh.of_machines(machines, per), optimizer=OPTIMIZER)).seconds)
             fig.add(model=model, layers=layers, gpus=gpus, mesh=f"{machines}x{per}",
                     ops=len(graph.ops), seconds=statistics.median(seconds))
     for layers, gpus, limit in ((8, 64, 1.0), (48, None, 10.0)):  # the planner's own targets

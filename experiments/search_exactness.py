@@ -19,6 +19,7 @@ from hidup.planning.exact import exact_plan
 from hidup.planning.profile_file import load_profile
 from hidup.planning.programme import Search, SearchOptions
 from hidup.planning.search import programme
+from hidup.strategy import Mesh
 from experiments.outputs import default_out, note
 
 OPTIMIZER = "sgd"  # the update these figures price: SGD's, one pass over the parameters
@@ -50,14 +51,15 @@ def parse_args(argv=None):
 
 def compare(graph, gpus: int, machines: int, profile, memory: float, beam: int,
             time_limit: float) -> dict:
-    dp = Search(graph, gpus, profile, SearchOptions(k=1, memory=memory, beam=beam, machines=machines,
-                                               optimizer=OPTIMIZER))
+    mesh = Mesh.of_machines(machines, gpus // machines)
+    dp = Search(graph, gpus, profile, SearchOptions(k=1, memory=memory, beam=beam, mesh=mesh,
+                                                    dp=mesh and "machines", optimizer=OPTIMIZER))
     started = time.perf_counter()
     beam_cost = dp.run()[0].cost
     beam_s = time.perf_counter() - started
     exact = exact_plan(dp, time_limit=time_limit)
-    duplex = programme(graph, gpus, profile, SearchOptions(k=2, memory=memory, beam=beam, machines=machines,
-                                                      optimizer=OPTIMIZER))
+    duplex = programme(graph, gpus, profile, SearchOptions(
+        k=2, memory=memory, beam=beam, mesh=mesh, dp=mesh and "machines", optimizer=OPTIMIZER))
     duplex_cost = min(label.plain for label in duplex.run())
     return {"beam_ms": beam_cost * 1e3, "beam_s": beam_s, "exact_ms": exact.cost * 1e3,
             "bound_ms": exact.bound * 1e3, "optimal": exact.optimal, "exact_s": exact.seconds,

@@ -104,9 +104,9 @@ def plan(args) -> dict:
     limit = chosen.profile.device_memory
     machines, per = chosen.goal.mesh
     return {"model": spec.name, "batch": batch, "cluster": profile.name, "gpus": args.gpus,
-            "mesh": [machines, per], "chosen_mesh": [chosen.strategy.machines,
-                                                     args.gpus // chosen.strategy.machines],
-            "chosen_transposed": chosen.strategy.transposed,
+            "mesh": [machines, per],
+            "chosen_mesh": list(chosen.strategy.mesh.shape) if chosen.strategy.mesh
+            else [args.gpus], "chosen_dp": chosen.strategy.dp,
             "micro_batches": k, "optimizer": args.optimizer, "mode": args.mode,
             "chosen": chosen.strategy.name,
             "chosen_k": chosen.k, "searched": chosen.searched,
@@ -180,9 +180,9 @@ def report(res: dict) -> list[str]:
         lines.append(f"mesh {machines}x{per}: searched on it both ways round (data parallel "
                      f"across the machines, any split inside; data parallel inside each, any "
                      f"split across) and over all {res['gpus']} GPUs")
-    if strategy.machines > 1:
-        dims = f"over each machine's {strategy.machines} GPUs, across the machines" \
-            if strategy.transposed else f"across {machines} machines, inside one"
+    if strategy.mesh:
+        dims = f"over each machine's {strategy.parts} GPUs, across the machines" \
+            if strategy.dp == "gpus" else f"across {machines} machines, inside one"
         lines += ["", f"placements of the key ops per mesh dimension ([{dims}]):"]
     else:
         lines += ["", "placements of the key ops:"]

@@ -24,8 +24,8 @@ from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import Plan, resolve_strategy, save_plan
 from hidup.planning.profile_file import load_profile
 from hidup.planning.select import DUPLEX_K, SEARCH, Goal, select_plan
-from hidup.strategy import (ACROSS, FIXED, NoMicroBatches, Strategy, parse_recompute, recomputing,
-                            selective_part)
+from hidup.strategy import (ACROSS, FIXED, Mesh, NoMicroBatches, Strategy, parse_recompute,
+                            recomputing, selective_part)
 from hidup.program import HOST_MODES, OPTIMIZERS, lower
 from hidup.program.tasks import LoweringError
 from simulator.montecarlo import expected_step, step_time_interval
@@ -100,14 +100,14 @@ def simulate(graph: Graph, plan: Strategy, profile: Profile, gpus: int, k: int,
 
 
 def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | None = None,
-            k: int = DUPLEX_K, options: SimOptions = SimOptions(), machines: int = 1
+            k: int = DUPLEX_K, options: SimOptions = SimOptions(), mesh: Mesh | None = None
             ) -> Prediction:
-    """A zoo model captured, one strategy (a fixed one's name, of a 2-D mesh of `machines`
-    for dp-megatron, fsdp+tp, tp+ep..., or a plan file) lowered for k=1 and for k
+    """A zoo model captured, one strategy (a fixed one's name, of a 2-D `mesh` for
+    dp-megatron, fsdp+tp, tp+ep..., or a plan file) lowered for k=1 and for k
     micro-batches, and both simulated."""
     spec, profile, batch, graph = _setup(model, cluster, gpus, batch)
     profile.check_world(gpus)
-    plan = resolve_strategy(strategy, graph, gpus, profile.name, machines)
+    plan = resolve_strategy(strategy, graph, gpus, profile.name, mesh)
     if options.recompute != "auto":
         plan = recomputing(graph, plan, parse_recompute(options.recompute, graph),
                            selective_part(options.recompute)[0])
@@ -241,7 +241,7 @@ def _run(args, mesh, options: SimOptions):
         return report, report.predictions[report.chosen]
     shown = predict(args.model, args.cluster, args.gpus, args.strategy, args.batch,
                     args.micro_batches or DUPLEX_K, replace(options, recompute=args.recompute),
-                    mesh[0] if mesh else 1)
+                    Mesh.of_machines(*mesh) if mesh else None)
     return shown, shown
 
 

@@ -81,6 +81,18 @@ def tiny_graphs():
     return out
 
 
+def turned(strategy):
+    """A 2-D strategy data parallel over the other axis of the mesh turned around: the same
+    data-parallel parts and row size, its rows now one GPU of every machine (the machines'
+    count and size swapped)."""
+    from dataclasses import replace
+
+    from hidup.strategy import Mesh
+    mesh = strategy.mesh
+    return replace(strategy, mesh=Mesh(mesh.shape[::-1], mesh.names),
+                   dp=mesh.other(strategy.dp))
+
+
 def build_model(spec, seed: int = 0) -> torch.nn.Module:
     """The model with its initial weights, LayerNorm affine weights randomised too (at their
     default 1 and 0 a loss such as switch-trace's sum of a LayerNorm output is zero in exact

@@ -111,11 +111,14 @@ def _plan_named(how: str, model, world: int):
 
         from hidup.api import Plan
         from hidup.graph.capture import capture
-        from hidup.strategy import fixed_strategy
+        from hidup.strategy import Mesh, fixed_strategy
+        from tests.conftest import turned
 
         graph = capture(model, batches()[0])
-        strategy = fixed_strategy(how.removeprefix("turned-"), graph, world, machines=2)
-        return Plan.of(graph, replace(strategy, transposed=how.startswith("turned-")), world, 1)
+        strategy = fixed_strategy(how.removeprefix("turned-"), graph, world,
+                                  Mesh.grid(2, world // 2))
+        return Plan.of(graph, turned(strategy) if how.startswith("turned-") else strategy,
+                       world, 1)
     return searched_plan(model, world) if how == "searched" else how
 
 
@@ -125,10 +128,10 @@ def _flat_fsdp(model, world: int):
     from hidup.api import Plan
     from hidup.graph.capture import capture
     from hidup.graph.placement import flat, flat_option
-    from hidup.strategy import fixed_strategy
+    from hidup.strategy import Mesh, fixed_strategy
 
     graph = capture(model, batches()[0])
-    inside = fixed_strategy("dp-megatron", graph, world, machines=2)
+    inside = fixed_strategy("dp-megatron", graph, world, Mesh.grid(2, world // 2))
     every = fixed_strategy("fsdp", graph, world)
     late = {n.name for n in graph.ops[len(graph.ops) // 2:]}
     read = {t for n in late for t in graph.node(n).inputs if graph.node(t).kind == "param"}

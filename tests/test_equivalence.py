@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import build_model, run_ranks
+from conftest import build_model, run_ranks, turned
 
 from hidup.graph.capture import capture
 from hidup.graph.dtypes import run_dtypes
@@ -17,7 +17,7 @@ from hidup.planning.profile_file import load_profile
 from hidup.planning.programme import Search, SearchOptions
 from hidup.planning.search import replicated_plan
 from hidup.planning.search import search
-from hidup.strategy import (fixed_strategy, layers, random_strategy, recomputing,
+from hidup.strategy import (Mesh, fixed_strategy, layers, random_strategy, recomputing,
                             sharded_storage)
 from hidup.program import LoweringError, lower
 from hidup.program.tasks import BUCKET_BYTES
@@ -207,7 +207,7 @@ def test_bf16_autocast_matches_single_device_within_bf16_tolerance():
                 assert err <= 5e-2, (case, pname, err)
 
 
-TURNED = "turned-"  # Strategy.transposed
+TURNED = "turned-"  # data parallel over each machine's GPUs (conftest.turned)
 FLAT = "random-flat-"  # random, some layers over every rank
 # a 2-D mesh of 2 machines x 2 ranks: data parallel across, the strategy inside
 MESH_CASES = [("gpt:tiny", "dp-megatron", 1), ("gpt:tiny", "dp-megatron", 2),
@@ -243,25 +243,26 @@ def mesh_strategy(graph, name: str, world: int, k: int):
     if name.startswith(TURNED):
         if name == f"{TURNED}search-2d":
             dp = Search(graph, world, load_profile("v100-8x8-10gbps"),
-                        SearchOptions(k=k, machines=2, transposed=True))
+                        SearchOptions(k=k, mesh=Mesh.grid(2, world // 2), dp="gpus"))
             return dp.strategy(dp.run()[0], "hidup")
         inner = mesh_strategy(graph, name.removeprefix(TURNED), world, k)
-        return None if inner is None else replace(inner, transposed=True)
+        return None if inner is None else turned(inner)
     if name == "search-2d":
-        dp = Search(graph, world, load_profile("v100-8x8-10gbps"), SearchOptions(k=k, machines=2))
+        dp = Search(graph, world, load_profile("v100-8x8-10gbps"),
+                    SearchOptions(k=k, mesh=Mesh.grid(2, world // 2), dp="machines"))
         return dp.strategy(dp.run()[0], "hidup")
     if name.startswith(FLAT):
         return random_flat(graph, world, k, random.Random(int(name.removeprefix(FLAT))))
     if name.startswith("random-"):
         inner = random_strategy(graph, world // 2, random.Random(int(name[7:])),
                                 divide=world * k)
-        strategy = replace(inner, machines=2)
+        strategy = replace(inner, mesh=Mesh.grid(2, world // 2), dp="machines")
         try:
             lower(graph, strategy, world, k)
         except LoweringError:
             return None
         return strategy
-    return fixed_strategy(name, graph, world, machines=2)
+    return fixed_strategy(name, graph, world, Mesh.grid(2, world // 2))
 
 
 def random_flat(graph, world: int, k: int, rng):
@@ -277,7 +278,8 @@ def random_flat(graph, world: int, k: int, rng):
     read = {t for n in ops for t in graph.node(n).inputs if graph.node(t).kind == "param"}
     homes = {t: flat(every.placements[t]) if t in read else p
              for t, p in inner.placements.items()}
-    strategy = replace(inner, options=options, placements=homes, machines=2,
+    strategy = replace(inner, options=options, placements=homes,
+                       mesh=Mesh.grid(2, world // 2), dp="machines",
                        reshard=inner.reshard | every.reshard & read)
     try:
         lower(graph, strategy, world, k)

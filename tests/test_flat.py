@@ -15,12 +15,14 @@ from hidup.planning.estimate import estimate
 from hidup.planning.profile_file import load_profile
 from hidup.planning.programme import Search, SearchOptions
 from hidup.program import Compute, Convert, LoweringError, lower
-from hidup.strategy import fixed_strategy, sharded_storage
+from hidup.strategy import Mesh, fixed_strategy, sharded_storage
 from hidup.strategy.describe import describe, mesh_option
 from hidup.graph.placement import Shard
 from simulator.engine import simulate
+from conftest import turned
 
 ROWS = ((0, 1), (2, 3))
+TWO = Mesh.grid(2, 2)
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +49,11 @@ def test_flat_placements_are_dtensor_types_never_equal_to_a_machines():
 
 
 def test_tp_ep_runs_experts_over_every_rank_and_the_rest_inside_machines(moe):
-    strategy = fixed_strategy("tp+ep", moe, 4, machines=2)
+    strategy = fixed_strategy("tp+ep", moe, 4, TWO)
     flat_ops = [n for n, o in strategy.options.items() if is_flat(o.output)]
     assert flat_ops == ["einsum_2", "relu", "einsum_3"]  # the experts' two matmuls, between
     assert mesh_option(moe, strategy, "einsum_2") == "([S(0), S(0)], [S(1), S(1)]) -> [S(1), S(1)]"
-    assert "over all 2 machines' GPUs: 2 key ops expert parallel" in describe(moe, strategy)
+    assert "over all 4 GPUs: 2 key ops expert parallel" in describe(moe, strategy)
     experts = [t for n in flat_ops for t in moe.node(n).inputs if moe.node(t).kind == "param"]
     assert experts and all(strategy.home(t) == FlatShard(0) for t in experts)
     program = lower(moe, strategy, 4, k=2, bucket_bytes=0)
@@ -83,11 +85,11 @@ def test_tp_ep_runs_experts_over_every_rank_and_the_rest_inside_machines(moe):
 
 
 def test_flat_options_are_refused_where_they_cannot_run(moe):
-    strategy = fixed_strategy("tp+ep", moe, 4, machines=2)
-    with pytest.raises(LoweringError, match="needs a 2-D mesh of machines not turned around"):
-        lower(moe, replace(strategy, transposed=True), 4)
-    with pytest.raises(LoweringError, match="needs a 2-D mesh of machines not turned around"):
-        lower(moe, replace(strategy, machines=1), 4)
+    strategy = fixed_strategy("tp+ep", moe, 4, TWO)
+    with pytest.raises(LoweringError, match="needs a 2-D mesh data parallel over its machines"):
+        lower(moe, turned(strategy), 4)
+    with pytest.raises(LoweringError, match="needs a 2-D mesh data parallel over its machines"):
+        lower(moe, replace(strategy, mesh=None, dp=None), 4)
     # an expert weight that lives over a machine's ranks, read over every rank: a parameter's
     # gradient is summed per scope, so it does not pass between them
     weight = moe.node("einsum_2").inputs[0]
@@ -103,7 +105,8 @@ def test_the_programme_with_flat_options_never_prices_over_the_one_without(model
     graph = capture_model(spec, spec.batch)
     best = {}
     for on in (False, True):
-        dp = Search(graph, 4, two_by_two(), SearchOptions(k=2, machines=2, flat=on))
+        dp = Search(graph, 4, two_by_two(), SearchOptions(k=2, mesh=TWO, dp="machines",
+                                                          flat=on))
         labels = dp.run()
         best[on] = labels[0].best
         plan = dp.strategy(labels[0], "hidup")
@@ -118,7 +121,7 @@ def test_parameters_read_over_every_rank_are_stored_sharded_over_every_rank(moe)
     """sharded_storage: a parameter a flat op reads whole (R@all) is stored S(d)@all (its dim
     divided by every rank), gathered over the world in buckets before use, its gradient
     turned into the shard there."""
-    dp = Search(moe, 4, two_by_two(), SearchOptions(k=2, machines=2))
+    dp = Search(moe, 4, two_by_two(), SearchOptions(k=2, mesh=TWO, dp="machines"))
     plan = dp.strategy(dp.run()[0], "hidup")
     whole = {p.name: plan.home(p.name) for p in moe.params if plan.home(p.name) in (R, FLAT_R)}
     assert FLAT_R in whole.values()  # (on this tiny model the plan runs every op flat)

@@ -1,6 +1,7 @@
-"""The 2-D mesh (machines x ranks per machine; data parallel across, the strategy inside): the
-Program's groups, its pricing by the estimate and the simulator, the search, plan files and
-hidup.planner --mesh. Its equivalence to single-device training is in test_equivalence.py."""
+"""The 2-D mesh (named axes machines x GPUs per machine; a plan data parallel over one, its
+placements over the other): the mesh's groups, the Program's, its pricing by the estimate and the
+simulator, the search, plan files and hidup.planner --mesh. Its equivalence to single-device
+training is in test_equivalence.py."""
 from __future__ import annotations
 
 import json
@@ -16,13 +17,43 @@ from hidup.planning.planfile import PlanError, load_plan, save_plan
 from hidup.planning.profile_file import load_profile
 from hidup.planning.programme import Search, SearchOptions
 from hidup.planning.search import search
-from hidup.strategy import fixed_strategy, mesh_option
+from hidup.strategy import Mesh, Strategy, fixed_strategy, mesh_option
 from hidup.program import Compute, LoweringError, lower
-from hidup.program.tasks import mesh_groups, mesh_position
 from simulator import engine
 from simulator.engine import simulate
+from conftest import turned as turn
 
 ROWS, COLUMNS = ((0, 1), (2, 3)), ((0, 2), (1, 3))
+TWO = Mesh.grid(2, 2)
+
+
+def test_a_mesh_numbers_its_ranks_row_major_as_device_mesh():
+    mesh = Mesh.grid(2, 4)
+    assert str(mesh) == "2x4 (machines, gpus)" and mesh.world == 8
+    assert mesh.groups("gpus") == ((0, 1, 2, 3), (4, 5, 6, 7))  # a machine's GPUs
+    assert mesh.groups("machines") == ((0, 4), (1, 5), (2, 6), (3, 7))  # one GPU of each
+    assert [mesh.coords(r) for r in (0, 1, 4, 7)] == [(0, 0), (0, 1), (1, 0), (1, 3)]
+    assert all(mesh.rank(mesh.coords(r)) == r for r in range(8))
+    # a plan's rows and columns, and a rank's (part, place), data parallel over either axis
+    assert mesh.rows("machines") == mesh.groups("gpus")
+    assert mesh.columns("gpus") == mesh.groups("gpus")
+    assert [mesh.position(r, "machines") for r in (0, 1, 4, 7)] == [(0, 0), (0, 1), (1, 0),
+                                                                     (1, 3)]
+    assert [mesh.position(r, "gpus") for r in (0, 1, 4, 7)] == [(0, 0), (1, 0), (0, 1), (3, 1)]
+    line = Mesh.line(3)
+    assert line.rows(None) == ((0, 1, 2),) and line.columns(None) == ((0,), (1,), (2,))
+    assert Mesh.of_machines(1, 8) is None and Mesh.of_machines(2, 4) == mesh
+    with pytest.raises(ValueError, match=r"no axis 'tp'; its axes are \['machines', 'gpus'\]"):
+        mesh.groups("tp")
+    with pytest.raises(ValueError, match="give one name per axis"):
+        Mesh((2, 2), ("gpus",))
+    with pytest.raises(ValueError, match="a plan on it needs a data-parallel axis"):
+        mesh.rows(None)
+    with pytest.raises(ValueError, match="data-parallel axis 'machines' of mesh 1x4 .* has one "
+                                         "rank; give no mesh"):
+        Strategy("s", {}, {}, mesh=Mesh.grid(1, 4), dp="machines")
+    with pytest.raises(ValueError, match="give both, a 2-D mesh and one of its axes, or neither"):
+        Strategy("s", {}, {}, mesh=mesh)
 
 
 def two_by_two(profile: str = "v100-8x8-10gbps"):
@@ -32,9 +63,10 @@ def two_by_two(profile: str = "v100-8x8-10gbps"):
 
 def test_conversions_run_inside_machines_and_gradients_across(tiny_graphs):
     _, _, graph = tiny_graphs["gpt:tiny"]
-    strategy = fixed_strategy("dp-megatron", graph, 4, machines=2)
+    strategy = fixed_strategy("dp-megatron", graph, 4, TWO)
     program = lower(graph, strategy, 4, k=2, bucket_bytes=0)
-    assert program.mesh == (2, 2) and program.world == 4
+    assert program.mesh == TWO and program.dp == "machines" and program.world == 4
+    assert (program.parts, program.row) == (2, 2)
     fwd = [t for t in program.collectives if t.phase == "fwd" and t.tensor != graph.loss]
     assert fwd and all(t.groups == ROWS and t.group == ROWS[0] for t in fwd)
     grads = [t for t in program.collectives if t.inputs[0].startswith("d") and t.mb is None]
@@ -56,18 +88,15 @@ def test_conversions_run_inside_machines_and_gradients_across(tiny_graphs):
 
 
 def test_the_mesh_turned_around_splits_across_machines_and_sums_inside(tiny_graphs):
-    """Strategy.transposed: the placements over one GPU of every machine, data parallel inside
-    each; the estimate and the simulator see the forward's collectives cross the machines."""
-    assert mesh_groups(8, 4, transposed=True) == (((0, 4), (1, 5), (2, 6), (3, 7)),
-                                                  ((0, 1, 2, 3), (4, 5, 6, 7)))
-    assert [mesh_position(r, 8, 4, True) for r in (0, 1, 4, 7)] == [(0, 0), (1, 0), (0, 1),
-                                                                      (3, 1)]
-    assert [mesh_position(r, 8, 2) for r in (0, 1, 4, 7)] == [(0, 0), (0, 1), (1, 0), (1, 3)]
+    """Data parallel over "gpus": the placements over one GPU of every machine, data parallel
+    inside each; the estimate and the simulator see the forward's collectives cross the
+    machines."""
     _, _, graph = tiny_graphs["gpt:tiny"]
-    strategy = fixed_strategy("dp-megatron", graph, 4, machines=2)
-    turned = replace(strategy, transposed=True)
+    strategy = fixed_strategy("dp-megatron", graph, 4, TWO)
+    turned = turn(strategy)
+    assert turned.mesh == TWO and turned.dp == "gpus"
     program = lower(graph, turned, 4, k=2, bucket_bytes=0)
-    assert program.transposed and program.position(1) == (1, 0)
+    assert program.dp == "gpus" and program.position(1) == (1, 0)
     fwd = [t for t in program.collectives if t.phase == "fwd" and t.tensor != graph.loss]
     assert fwd and all(t.groups == COLUMNS and t.group == COLUMNS[0] for t in fwd)
     grads = {t.groups for t in program.collectives
@@ -76,11 +105,11 @@ def test_the_mesh_turned_around_splits_across_machines_and_sums_inside(tiny_grap
     profile = two_by_two()
     assert all(profile.machines(t.group) == (0, 1) for t in fwd)  # over the inter-node link
     # the programme prices a row's collective with both rows on each machine's link
-    rows = {turned: Search(graph, 4, profile, SearchOptions(k=2, machines=2, transposed=turned))
-            for turned in (False, True)}
-    assert rows[False].row_load == 1 and rows[True].row_load == 2
+    rows = {dp: Search(graph, 4, profile, SearchOptions(k=2, mesh=TWO, dp=dp))
+            for dp in ("machines", "gpus")}
+    assert rows["machines"].row_load == 1 and rows["gpus"].row_load == 2
     split = profile.collective_split("all_gather", 4096, COLUMNS[0])
-    assert rows[True].row_time("all_gather", 4096) == pytest.approx(split[0] + 2 * split[1])
+    assert rows["gpus"].row_time("all_gather", 4096) == pytest.approx(split[0] + 2 * split[1])
     for s in (strategy, turned):
         program = lower(graph, s, 4, k=2)
         assert estimate(program, profile).step_time == pytest.approx(
@@ -89,13 +118,15 @@ def test_the_mesh_turned_around_splits_across_machines_and_sums_inside(tiny_grap
 
 def test_a_mesh_that_does_not_divide_the_world_or_batch_is_refused(tiny_graphs):
     _, _, graph = tiny_graphs["gpt:tiny"]
-    strategy = fixed_strategy("dp-megatron", graph, 4, machines=2)
-    with pytest.raises(LoweringError, match="mesh of 2 machines, which does not divide the 3"):
+    strategy = fixed_strategy("dp-megatron", graph, 4, TWO)
+    with pytest.raises(LoweringError, match=r"is for the mesh 2x2 \(machines, gpus\) of 4 GPUs, "
+                                            r"not 3; plan it for 3 GPUs"):
         lower(graph, strategy, 3)
     with pytest.raises(ValueError, match="needs a 2-D mesh of 2 or more machines"):
         fixed_strategy("dp-expert", graph, 4)
-    with pytest.raises(ValueError, match="does not split into 4 micro-batches on each of 4"):
-        lower(graph, replace(strategy, machines=4), 4, k=4)
+    with pytest.raises(ValueError, match="does not split into 4 micro-batches on each of 4 "
+                                         "data-parallel parts"):
+        lower(graph, replace(strategy, mesh=Mesh.grid(4, 1)), 4, k=4)
 
 
 def test_columns_crossing_one_link_share_it_in_estimate_and_simulator(tiny_graphs, monkeypatch):
@@ -105,11 +136,11 @@ def test_columns_crossing_one_link_share_it_in_estimate_and_simulator(tiny_graph
     assert profile.link_load(ROWS[0], ROWS) == 1  # a machine's own ranks: no inter-node link
     for name in ("dp-megatron", "ddp"):
         for k in (1, 2):
-            program = lower(graph, fixed_strategy(name, graph, 4, machines=2), 4, k)
+            program = lower(graph, fixed_strategy(name, graph, 4, TWO), 4, k)
             assert estimate(program, profile).step_time == pytest.approx(
                 simulate(program, profile).step_time, rel=1e-9)
     # the same step with each column alone on its link (sharing off) is faster, in both
-    program = lower(graph, fixed_strategy("dp-megatron", graph, 4, machines=2), 4, 1)
+    program = lower(graph, fixed_strategy("dp-megatron", graph, 4, TWO), 4, 1)
     shared = (estimate(program, profile).step_time, simulate(program, profile).step_time)
     monkeypatch.setattr(type(profile), "link_load", lambda self, group, parts: 1)
     monkeypatch.setattr(engine, "_crossed", lambda profile, group: (("group", group),))
@@ -119,31 +150,33 @@ def test_columns_crossing_one_link_share_it_in_estimate_and_simulator(tiny_graph
 
 def test_search_on_a_mesh_ranks_2d_and_1d_plans(tiny_graphs):
     _, _, graph = tiny_graphs["gpt:tiny"]
-    found = search(graph, 4, two_by_two(), SearchOptions(k=2, machines=2))
+    found = search(graph, 4, two_by_two(), SearchOptions(k=2, mesh=TWO))
     names = [name for name, _ in found.candidates]
     assert any("-2d#" in n for n in names) and any(n.startswith("search#") for n in names)
-    assert any("-2dt#" in n for n in names)  # the mesh turned around
-    turned = [r.strategy for r in found.ranked if "-2dt#" in r.name]
-    assert all(s.transposed and s.machines == 2 for s in turned)
+    assert any("-2dt#" in n for n in names)  # data parallel over each machine's GPUs
+    on_gpus = [r.strategy for r in found.ranked if "-2dt#" in r.name]
+    assert all(s.dp == "gpus" and s.mesh == TWO and s.parts == 2 for s in on_gpus)
+    assert all(r.strategy.mesh is None for r in found.ranked if r.name.startswith("search#"))
     times = [t for _, t in found.candidates]
     assert times == sorted(times) and found.estimate.step_time == times[0]
 
 
 def test_plan_files_record_the_mesh(tiny_graphs, tmp_path):
     _, _, graph = tiny_graphs["gpt:tiny"]
-    strategy = fixed_strategy("dp-megatron", graph, 4, machines=2)
+    strategy = fixed_strategy("dp-megatron", graph, 4, Mesh.grid(2, 2))
     path = tmp_path / "plan.json"
     save_plan(path, graph, strategy, 4, "gpt:tiny")
-    assert json.loads(path.read_text())["mesh"] == [2, 2]
-    loaded = load_plan(path, graph, 4)
-    assert loaded.machines == 2 and loaded.options == strategy.options
-    assert not loaded.transposed
-    save_plan(path, graph, replace(strategy, transposed=True), 4, "gpt:tiny")
-    assert load_plan(path, graph, 4).transposed
     doc = json.loads(path.read_text())
-    doc["transposed"] = "yes"
+    assert (doc["mesh"], doc["axes"], doc["dp"]) == ([2, 2], ["machines", "gpus"], "machines")
+    loaded = load_plan(path, graph, 4)
+    assert loaded.mesh == TWO and loaded.dp == "machines"
+    assert loaded.options == strategy.options
+    save_plan(path, graph, replace(strategy, mesh=Mesh.grid(1, 4), dp="gpus"), 4, "gpt:tiny")
+    assert load_plan(path, graph, 4).dp == "gpus"
+    doc = json.loads(path.read_text())
+    doc["dp"] = "tp"
     path.write_text(json.dumps(doc))
-    with pytest.raises(PlanError, match="\"transposed\" 'yes' is not true or false"):
+    with pytest.raises(PlanError, match="no axis 'tp'; its axes are .*make the plan again"):
         load_plan(path, graph, 4)
     doc = json.loads(path.read_text())
     doc["mesh"] = [3, 2]
@@ -154,11 +187,11 @@ def test_plan_files_record_the_mesh(tiny_graphs, tmp_path):
 
 def test_placements_per_mesh_dimension(tiny_graphs):
     _, _, graph = tiny_graphs["gpt:tiny"]
-    strategy = fixed_strategy("dp-megatron", graph, 4, machines=2)
+    strategy = fixed_strategy("dp-megatron", graph, 4, TWO)
     first = next(n for n in graph.ops if n.op.startswith("aten.linear"))
     assert mesh_option(graph, strategy, first.name) == "([S(0), R], [R, S(0)], [R, S(0)]) -> " \
         "[S(0), S(2)]"
-    assert mesh_option(graph, replace(strategy, machines=1), first.name) == \
+    assert mesh_option(graph, replace(strategy, mesh=None, dp=None), first.name) == \
         str(strategy.options[first.name])
 
 
@@ -187,12 +220,12 @@ def test_a_mesh_priced_far_over_the_other_has_only_its_best_plan_lowered(monkeyp
     spec = get_model("bert-sgmoe:paper", gpus=16, layers=2)
     graph = capture_model(spec, spec.batch)
     profile = load_profile("v100-8x8-10gbps")
-    found = search(graph, 16, profile, SearchOptions(k=2, machines=2, flat=False))
+    found = search(graph, 16, profile, SearchOptions(k=2, mesh=Mesh.grid(2, 8), flat=False))
     on_mesh = [name for name, _ in found.candidates if "-2d#" in name]
     assert sorted(on_mesh) == ["search-2d#0 k=1", "search-2d#0+across k=1",
                                "search-2d#0+sharded k=1"]
     monkeypatch.setattr(ranking, "BEHIND", float("inf"))
-    every = search(graph, 16, profile, SearchOptions(k=2, machines=2, flat=False))
+    every = search(graph, 16, profile, SearchOptions(k=2, mesh=Mesh.grid(2, 8), flat=False))
     assert len([name for name, _ in every.candidates if "-2d#" in name]) > 6
     assert every.candidates[0] == found.candidates[0]
     best_2d = min(t for name, t in every.candidates if "-2d#" in name)

@@ -18,7 +18,7 @@ from hidup.planning.planfile import load_plan
 from hidup.planning.profile_file import load_profile
 from hidup.planning.programme import SearchOptions
 from hidup.planning.search import search
-from hidup.strategy import fixed_strategies
+from hidup.strategy import Mesh, fixed_strategies
 from hidup.program import lower
 from simulator import simulate
 
@@ -205,12 +205,13 @@ def test_the_duplex_search_alone_finds_what_the_plain_search_finds(model, world,
     spec = get_model(model, gpus=world)
     graph = capture_model(spec, spec.batch)
     profile = load_profile(cluster)
-    plain = search(graph, world, profile, SearchOptions(k=1, machines=machines))
-    duplex = search(graph, world, profile, SearchOptions(k=2, machines=machines))
+    grid = Mesh.of_machines(machines, world // machines)
+    plain = search(graph, world, profile, SearchOptions(k=1, mesh=grid))
+    duplex = search(graph, world, profile, SearchOptions(k=2, mesh=grid))
     assert duplex.estimate.step_time <= plain.estimate.step_time * 1.002
-    for mesh in sorted({1, machines}):
-        alone = Search(graph, world, profile, SearchOptions(k=1, machines=mesh)).run()[0].cost
-        both = Search(graph, world, profile, SearchOptions(k=2, machines=mesh)).run()
+    for mesh, dp in {(None, None), (grid, grid and "machines")}:
+        alone = Search(graph, world, profile, SearchOptions(k=1, mesh=mesh, dp=dp)).run()[0].cost
+        both = Search(graph, world, profile, SearchOptions(k=2, mesh=mesh, dp=dp)).run()
         assert min(label.plain for label in both) <= alone * 1.001
 
 
@@ -359,7 +360,7 @@ def test_a_mesh_whose_batch_does_not_split_into_micro_batches_is_searched_withou
     are ranked, without Duplex; the 1-D plans still have it."""
     spec = get_model("gpt:tiny", gpus=4)
     graph = capture_model(spec, 2)
-    found = search(graph, 4, load_profile("v100-2x4"), SearchOptions(k=2, machines=2))
+    found = search(graph, 4, load_profile("v100-2x4"), SearchOptions(k=2, mesh=Mesh.grid(2, 2)))
     mesh = [name for name, _ in found.candidates if name.startswith("search-2d#")]
     assert mesh and all(name.endswith(" k=1") for name in mesh)
     assert any(name.startswith("search#") and name.endswith(" k=2") for name, _ in found.candidates)

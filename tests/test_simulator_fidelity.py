@@ -8,6 +8,7 @@ import pytest
 
 from hidup.models import capture_model, get_model
 from hidup.strategy import data_parallel, megatron
+from conftest import turned as turn
 from hidup.program import COLLECTIVES, Wait, lower
 from simulator import LinkCost, Profile, load_profile, simulate
 from test_simulator import A, AR, B, C, program
@@ -117,9 +118,10 @@ def test_symmetric_ranks_once_equal_every_rank(tiny_graphs, name, turned):
     rank 0 alone, its transfers loading each link as all its collective's groups do, gives the
     step that simulating all 8 ranks gives, on one lane and on two (transfers beside each other),
     with the links shared or not, and with measured pair demands."""
-    from hidup.strategy import fixed_strategy
+    from hidup.strategy import Mesh, fixed_strategy
     _, _, graph = tiny_graphs["gpt:tiny"]
-    strategy = replace(fixed_strategy(name, graph, 8, machines=4), transposed=turned)
+    strategy = fixed_strategy(name, graph, 8, Mesh.grid(4, 2))
+    strategy = turn(strategy) if turned else strategy
     base = replace(load_profile("v100-8x8-10gbps"), gpus_per_node=2)
     pairs = replace(base, pair_points=(("inter", "all_reduce", 2, 1e3, 1.6),
                                        ("inter", "all_reduce", 2, 1e8, 1.9)))

@@ -108,7 +108,7 @@ def _computes(graph: Graph, plan: Strategy) -> tuple:
             tuple((n.out, plan.placements.get(n.name), n.name in plan.reshard,
                    plan.across.get(n.name)) for n in graph.nodes if n.kind != "op"),
             tuple((layer in plan.recompute, layer in plan.selective) for layer in layers(graph)),
-            plan.machines, plan.transposed)
+            plan.mesh, plan.dp)
 
 
 def segments_of(graph: Graph, strategy: Strategy) -> tuple[tuple[str, ...], ...]:

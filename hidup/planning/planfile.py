@@ -15,9 +15,9 @@ from hidup.graph.capture import Graph, TensorMeta, capture
 from hidup.graph.dtypes import PRECISIONS
 from hidup.graph.ops import node_options
 from hidup.graph.placement import Partial, parse_option, parse_placement, plain_option
-from hidup.strategy import Strategy, describe, fixed_strategy, layers
+from hidup.strategy import AXES, Mesh, Strategy, describe, fixed_strategy, layers
 
-PLAN_FORMAT, PLAN_VERSION = "hidup-plan", 1
+PLAN_FORMAT, PLAN_VERSION = "hidup-plan", 2  # 2: a named mesh and its "dp" axis
 
 
 class PlanError(ValueError):
@@ -96,8 +96,8 @@ def example_inputs(metas: tuple[TensorMeta, ...]) -> tuple[torch.Tensor, ...]:
 
 
 def resolve_strategy(arg: str, graph: Graph, world: int, cluster: str | None = None,
-                     machines: int = 1) -> Strategy:
-    """A fixed strategy by name (those of a 2-D mesh on `machines`), or the plan file at a path
+                     mesh: Mesh | None = None) -> Strategy:
+    """A fixed strategy by name (those of a 2-D `mesh` on it), or the plan file at a path
     (noted if searched for another cluster than `cluster`)."""
     path = Path(arg)
     if path.is_file():
@@ -105,7 +105,7 @@ def resolve_strategy(arg: str, graph: Graph, world: int, cluster: str | None = N
     if path.suffix == ".json" or "/" in arg:
         raise PlanError(f"plan file {arg} does not exist; give an existing plan file or a "
                         f"strategy name such as megatron")
-    return fixed_strategy(arg, graph, world, machines)
+    return fixed_strategy(arg, graph, world, mesh)
 
 
 def check(graph: Graph, strategy: Strategy) -> None:
@@ -137,8 +137,9 @@ def save_plan(path: Path, graph: Graph | None, strategy: Strategy, world: int, m
         inputs = inputs or tuple(n.out for n in graph.user_inputs)
     doc = {"format": PLAN_FORMAT, "version": PLAN_VERSION, "model": model,
            "fingerprint": fingerprint, "world": world,
-           "mesh": [strategy.machines, world // strategy.machines] if strategy.machines > 1
-           else [world], "cluster": cluster,
+           "mesh": list(strategy.mesh.shape) if strategy.mesh else [world],
+           "axes": list(strategy.mesh.names) if strategy.mesh else ["gpus"],
+           "dp": strategy.dp, "cluster": cluster,
            "micro_batches": micro_batches, "optimizer": optimizer, "memory": memory,
            "precision": precision,
            "inputs": [{"shape": list(m.shape), "dtype": m.dtype} for m in inputs or ()],
@@ -146,8 +147,7 @@ def save_plan(path: Path, graph: Graph | None, strategy: Strategy, world: int, m
            "placements": {n: str(p) for n, p in strategy.placements.items()},
            "options": {n: str(o) for n, o in strategy.options.items()},
            "reshard": sorted(strategy.reshard), "across": dict(strategy.across),
-           "recompute": sorted(strategy.recompute), "selective": sorted(strategy.selective),
-           "transposed": strategy.transposed}
+           "recompute": sorted(strategy.recompute), "selective": sorted(strategy.selective)}
     Path(path).write_text(json.dumps(doc, indent=1) + "\n")
 
 
@@ -192,7 +192,7 @@ def load_plan(path: Path, graph: Graph | None, world: int, cluster: str | None =
         raise PlanError(f"plan file {path} was made for model {doc.get('model')!r} with fingerprint "
                         f"{doc.get('fingerprint')}, but this model's fingerprint is "
                         f"{graph.fingerprint}; make a plan for this model (and batch size)")
-    machines = _machines(path, doc, world)
+    mesh, dp = _mesh(path, doc, world)
     made_for = doc.get("cluster")
     notes = ()
     if cluster is not None and made_for != cluster:
@@ -201,10 +201,10 @@ def load_plan(path: Path, graph: Graph | None, world: int, cluster: str | None =
                  f"python -m hidup.planner --cluster {cluster} to get its best plan",)
     strategy = Strategy(doc.get("strategy", Path(path).stem),
                         {n: parse_placement(p) for n, p in doc["placements"].items()},
-                        {n: parse_option(o) for n, o in doc["options"].items()}, notes, machines,
+                        {n: parse_option(o) for n, o in doc["options"].items()}, notes, mesh, dp,
                         frozenset(doc.get("reshard", ())), _across(path, doc),
                         frozenset(doc.get("recompute", ())),
-                        frozenset(doc.get("selective", ())), _transposed(path, doc))
+                        frozenset(doc.get("selective", ())))
     if graph is not None:
         check(graph, strategy)
     return strategy
@@ -220,22 +220,23 @@ def _across(path, doc: dict) -> dict[str, int]:
     return across
 
 
-def _transposed(path, doc: dict) -> bool:
-    """Whether the plan's mesh is turned around (its placements split over the machines)."""
-    transposed = doc.get("transposed", False)
-    if not isinstance(transposed, bool) or transposed and len(doc.get("mesh", ())) != 2:
-        raise PlanError(f"plan file {path}: \"transposed\" {transposed!r} is not true or false "
-                        f"on a 2-D mesh; make the plan again with python -m hidup.planner --out")
-    return transposed
-
-
-def _machines(path, doc: dict, world: int) -> int:
-    """The plan's machines: its mesh [world] (1-D) or [machines, ranks per machine] (2-D)."""
-    mesh = doc.get("mesh", [world])
-    if not (isinstance(mesh, list) and len(mesh) in (1, 2) and all(isinstance(n, int) and n > 0
-                                                                    for n in mesh)
-            and math.prod(mesh) == world):
-        raise PlanError(f"plan file {path}: mesh {mesh!r} is not [{world}] or [MACHINES, "
-                        f"GPUS_PER_MACHINE] of {world} GPUs; make the plan again with "
-                        f"python -m hidup.planner --out")
-    return mesh[0] if len(mesh) == 2 else 1
+def _mesh(path, doc: dict, world: int) -> tuple[Mesh | None, str | None]:
+    """The plan's mesh and data-parallel axis: its mesh [world] (1-D: none) or [MACHINES,
+    GPUS_PER_MACHINE] with its axes' names and the one it is data parallel over."""
+    mesh, dp = doc.get("mesh", [world]), doc.get("dp")
+    axes = doc.get("axes", list(AXES[-len(mesh):]) if isinstance(mesh, list) else None)
+    try:
+        if not (isinstance(mesh, list) and len(mesh) in (1, 2) and
+                all(isinstance(n, int) and n > 0 for n in mesh) and math.prod(mesh) == world):
+            raise ValueError(f"mesh {mesh!r} is not [{world}] or [MACHINES, GPUS_PER_MACHINE] "
+                             f"of {world} GPUs")
+        if len(mesh) == 1:
+            if dp is not None:
+                raise ValueError(f"dp {dp!r} on a 1-D mesh")
+            return None, None
+        grid = Mesh(tuple(mesh), tuple(axes))
+        Strategy("check", {}, {}, mesh=grid, dp=dp)  # dp one of its axes, of 2 or more ranks
+        return grid, dp
+    except (TypeError, ValueError) as exc:
+        raise PlanError(f"plan file {path}: {exc}; make the plan again with python -m "
+                        f"hidup.planner --out") from exc

@@ -11,9 +11,9 @@ placement is chosen. Memory counts each parameter, its gradient and the optimize
 the lowering issues them, won 3-5% on two small models and lost 20-25% on the paper's BERT models
 at 16-32 GPUs, where the backward's conversions share the link.) Objective 'comm' counts bytes instead of seconds.
 
-On a 2-D mesh of `machines` (hidup.strategy) conversions are priced inside a machine, a gradient
-partial there is all-reduced over the world, and a parameter's gradient that is whole there over
-its mesh column, the columns sharing each machine's link. A flat option (over every rank:
+On a 2-D mesh (hidup.strategy.Mesh) conversions are priced inside a row, a gradient partial
+there is all-reduced over the world, and a parameter's gradient that is whole there over its mesh
+column, the columns sharing each machine's link. A flat option (over every rank:
 hidup.graph.placement) converts over the world, its parameters' gradients are complete there or
 all-reduced over the world, and a tensor passes between a machine's placements and flat ones as
 the lowering passes it (through its micro-batch split: hidup.program.scopes.crossing)."""
@@ -123,7 +123,7 @@ class Pricing:
 
     def row_time(self, kind: str, size: int) -> float:
         """A conversion's collective over a mesh row, every row's at once: rows that cross the
-        machines (the mesh turned around) share each machine's link (Profile.link_load)."""
+        machines (data parallel over the GPUs) share each machine's link (Profile.link_load)."""
         latency, transfer = self.profile.collective_split(kind, size, self.group)
         return latency + transfer * self.row_load
 
@@ -162,7 +162,7 @@ class Pricing:
                 size = self.nbytes(t, p)
                 if opt.partial_gradient(p):  # its gradient is a Partial sum: all-reduced
                     grads += self.reduction(size, self.everyone, ())
-                elif self.machines > 1 and self.first[t] == self.position[node.name] and \
+                elif self.dp_parts > 1 and self.first[t] == self.position[node.name] and \
                         not is_flat(p):  # (a flat one is complete over every rank)
                     grads += self.reduction(size, self.column, self.columns)  # summed across
                 if self.first[t] == self.position[node.name]:  # its home: where it lives

@@ -16,10 +16,11 @@ runs after the backward, hiding nothing and hidden by nothing. With k = 1 it is 
 T += m + c. With one micro-batch the model is linear: hidup.planning.exact solves it as an
 integer programme. The search (hidup.planning.search) lowers and ranks the programme's best plans.
 
-On a 2-D mesh of `machines` (hidup.strategy) the programme chooses each op's option over one
-machine's ranks, on its part of the batch, or (SearchOptions.flat) over every rank of the mesh
-flattened (hidup.graph.placement's flat options: experts split over every GPU beside attention
-split inside a machine), priced as hidup.planning.pricing says."""
+On a 2-D mesh (SearchOptions.mesh, data parallel over its axis SearchOptions.dp) the programme
+chooses each op's option over a row of the mesh (the other axis' group), on its part of the
+batch, or (SearchOptions.flat) over every rank of the mesh flattened (hidup.graph.placement's
+flat options: experts split over every GPU beside attention split inside a machine), priced as
+hidup.planning.pricing says."""
 from __future__ import annotations
 
 import math
@@ -34,9 +35,9 @@ from hidup.graph.placement import (Partial, Placement, R, Shard, ShardingOption,
 from hidup.planning.beam import Beam, _Label
 from hidup.planning.costs import Profile
 from hidup.planning.pricing import Pricing, _NodeCost, _scaled
-from hidup.strategy import Strategy, fitting_options, microbatch_split
+from hidup.strategy import Mesh, Strategy, fitting_options, microbatch_split
 from hidup.strategy.recompute import recomputable_share
-from hidup.program.tasks import LoweringError, Shapes, mesh_groups, optimizer_cost
+from hidup.program.tasks import LoweringError, Shapes, optimizer_cost
 
 _NOTHING: frozenset = frozenset()
 _GRAD = "grad"  # in a state's converted-to set: the tensor's replicated gradient is a Partial
@@ -60,10 +61,11 @@ class SearchOptions:
     k: int = 2  # micro-batches (Duplex); the plans are also priced with one
     memory: float | None = None  # bytes a device holds (None: no limit)
     optimizer: str = "adamw"  # whose update time and state memory count (hidup.program.OPTIMIZERS)
-    machines: int = 1  # a 2-D mesh of `machines` x world / machines (1: the 1-D mesh)
-    # the 2-D mesh turned around (Strategy.transposed): data parallel over each machine's
-    # `machines` GPUs, the placements over one GPU of every machine
-    transposed: bool = False
+    # the 2-D mesh of the world to search on (None: the 1-D mesh; hidup.planning.search also
+    # searches the 1-D mesh beside it)
+    mesh: Mesh | None = None
+    # the programme's data-parallel axis of `mesh` (the search runs one programme per axis)
+    dp: str | None = None
     beam: int = 16  # states kept per cut
     labels: int = 4  # labels kept per state
     keep: int = 3  # plans of the programme lowered and estimated per order
@@ -76,8 +78,8 @@ class SearchOptions:
     #                          attention's outputs kept)
     mode: str = "graph"  # the executor mode whose costs the estimate ranks plans by (its host
     #   time per task where the profile has host figures; 'compile': Inductor's fused kernels)
-    flat: bool = True  # on a 2-D mesh (not turned around), also each op's options over every
-    #   rank (flat placements), beside those over a machine's ranks
+    flat: bool = True  # on a 2-D mesh data parallel over its machines, also each op's options
+    #   over every rank (flat placements), beside those over a machine's ranks
     extrapolate: int = 1000  # graphs of this many ops or more, where they repeat layers, are
     #   ranked from short copies (hidup.planning.extrapolate; smaller ones lower in well under
     #   a second); the chosen plan is always lowered whole
@@ -98,15 +100,21 @@ class Search(Pricing, Beam):
         self.weights = {} if cut is None else cut.weights
         if options.objective not in ("time", "comm"):
             raise ValueError(f"objective {options.objective!r}: choose 'time' or 'comm'")
-        k, machines, self.options = options.k, options.machines, options
+        k, self.options = options.k, options
         memory, objective, beam = options.memory, options.objective, options.beam
         self.optimizer = optimizer_cost(options.optimizer)
         self.g, self.profile, self.k = graph, profile, k
-        self.machines, self.world = machines, world // machines  # placements: a machine's ranks
+        mesh, dp = options.mesh or Mesh.line(world), options.dp
+        if mesh.world != world or (options.mesh is None) != (dp is None):
+            raise ValueError(f"search options: mesh {options.mesh} with dp axis {dp!r} for "
+                             f"{world} GPUs; give a 2-D mesh of the world and one of its axes, "
+                             f"or neither")
+        self.dp_parts = mesh.size(dp)  # the mesh's data-parallel parts
+        self.world = world // self.dp_parts  # placements: a row's ranks
         self.memory, self.objective, self.beam = memory or math.inf, objective, beam
         self.per_state = options.labels
-        self.mbs = microbatch_split(graph, k, machines=machines)
-        rows, columns = mesh_groups(world, machines, options.transposed)
+        self.mbs = microbatch_split(graph, k, dp=self.dp_parts)
+        rows, columns = mesh.rows(dp), mesh.columns(dp)
         self.group, self.everyone = rows[0], tuple(range(world))
         self.row_load = profile.link_load(rows[0], rows)  # rows crossing one link share it
         self.column, self.columns = columns[0], columns
@@ -139,7 +147,7 @@ class Search(Pricing, Beam):
         self._node_kinds: dict[str, tuple] = {}  # node -> what it costs alike with
         self._node_costs: dict[tuple, _NodeCost] = {}  # (node kind, option) -> node_cost
         self._conversions: dict[tuple, float] = {}  # _collectives' key -> seconds
-        shapes = Shapes(graph, self.mbs, self.world, k * machines, machines)
+        shapes = Shapes(graph, self.mbs, self.world, k * self.dp_parts, self.dp_parts)
         self.shape, self.nbytes = shapes.shape, shapes.nbytes  # (tensor, placement) -> local
         # what prices each label's `plain` time: this programme at k = 1, another (the same
         # graph with one micro-batch) at k > 1; none for objective 'comm' at k > 1
@@ -163,10 +171,9 @@ class Search(Pricing, Beam):
 
     def what(self) -> str:
         """The programme, for the progress line: its mesh and micro-batches."""
-        gpus = self.world * self.machines
-        mesh = f"{gpus} GPUs" if self.machines == 1 else \
-            f"the {self.machines}x{self.world} mesh" + (" turned" if self.options.transposed
-                                                        else "")
+        mesh = self.options.mesh
+        mesh = f"{self.world} GPUs" if mesh is None else \
+            f"the {'x'.join(map(str, mesh.shape))} mesh, data parallel over {self.options.dp}"
         return f"search on {mesh}, k={self.k}: op"
 
     def extend(self, states, node: Node) -> dict[tuple, list[_Label]]:
@@ -200,9 +207,9 @@ class Search(Pricing, Beam):
         """The node's options over a machine's ranks, and on a 2-D mesh with SearchOptions.flat
         its options over every rank (flat)."""
         opts = list(fitting_options(self.g, node, self.world))
-        if self.machines > 1 and self.options.flat and not self.options.transposed:
+        if self.options.dp == "machines" and self.options.flat:
             opts += [flat_option(o) for o in fitting_options(self.g, node,
-                                                             self.world * self.machines)]
+                                                             self.world * self.dp_parts)]
         return opts
 
     def placeholder_home(self, t: str, want: Placement) -> Placement | None:
@@ -397,5 +404,4 @@ class Search(Pricing, Beam):
                 if t in self.placeholders:
                     placements.setdefault(t, self.placeholder_home(t, p))
         placements = {n.name: placements.get(n.name, R) for n in self.g.nodes if n.kind != "op"}
-        return Strategy(name, placements, options, machines=self.machines,
-                        transposed=self.options.transposed)
+        return Strategy(name, placements, options, mesh=self.options.mesh, dp=self.options.dp)

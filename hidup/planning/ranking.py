@@ -59,7 +59,7 @@ DEFERRED = "deferred"  # Ranking.add's word for a plan over the limit kept to be
 
 
 def _plan_key(strategy: Strategy) -> tuple:
-    return (strategy.machines, strategy.transposed, tuple(strategy.placements.items()),
+    return (strategy.mesh, strategy.dp, tuple(strategy.placements.items()),
             tuple(strategy.options.items()), tuple(sorted(strategy.reshard)),
             tuple(sorted(strategy.across.items())), tuple(sorted(strategy.recompute)),
             tuple(sorted(strategy.selective)))
@@ -127,12 +127,12 @@ class Ranking:
         use, gradients reduce-scattered) and held to memory (state on the shards). Where that
         does not fit with some count, also with each gathered weight freed after the forward and
         gathered again for the backward (NAME+resharded). On a 2-D mesh, also with its
-        parameters stored sharded across the machines (NAME+across; hidup.strategy.
+        parameters stored sharded over its dp axis too (NAME+across; hidup.strategy.
         stored_across). Whether each count fits: any variant's."""
         tried = dict(self.add(strategy, name, dp_cost, counts))
-        ranks = self.world // strategy.machines
+        ranks = self.world // strategy.parts
         variants = []
-        if strategy.machines > 1:  # stored sharded across the machines (NAME+across)
+        if strategy.mesh:  # stored sharded over the dp axis too (NAME+across)
             variants.append(self.add(stored_across(self.graph, strategy, ranks),
                                      f"{name}+across", dp_cost, counts))
         sharded = sharded_storage(self.graph, strategy, ranks)

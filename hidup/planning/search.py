@@ -3,9 +3,9 @@
 with one; its few best plans either way, with the plan with no communication and the expert
 strategies beside them, are lowered and ranked by the fast estimate (hidup.planning.ranking).
 With one micro-batch the programme's model is linear: hidup.planning.exact solves it as an
-integer programme, and search(exact=...) ranks that proven plan too. On a 2-D mesh of `machines`
-the search also runs the programme on the mesh turned around and over every rank (1-D), and
-ranks every kind of plan."""
+integer programme, and search(exact=...) ranks that proven plan too. On a 2-D mesh the search
+runs the programme data parallel over each of its axes and over every rank (1-D), and ranks
+every kind of plan."""
 from __future__ import annotations
 
 import gc
@@ -25,7 +25,7 @@ from hidup.planning.estimate import Estimate
 from hidup.planning.exact import exact_plan
 from hidup.planning.programme import Search, SearchOptions
 from hidup.planning.ranking import Ranked, Ranking, far_behind
-from hidup.strategy import Strategy, fitting_options
+from hidup.strategy import Mesh, Strategy, fitting_options
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,8 @@ class SearchResult:
     seconds: float  # wall time of the search
     states: int  # labels created
     # per mesh searched, the k = 1 cost model's integer programme (search(exact=...)):
-    # (machines, cost of its plan, proven lower bound, proven optimal, beam's cost), seconds
+    # (its data-parallel parts, cost of its plan, proven lower bound, proven optimal, beam's
+    # cost), seconds
     exact: tuple[tuple[int, float, float, bool, float], ...] = ()
 
     @property
@@ -59,9 +60,9 @@ def search(graph: Graph, world: int, profile: Profile, options: SearchOptions = 
     lowered with k and with one, ranked by the fast estimate (objective 'comm': by its own
     count). The programme prices every plan with k micro-batches and with one and keeps what is
     best either way, so that a search for Duplex finds the plans a plain search finds. On a 2-D
-    mesh of `machines` > 1 it runs on the mesh, on the mesh turned around (_meshes) and over
-    every rank (1-D), and ranks them all (of a programme whose best is priced over BEHIND
-    times another's, that best plan). The integer programme is not run on the turned mesh. Every
+    `options.mesh` it runs data parallel over its machines, over its GPUs (_axes) and over every
+    rank (1-D), and ranks them all (of a programme whose best is priced over BEHIND times
+    another's, that best plan). The integer programme is not run data parallel over the GPUs. Every
     plan is priced and held to `memory` with `optimizer`'s update and state. With `exact` > 0
     seconds the k = 1 programme's best plan on each mesh is also sought by the integer
     programme (hidup.planning.exact), proven optimal for that cost model unless the time runs
@@ -87,15 +88,15 @@ def _search(graph: Graph, world: int, profile: Profile, options: SearchOptions,
     started = time.perf_counter()
     ranking = Ranking(graph, world, profile, options)
     labels, proofs, runs, failed = 0, [], [], {}
-    for mesh, turned in _meshes(world, options.machines):
+    for axis in _axes(options.mesh):
         try:
-            dp = programme(graph, world, profile,
-                           replace(options, machines=mesh, transposed=turned))
-            runs.append((mesh, dp, dp.run()))
+            dp = programme(graph, world, profile, replace(
+                options, mesh=options.mesh if axis else None, dp=axis))
+            runs.append((axis, dp, dp.run()))
         except ValueError as exc:  # no plan of the programme fits: the baselines may
-            log.info("search on %d x %d%s: %s", mesh, world // mesh,
-                     " (turned around)" if turned else "", exc)
-            failed[mesh, turned] = str(exc)
+            log.info("search on %s, data parallel over %s: %s", options.mesh if axis else world,
+                     axis, exc)
+            failed[axis] = str(exc)
             continue
         labels += dp.labels
     least = min((finals[0].best for _, _, finals in runs), default=math.inf)
@@ -105,7 +106,7 @@ def _search(graph: Graph, world: int, profile: Profile, options: SearchOptions,
         # (Ranking.recompute_hand)
         ranking.add_hand(strategy, name)
     _rank_finals(ranking, runs, least, proofs)
-    one_d = next((dp for mesh, dp, _ in runs if mesh == 1), None)
+    one_d = next((dp for axis, dp, _ in runs if axis is None), None)
     whole = replicated_plan(one_d) if timed and one_d is not None else None
     if whole is not None and not far_behind(one_d.plain.price(whole), least):
         ranking.add(one_d.expand(whole), "search-replicated#0", one_d.plain.price(whole))
@@ -118,8 +119,8 @@ def _search(graph: Graph, world: int, profile: Profile, options: SearchOptions,
         ranking.recompute_deferred()
         ranking.confirm()
     if not ranking.ranked:
-        if (1, False) in failed:  # the programme over every GPU found nothing: its reason
-            raise ValueError(failed[1, False])
+        if None in failed:  # the programme over every GPU found nothing: its reason
+            raise ValueError(failed[None])
         limit = math.inf if options.memory is None else options.memory / 2**30
         least = "" if ranking.least == math.inf else \
             f" (the smallest lowered needs {ranking.least / 2**30:.3g} GiB)"
@@ -140,9 +141,8 @@ def _rank_finals(ranking: Ranking, runs, least: float, proofs: list | None) -> N
     options = ranking.options
     timed = options.objective == "time"
     # the programme priced best first, so that the fastest ranked is known early (HOPELESS)
-    for mesh, dp, finals in sorted(runs, key=lambda run: run[2][0].best):
-        turned = dp.options.transposed
-        mesh_tag = "-2dt" if turned else "-2d" if mesh > 1 else ""
+    for axis, dp, finals in sorted(runs, key=lambda run: run[2][0].best):
+        mesh_tag = "" if axis is None else "-2d" if axis == dp.options.mesh.names[0] else "-2dt"
         if timed and far_behind(finals[0].best, least):  # its plan best either way only
             # (finals are in that order)
             ranking.finals(dp, finals, _BEST, 1, "search" + mesh_tag, sorted({1, dp.k}))
@@ -150,26 +150,21 @@ def _rank_finals(ranking: Ranking, runs, least: float, proofs: list | None) -> N
             # one: the `keep` best either way are among them
             for by, tag, at in _orders(dp.k, options.objective):
                 ranking.finals(dp, sorted(finals, key=by), by, options.keep, tag + mesh_tag, at)
-        if options.exact > 0 and timed and not turned and proofs is not None:
+        if options.exact > 0 and timed and mesh_tag != "-2dt" and proofs is not None:
             proof = exact_plan(dp.plain, "hidup", options.exact)
             beam_cost = min(label.plain for label in finals)
-            proofs.append((mesh, proof.cost, proof.bound, proof.optimal, beam_cost))
-            log.info("exact k=1 plan on %d machines: %.4g s (bound %.4g, %s) in %.1f s; "
-                     "the beam's %.4g s", mesh, proof.cost, proof.bound,
+            proofs.append((dp.dp_parts, proof.cost, proof.bound, proof.optimal, beam_cost))
+            log.info("exact k=1 plan on %d data-parallel parts: %.4g s (bound %.4g, %s) in "
+                     "%.1f s; the beam's %.4g s", dp.dp_parts, proof.cost, proof.bound,
                      "optimal" if proof.optimal else "time ran out", proof.seconds, beam_cost)
-            ranking.add_stored(proof.strategy, "exact-2d#0" if mesh > 1 else "exact#0",
-                               proof.cost)
+            ranking.add_stored(proof.strategy, "exact-2d#0" if axis else "exact#0", proof.cost)
 
 
-def _meshes(world: int, machines: int) -> list[tuple[int, bool]]:
-    """The meshes searched, as (dim 0's size, turned around): on `machines` > 1, the 2-D mesh
-    (data parallel across the machines, placements inside each), the same turned around (data
-    parallel over each machine's GPUs, placements across the machines: Strategy.transposed),
-    and the 1-D mesh of every GPU."""
-    per = world // machines
-    if machines == 1:
-        return [(1, False)]
-    return [(machines, False)] + ([(per, True)] if per > 1 else []) + [(1, False)]
+def _axes(mesh: Mesh | None) -> list[str | None]:
+    """The data-parallel axes searched (None: the 1-D mesh of every GPU): on a 2-D mesh, each
+    axis of 2 or more ranks (across the machines, placements inside each; over each machine's
+    GPUs, placements across the machines), and the 1-D mesh."""
+    return [a for a in (mesh.names if mesh else ()) if mesh.size(a) > 1] + [None]
 
 
 def _orders(k: int, objective: str) -> list[tuple]:
@@ -183,9 +178,9 @@ def _orders(k: int, objective: str) -> list[tuple]:
 
 
 def programme(graph: Graph, world: int, profile: Profile, options: SearchOptions) -> Search:
-    """The search's programme on a mesh of `options.machines`; on a 2-D mesh whose machines'
-    parts of the batch do not split into k micro-batches, the programme with one (its plans run
-    without Duplex there)."""
+    """The search's programme on `options.mesh`, data parallel over `options.dp`; on a 2-D mesh
+    whose data-parallel parts of the batch do not split into k micro-batches, the programme
+    with one (its plans run without Duplex there)."""
     cut = None
     if len(graph.ops) >= options.extrapolate and options.exact == 0:
         cut = Cut.of(graph)
@@ -193,10 +188,10 @@ def programme(graph: Graph, world: int, profile: Profile, options: SearchOptions
     try:
         return Search(graph, world, profile, options, cut)
     except ValueError as exc:
-        if options.machines == 1 or options.k == 1:
+        if options.mesh is None or options.k == 1:
             raise
-        log.info("search on %d machines x %d without Duplex: %s", options.machines,
-                 world // options.machines, exc)
+        log.info("search on %s, data parallel over %s, without Duplex: %s", options.mesh,
+                 options.dp, exc)
         return Search(graph, world, profile, replace(options, k=1), cut)
 
 

@@ -21,7 +21,7 @@ from hidup.planning.programme import SearchOptions
 from hidup.planning.ranking import Ranked, rank_plans
 from hidup.planning.search import SearchResult, search
 from hidup.program import HOST_MODES
-from hidup.strategy import (ACROSS, FIXED, Strategy, fixed_strategies, fixed_strategy,
+from hidup.strategy import (ACROSS, FIXED, Mesh, Strategy, fixed_strategies, fixed_strategy,
                             microbatch_split, parse_recompute, recomputing, selective_part)
 
 DUPLEX_K = 2  # the micro-batches Duplex is tried with when the goal leaves k to the planner
@@ -38,7 +38,8 @@ class Goal:
     #   faster; a number: that many
     memory: float | None = None  # bytes a device holds (None: the profile's)
     optimizer: str = "adamw"  # the one training runs: its update's time and its state's memory
-    mesh: tuple[int, int] | None = None  # machines x GPUs per machine (None: the cluster's)
+    mesh: tuple[int, int] | None = None  # machines x GPUs per machine (None: the cluster's;
+    #   hidup.strategy.Mesh.grid makes it the mesh searched where it has 2 or more machines)
     strategy: str = SEARCH  # or a fixed strategy's name (hidup.strategy.FIXED, ACROSS)
     beam: int = 16  # states the search keeps per cut
     exact: float = 0.0  # seconds for the integer programme's proof of the k = 1 plan (0: none)
@@ -77,8 +78,8 @@ class Selection:
         """The planner's estimate of the chosen plan's step (s)."""
         return next(r.step_time for r in self.ranked
                     if r.strategy.options == self.strategy.options and r.k == self.k
-                    and r.strategy.machines == self.strategy.machines
-                    and r.strategy.transposed == self.strategy.transposed)
+                    and r.strategy.mesh == self.strategy.mesh
+                    and r.strategy.dp == self.strategy.dp)
 
 
 def select_plan(graph: Graph, profile: Profile, goal: Goal) -> Selection:
@@ -87,10 +88,11 @@ def select_plan(graph: Graph, profile: Profile, goal: Goal) -> Selection:
     graph = run_dtypes(graph, goal.precision, profile.device)
     recompute = None if goal.recompute == "auto" else parse_recompute(goal.recompute, graph)
     selective = selective_part(goal.recompute)[0]
+    mesh = Mesh.of_machines(*goal.mesh)
     options = SearchOptions(k=k, memory=profile.device_memory, optimizer=goal.optimizer,
-                            machines=goal.mesh[0], beam=goal.beam, exact=goal.exact,
+                            mesh=mesh, beam=goal.beam, exact=goal.exact,
                             recompute=recompute, selective=selective, mode=goal.mode)
-    fixed = fixed_strategies(graph, goal.gpus, goal.mesh[0])
+    fixed = fixed_strategies(graph, goal.gpus, mesh)
     found = None
     if goal.strategy == SEARCH:
         try:  # the fixed strategies are ranked as baselines, even where the search finds
@@ -101,7 +103,7 @@ def select_plan(graph: Graph, profile: Profile, goal: Goal) -> Selection:
             notes += (str(exc),)
             ranked = ()
     else:
-        chosen = fixed_strategy(goal.strategy, graph, goal.gpus, goal.mesh[0])
+        chosen = fixed_strategy(goal.strategy, graph, goal.gpus, mesh)
         if recompute is not None:  # checked here: the ranking would log it and go on
             chosen = recomputing(graph, chosen, recompute, selective)
         ranked = tuple(rank_plans(graph, goal.gpus, profile, {goal.strategy: chosen}, options))

@@ -35,7 +35,7 @@ def runs_under_cap(items: list, key, nbytes, cap: int) -> tuple[list[list], list
 
 
 class GradientBuckets:
-    """Lowering's gradient reductions and update. It reads the Lowering's machines, buckets,
+    """Lowering's gradient reductions and update. It reads the Lowering's dp_parts, buckets,
     bucket_bytes, flushed, final, scopes, optimizer, tasks, pending and waited, and calls its
     home, gplace, groups, shape, nbytes, wait_for and add."""
 
@@ -59,10 +59,10 @@ class GradientBuckets:
         params = {p.name for p in self.g.params}
         for t, d in self.across.items():
             shape = self.shape(t, self.home(t)) if t in params else ()
-            why = "the mesh has one machine" if self.machines == 1 else \
+            why = "the mesh is 1-D" if self.dp_parts == 1 else \
                 "it is not a parameter" if t not in params else \
                 f"dim {d} of its machine's piece {list(shape)} does not split into " \
-                f"{self.machines}" if d >= len(shape) or shape[d] % self.machines else \
+                f"{self.dp_parts}" if d >= len(shape) or shape[d] % self.dp_parts else \
                 f"its machine's ranks split dim {d} already (a checkpoint's DTensor would " \
                 f"read the two splits in the other order)" if self.home(t) == Shard(d) else \
                 "its gradient is a partial sum inside a machine" if isinstance(
@@ -76,7 +76,7 @@ class GradientBuckets:
         across the machines: that piece's part)."""
         shape = list(self.shape(t, self.home(t)))
         if t in self.across:
-            shape[self.across[t]] //= self.machines
+            shape[self.across[t]] //= self.dp_parts
         return tuple(shape)
 
     def param_grad(self, t: str, home: Placement) -> None:
@@ -86,7 +86,7 @@ class GradientBuckets:
         over every rank) is complete where it is whole, else all-reduced over the world."""
         key = gkey(t, home, None)
         partial = isinstance(self.gplace(t, home), Partial)
-        if not partial and (self.machines == 1 or is_flat(home)):  # complete over every rank
+        if not partial and (self.dp_parts == 1 or is_flat(home)):  # complete over every rank
             self.final[t] = key
             return
         self.final[t] = "grad:" + t

@@ -5,11 +5,11 @@ waited for right before its consumer; micro-batches are interleaved so that one'
 runs while another computes. Backward: the same in reverse, each gradient conversion issued as
 soon as its gradient is complete. Parameter gradients are reduced once per step, in buckets.
 
-On a 2-D mesh (strategy.machines > 1) every machine runs the same step on its part of the batch:
-the strategy's conversions run inside each machine (collectives over mesh rows), and the
-machines' parameter gradients are summed across them: a gradient still partial inside a machine
-in one all-reduce over the world, one already complete there (a shard, or replicated) over
-its mesh column. The reported loss is summed the same way. An op whose option is flat
+On a 2-D mesh (strategy.mesh) every group along its dp axis (a column) runs the same step on
+its part of the batch: the strategy's conversions run inside each row (the groups along the other
+axis), and the parts' parameter gradients are summed across them: a gradient still partial in a
+row in one all-reduce over the world, one already complete there (a shard, or replicated) over
+its column. The reported loss is summed the same way. An op whose option is flat
 (hidup.graph.placement) runs over every rank instead, as on a 1-D mesh of them all: its
 conversions run over the world, and a tensor passes between a machine's placements and flat
 ones through its micro-batch split, which both hold alike (hidup.program.scopes)."""
@@ -24,13 +24,13 @@ from hidup.graph.placement import (Partial, Placement, R, Replicate, Shard, flat
                                    plain, plain_option)
 from hidup.graph.saved import backward_saves
 
-from hidup.strategy import Strategy, microbatch_split
+from hidup.strategy import Mesh, Strategy, microbatch_split
 from hidup.program.buckets import GradientBuckets
 from hidup.program.microbatches import MicroBatches
 from hidup.program.recompute import Recomputation
 from hidup.program.scopes import Scopes
 from hidup.program.tasks import (BUCKET_BYTES, COLLECTIVES, Compute, Convert,
-                                 LoweringError, Program, Task, Wait, gkey, mesh_groups,
+                                 LoweringError, Program, Task, Wait, gkey,
                                  optimizer_cost, Shapes, param_key, vkey)
 
 # views whose output is not contiguous: a composite that views a contiguous input copies theirs
@@ -49,29 +49,30 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
     def __init__(self, graph: Graph, strategy: Strategy, world: int, k: int, model: str,
                  bucket_bytes: int = BUCKET_BYTES, optimizer: str = "adamw"):
         self.g, self.s, self.k, self.model = graph, strategy, k, model
-        self.machines, self.ranks = strategy.machines, world
-        self.world = world // self.machines  # what the placements split over: a machine's ranks
+        self.dp_parts, self.ranks = strategy.parts, world  # the mesh's data-parallel parts
+        self.world = world // self.dp_parts  # what the placements split over: a row's ranks
         self.optimizer = optimizer_cost(optimizer)
         self.bucket_bytes, self.flushed = bucket_bytes, set()
         self.buckets: dict[str, list[str]] = {"world": [], "column": [], "across": []}
         self.scattered: list[tuple[str, Placement]] = []  # gradients awaiting a reduce-scatter
-        self.mbs_split = microbatch_split(graph, k, machines=self.machines)
-        self.parts = k * self.machines
+        self.mbs_split = microbatch_split(graph, k, dp=self.dp_parts)
+        self.parts = k * self.dp_parts
         self.joins: bool = self.parts > 1 and any(  # an op reads micro-batches joined or sliced
             q != self.mbs_split.home(t) for n in graph.ops
             for t, q in zip(n.inputs, self.mbs_split.options[n.name].inputs))
-        if self.joins and self.machines > 1:
+        if self.joins and self.dp_parts > 1:
             raise LoweringError(f"{model or 'the model'}: some op needs the whole batch "
                                 f"({self.mbs_split.notes[0] if self.mbs_split.notes else 'a join'})"
-                                f", which a 2-D mesh's machines would have to join; use a 1-D "
+                                f", which a 2-D mesh's parts would have to join; use a 1-D "
                                 f"mesh (one machine) for it")
-        rows, columns = mesh_groups(world, self.machines, strategy.transposed)
-        # scope -> (rank 0's group, every group): one machine's ranks, one position on every
-        # machine, or the whole world
-        self.scopes = {"row": (rows[0], rows if self.machines > 1 else ()),
+        mesh = strategy.mesh or Mesh.line(world)
+        rows, columns = mesh.rows(strategy.dp), mesh.columns(strategy.dp)
+        # scope -> (rank 0's group, every group): a row, a column (one place in every row), or
+        # the whole world
+        self.scopes = {"row": (rows[0], rows if self.dp_parts > 1 else ()),
                        "column": (columns[0], columns if self.world > 1 else ()),
                        "world": (tuple(range(world)), ())}
-        shapes = Shapes(graph, self.mbs_split, self.world, k * self.machines, self.machines)
+        shapes = Shapes(graph, self.mbs_split, self.world, self.parts, self.dp_parts)
         self.shape, self.nbytes, self.itemsize = shapes.shape, shapes.nbytes, shapes.itemsize
         #   (tensor, placement) -> local; tensor -> its run itemsize
         self._kernels: dict[str, tuple] = {}  # node -> kernel()
@@ -309,7 +310,7 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
         casts a stored parameter before converting it; hidup.graph.dtypes.RunDtypes.compute)?"""
         run = self.g.run
         return run is not None and t in run.compute and \
-            key != param_key(self.s, t, self.machines)
+            key != param_key(self.s, t)
 
     def kernel(self, node) -> tuple:
         """The node's forward kernel, the same for every micro-batch: (input shapes, output
@@ -334,15 +335,15 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
 
     def _report_loss(self, m) -> str:
         """The loss of micro-batch m, replicated: summed over a machine's ranks where it is a
-        partial sum there, and over the machines on a 2-D mesh (each has its part of the batch)."""
+        partial sum there, and over the columns on a 2-D mesh (each has its part of the batch)."""
         t, home = self.g.loss, self.home(self.g.loss)
-        if home == R and self.machines == 1 or home == flat(R):
+        if home == R and self.dp_parts == 1 or home == flat(R):
             return vkey(t, home, m)
         if is_flat(home):  # a partial sum over every rank
             self.emit_convert("all_reduce", t, home, flat(R), "fwd", m, vkey(t, home, m),
                               vkey(t, flat(R), m), self.shape(t, home), self.nbytes(t, home))
             return vkey(t, flat(R), m)
-        scope = "row" if self.machines == 1 else "world" if home != R else "column"
+        scope = "row" if self.dp_parts == 1 else "world" if home != R else "column"
         out = vkey(t, R, m) if home != R else f"{vkey(t, R, m)}+machines"
         self.emit_convert("all_reduce", t, home if home != R else Partial(), R, "fwd", m,
                           vkey(t, home, m), out, self.shape(t, home), self.nbytes(t, home),
@@ -432,7 +433,7 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
         run = self.g.run
         return Program(self.model, self.g.fingerprint, self.s.name, self.ranks, self.k,
                        tuple(self.tasks), tuple(loss_keys), final, self.optimizer.name,
-                       self.machines, self.s.transposed, self.updates,
+                       self.s.mesh, self.s.dp, self.updates,
                        "fp32" if run is None else run.precision,
                        {n.name: n.out.dtype for n in self.g.nodes},
                        {} if run is None else dict(run.compute))
@@ -446,8 +447,7 @@ def lower(graph: Graph, strategy: Strategy, world: int, k: int = 1, model: str =
     hidup.program.OPTIMIZERS) runs, and the Program records it."""
     if k < 1 or world < 1:
         raise LoweringError(f"world size ({world}) and micro-batches k ({k}) must be at least 1")
-    if world % strategy.machines:
-        raise LoweringError(f"strategy {strategy.name} is for a mesh of {strategy.machines} "
-                            f"machines, which does not divide the {world} GPUs; give a GPU "
-                            f"count that is a multiple of {strategy.machines}")
+    if strategy.mesh and strategy.mesh.world != world:
+        raise LoweringError(f"strategy {strategy.name} is for the mesh {strategy.mesh} of "
+                            f"{strategy.mesh.world} GPUs, not {world}; plan it for {world} GPUs")
     return Lowering(graph, strategy, world, k, model, bucket_bytes, optimizer).run()

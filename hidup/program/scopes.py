@@ -30,21 +30,21 @@ def step_kind(src: Placement, dst: Placement) -> str:
 
 class Scopes:
     """Lowering's part for the two scopes of a 2-D mesh. It reads the Lowering's s (strategy),
-    machines, uses, mbs_split, home, shape and nbytes, and calls its gplace, emit_convert,
+    dp_parts, uses, mbs_split, home, shape and nbytes, and calls its gplace, emit_convert,
     contributed and scatter_grad."""
 
     def check_flat(self) -> None:
-        """Flat options need a 2-D mesh not turned around; a tensor crosses between a machine's
+        """Flat options need a 2-D mesh data parallel over "machines"; a tensor crosses between a machine's
         placements and flat ones only where it is split over the batch (parameters and what
         is made of them once per step hold each scope's own gradient sums: all who read one
         read it in the scope it lives in)."""
         flats = [n for n, o in self.s.options.items() if option_is_flat(o)]
         if not flats:
             return
-        if self.machines == 1 or self.s.transposed:
+        if self.s.dp != "machines":
             raise LoweringError(f"strategy {self.s.name}: op {flats[0]} runs over every rank "
-                                f"(a flat option), which needs a 2-D mesh of machines not turned "
-                                f"around; use its 1-D option instead")
+                                f"(a flat option), which needs a 2-D mesh data parallel over "
+                                f"its machines; use its 1-D option instead")
         for t, uses in self.uses.items():
             scopes = {is_flat(p) for _, _, p in uses} | {is_flat(self.home(t))}
             if len(scopes) > 1 and not isinstance(self.mbs_split.home(t), Shard):

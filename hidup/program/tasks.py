@@ -10,7 +10,7 @@ import torch
 
 from hidup.graph.capture import Graph
 from hidup.graph.placement import Placement, Shard, ShardingOption, is_flat, plain
-from hidup.strategy import Strategy
+from hidup.strategy import Mesh, Strategy
 
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 # conversions on a rank's compute stream: a slice of its shard, and the micro-batches' parts of a
@@ -134,8 +134,8 @@ class Convert:
     outputs: tuple[str, ...]
     root_only: tuple[str, ...] = ()
     # sub-groups: the world split into disjoint groups, each rank's collective runs in its own:
-    # on a 2-D mesh a machine's ranks (mesh_groups' rows) or the ranks at one position on every
-    # machine (its columns); () for a collective over the whole world
+    # on a 2-D mesh the groups along one of its axes (hidup.strategy.Mesh.groups: a machine's
+    # ranks, or one GPU of every machine); () for a collective over the whole world
     groups: tuple[tuple[int, ...], ...] = ()
     # micro-batch conversions along a dim the ranks' placement does not split: the rank blocks
     # (world) each micro-batch's part holds there, one after another (see runtime.layout.shard_of)
@@ -184,10 +184,10 @@ class Program:
     loss_keys: tuple[str, ...]  # replicated per-micro-batch losses (summed = the step's loss)
     param_grads: dict[str, str] = field(hash=False)  # parameter node -> final gradient key
     optimizer: str = "adamw"  # the update's optimizer, a key of OPTIMIZERS
-    machines: int = 1  # a 2-D mesh's dim 0 (data parallel); 1: a 1-D mesh of the world
-    # the mesh turned around (hidup.strategy.Strategy.transposed): dim 0's parts are a machine's
-    # GPUs, the placements split over the machines
-    transposed: bool = False
+    # the 2-D mesh of its world (None: the 1-D mesh), and the axis of it the plan is data
+    # parallel over (hidup.strategy.Strategy.mesh and dp)
+    mesh: Mesh | None = None
+    dp: str | None = None
     # buffer node -> the replicated value forward writes into it (BatchNorm's running statistics)
     buffer_updates: dict[str, str] = field(default_factory=dict, hash=False)
     precision: str = "fp32"  # the run's: fp32, or bf16 (mixed, under torch.autocast)
@@ -199,51 +199,39 @@ class Program:
     compute: dict[str, str] = field(default_factory=dict, hash=False)
 
     @property
-    def mesh(self) -> tuple[int, int]:
-        """(machines, ranks per machine): the placements split tensors over a machine's ranks."""
-        return self.machines, self.world // self.machines
+    def grid(self) -> Mesh:
+        """Its mesh, the 1-D one of its world where it has none."""
+        return self.mesh or Mesh.line(self.world)
+
+    @property
+    def parts(self) -> int:
+        """The data-parallel parts of its mesh (1 on a 1-D mesh)."""
+        return self.grid.size(self.dp)
+
+    @property
+    def row(self) -> int:
+        """The ranks its placements split tensors over (a row of the mesh)."""
+        return self.world // self.parts
 
     def position(self, rank: int) -> tuple[int, int]:
-        """A rank's (data-parallel part, place in its row): hidup.program.mesh_position."""
-        return mesh_position(rank, self.world, self.machines, self.transposed)
+        """A rank's (data-parallel part, place in its row): hidup.strategy.Mesh.position."""
+        return self.grid.position(rank, self.dp)
 
     def group(self, rank: int, flat: bool = False) -> tuple[int, ...]:
         """The ranks that an op's placements split over, seen from `rank`: its row of the mesh,
         or (`flat`) every rank."""
         if flat:
             return tuple(range(self.world))
-        return next(row for row in mesh_groups(self.world, self.machines, self.transposed)[0]
-                    if rank in row)
+        return self.grid.group(self.grid.split_axis(self.dp), rank)
 
     @property
     def collectives(self) -> list[Convert]:
         return [t for t in self.tasks if isinstance(t, Convert) and t.collective]
 
     def __str__(self) -> str:
-        mesh = f" mesh={self.mesh[0]}x{self.mesh[1]}" if self.machines > 1 else ""
+        mesh = f" mesh={self.mesh} dp={self.dp}" if self.mesh else ""
         head = f"program {self.model} {self.strategy} world={self.world}{mesh} k={self.k}"
         return "\n".join([head] + [f"  {t}" for t in self.tasks])
-
-
-def mesh_groups(world: int, machines: int, transposed: bool = False
-                ) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
-    """(rows, columns) of a mesh of `machines` x world / machines ranks. A row is the ranks the
-    placements split over, a column the ranks at one place in every row (data parallel): a row
-    is one machine's ranks (rank = machine * per_machine + position), or `transposed`, one GPU of
-    every machine (rank = position * machines + part: the parts are a machine's GPUs)."""
-    per = world // machines
-    if transposed:
-        return (tuple(tuple(range(i, world, machines)) for i in range(machines)),
-                tuple(tuple(range(j * machines, (j + 1) * machines)) for j in range(per)))
-    rows = tuple(tuple(range(i * per, (i + 1) * per)) for i in range(machines))
-    return rows, tuple(tuple(range(j, world, per)) for j in range(per))
-
-
-def mesh_position(rank: int, world: int, machines: int, transposed: bool = False
-                  ) -> tuple[int, int]:
-    """(part, position) of `rank` on mesh_groups' mesh: its row (the data-parallel part of the
-    batch it takes) and its place in that row (which piece of a split tensor it holds)."""
-    return (rank % machines, rank // machines) if transposed else divmod(rank, world // machines)
 
 
 def task_label(task: Task) -> str:
@@ -274,9 +262,9 @@ def stored_key(t: str, p: Placement, across: bool) -> str:
     return f"{t}@{p}|across/*" if across else vkey(t, p, None)
 
 
-def param_key(strategy: Strategy, t: str, machines: int) -> str:
-    """The key of parameter t's stored shard under `strategy` on a mesh of `machines`."""
-    return stored_key(t, strategy.home(t), t in strategy.across and machines > 1)
+def param_key(strategy: Strategy, t: str) -> str:
+    """The key of parameter t's stored shard under `strategy`."""
+    return stored_key(t, strategy.home(t), t in strategy.across and strategy.mesh is not None)
 
 
 def gkey(t: str, p: Placement, mb: int | None) -> str:
@@ -307,13 +295,13 @@ FIRST_BUCKET_BYTES = 2**20  # and its first one (torch.distributed's _DEFAULT_FI
 
 
 def tensor_shape(graph: Graph, mb_split: Strategy, t: str, p: Placement, world: int,
-                 k: int, q: Placement | None = None, machines: int = 1) -> tuple[int, ...]:
+                 k: int, q: Placement | None = None, dp: int = 1) -> tuple[int, ...]:
     """Local shape of tensor t held as p, split over micro-batches as q (default: as `mb_split`
-    holds it). On a 2-D mesh of `machines` (`world`: a machine's ranks, `k`: the batch's parts,
-    micro-batches x machines) a flat placement is over every rank, on a micro-batch of the
-    whole batch."""
+    holds it). On a 2-D mesh of `dp` data-parallel parts (`world`: a row's ranks, `k`: the
+    batch's parts, micro-batches x dp) a flat placement is over every rank, on a micro-batch of
+    the whole batch."""
     if is_flat(p):
-        p, world, k = plain(p), world * machines, k // machines
+        p, world, k = plain(p), world * dp, k // dp
     return local_shape(graph.node(t).out.shape, p, mb_split.home(t) if q is None else q, world,
                        k, lambda: f"tensor {t} as {p}")
 
@@ -329,9 +317,9 @@ class Shapes:
     parts, each (tensor, placement) computed once: the search and the lowering ask thousands
     of times."""
 
-    def __init__(self, graph: Graph, mb_split: Strategy, world: int, k: int, machines: int = 1):
+    def __init__(self, graph: Graph, mb_split: Strategy, world: int, k: int, dp: int = 1):
         self.g, self.mb_split, self.world, self.k = graph, mb_split, world, k
-        self.machines = machines
+        self.dp = dp
         self._shapes: dict[tuple, tuple[int, ...]] = {}
         self._nbytes: dict[tuple, int] = {}
 
@@ -341,7 +329,7 @@ class Shapes:
         key = t, p, q
         if key not in self._shapes:
             self._shapes[key] = tensor_shape(self.g, self.mb_split, t, p, self.world, self.k, q,
-                                             self.machines)
+                                             self.dp)
         return self._shapes[key]
 
     def nbytes(self, t: str, p: Placement, q: Placement | None = None,

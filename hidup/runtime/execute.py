@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from hidup.graph.capture import Graph
 from hidup.graph.placement import Partial, Placement, Shard, is_flat, plain
-from hidup.strategy import Strategy
-from hidup.program.tasks import MODES, Program, mesh_groups, task_label
+from hidup.strategy import Mesh, Strategy
+from hidup.program.tasks import MODES, Program, task_label
 from hidup.runtime.passes import inductor_segments, with_hooks
 from hidup.runtime.layout import param_shard
 from hidup.runtime.step import INPUT_TASK, StepSpec, trace_step, untraced_step
@@ -40,10 +40,10 @@ class Executor:
         self.g, self.s, self.p = graph, strategy, program
         self.world, self.k, self.device, self.mode = program.world, program.k, torch.device(device), mode
         self.rank = rank if rank is not None else dist.get_rank(group) if self.world > 1 else 0
-        if program.machines > 1 and group is not None:
+        if program.mesh and group is not None:
             raise ValueError("a plan on a 2-D mesh runs on the default process group (its rows "
                              "and columns are made from it); leave group out")
-        self.per_machine = program.mesh[1]  # what the placements split over
+        self.per_machine = program.row  # what the placements split over
         self.params = {}  # param node name -> this rank's shard (updated in place by the step)
         for node in graph.params:  # `params` whole, or with `local` this rank's shards already
             given = params[node.source].detach().to(self.device)
@@ -59,9 +59,9 @@ class Executor:
         names = {}  # calibration.ops stands collectives in locally, with no group
         if self.world > 1 and not local_collectives:
             names = {tuple(range(self.world)): (group or dist.group.WORLD).group_name}
-            if program.machines > 1:  # this rank's row (its machine) and column, from the mesh
-                mesh = device_mesh(self.device, program.mesh, program.transposed)
-                for made in (mesh.get_group(0), mesh.get_group(1)):
+            if program.mesh:  # this rank's row and column, from the mesh
+                mesh = device_mesh(self.device, program.mesh)
+                for made in (mesh.get_group(n) for n in program.mesh.names):
                     ranks = tuple(dist.get_process_group_ranks(made))
                     if len(ranks) > 1:
                         names[ranks] = made.group_name
@@ -127,17 +127,16 @@ class Executor:
     def row_group(self):
         """The process group of this rank's machine on a 2-D mesh (the world on a 1-D one): the
         ranks a parameter's shards are split over."""
-        if self.p.machines == 1:
+        if self.p.mesh is None:
             return None
-        return device_mesh(self.device, self.p.mesh, self.p.transposed).get_group(1)
+        return device_mesh(self.device, self.p.mesh).get_group(self.p.mesh.other(self.p.dp))
 
     def full(self, node: str, local: torch.Tensor) -> torch.Tensor:
         """Parameter `node`'s whole tensor from this rank's shard `local` (or its gradient's),
         gathered over the ranks that hold its pieces (for checks, outside the timed step)."""
-        if node in self.s.across and self.p.machines > 1:  # this machine's piece first
-            local = full_tensor(local, Shard(self.s.across[node]), self.p.machines,
-                                device_mesh(self.device, self.p.mesh, self.p.transposed
-                                            ).get_group(0))
+        if node in self.s.across and self.p.mesh:  # this row's piece first
+            local = full_tensor(local, Shard(self.s.across[node]), self.p.parts,
+                                device_mesh(self.device, self.p.mesh).get_group(self.p.dp))
         home = self.s.home(node)
         if is_flat(home):  # over every rank
             return full_tensor(local, plain(home), self.p.world)
@@ -147,21 +146,14 @@ class Executor:
 _MESHES: dict = {}
 
 
-def device_mesh(device: torch.device, mesh: tuple[int, int], transposed: bool = False):
-    """The DeviceMesh of a plan over the default process group, made once per default group:
-    1-D over the world, or machines x ranks per machine (dim 0: a rank's column, the same
-    position in every row; dim 1: its row, the ranks its placements split over, as
-    hidup.program.mesh_groups numbers them: a machine's ranks, or `transposed`, one GPU of every
-    machine)."""
-    key = (id(dist.group.WORLD), device.type, mesh, transposed)
+def device_mesh(device: torch.device, mesh: Mesh):
+    """The DeviceMesh of a plan's mesh over the default process group, with its axes' names,
+    made once per default group (its groups are hidup.strategy.Mesh.groups)."""
+    key = (id(dist.group.WORLD), device.type, mesh)
     if key not in _MESHES:
-        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+        from torch.distributed.device_mesh import init_device_mesh
 
-        if transposed:  # its rows as mesh_groups makes them: [part][position] -> rank
-            rows = mesh_groups(mesh[0] * mesh[1], mesh[0], transposed=True)[0]
-            _MESHES[key] = DeviceMesh(device.type, torch.tensor(rows))
-        else:
-            _MESHES[key] = init_device_mesh(device.type, mesh if mesh[0] > 1 else (mesh[1],))
+        _MESHES[key] = init_device_mesh(device.type, mesh.shape, mesh_dim_names=mesh.names)
     return _MESHES[key]
 
 

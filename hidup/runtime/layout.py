@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from hidup.graph.placement import Placement, Shard, is_flat, plain
-from hidup.program.tasks import mesh_position
+from hidup.strategy import Mesh
 
 
 def shard_of(full: torch.Tensor, placement: Placement, mb_placement: Placement, k: int,
@@ -27,16 +27,16 @@ def param_shard(full: torch.Tensor, strategy, node: str, rank: int, per_machine:
                 ) -> torch.Tensor:
     """World rank `rank`'s stored shard of parameter `node` (whole: `full`): its row's piece (the
     strategy's home over a row's `per_machine` ranks), and where the strategy stores it over the
-    mesh's dim 0 too (across the machines), its part's share of that piece; a flat home is
+    mesh's dp axis too, its part's share of that piece; a flat home is
     over every rank."""
-    world = per_machine * strategy.machines
+    world = per_machine * strategy.parts
     home = strategy.home(node)
     if is_flat(home):  # over every rank
         return shard_of(full, plain(home), None, 1, None, rank, world).contiguous()
-    part, position = mesh_position(rank, world, strategy.machines, strategy.transposed)
+    part, position = (strategy.mesh or Mesh.line(world)).position(rank, strategy.dp)
     x = shard_of(full, strategy.home(node), None, 1, None, position, per_machine)
-    if node in strategy.across and strategy.machines > 1:
-        x = x.chunk(strategy.machines, dim=strategy.across[node])[part]
+    if node in strategy.across and strategy.mesh:
+        x = x.chunk(strategy.parts, dim=strategy.across[node])[part]
     return x.contiguous()
 
 

@@ -42,7 +42,7 @@ class StepSpec:
     graph: Graph
     strategy: Strategy
     program: Program
-    rank: int  # in the world (on a 2-D mesh: hidup.program.mesh_position places it)
+    rank: int  # in the world (on a 2-D mesh: Program.position places it)
     # the process groups of the collectives, by their ranks: the world's, and on a 2-D mesh this
     # rank's row and column (empty with world size 1 or collectives stood in)
     group_names: dict[tuple[int, ...], str]
@@ -59,10 +59,10 @@ class _TaskRunner:
     def __init__(self, spec: StepSpec, update: bool):
         self.spec, self.update_params = spec, update
         self.g, self.s, self.p = spec.graph, spec.strategy, spec.program
-        # the placements split over a machine's ranks; the machines split the batch (2-D mesh)
-        self.world, self.k = self.p.mesh[1], self.p.k
-        self.machine, self.rank = self.p.position(spec.rank)
-        self.mbs = microbatch_split(self.g, self.k, machines=self.p.machines)
+        # the placements split over a row's ranks; the columns split the batch (2-D mesh)
+        self.world, self.k = self.p.row, self.p.k
+        self.part, self.rank = self.p.position(spec.rank)
+        self.mbs = microbatch_split(self.g, self.k, dp=self.p.parts)
         self.backward_of = {(t.node, t.mb): t for t in self.p.tasks if isinstance(t, Compute)
                             and t.phase == "bwd" and t.op != "hidup.ones"}
         # forwards run again before their backward (activation checkpointing): the first run
@@ -75,7 +75,7 @@ class _TaskRunner:
                                for t in self.p.tasks)
         # stored parameter shards converted at their compute dtype (bf16 gathers, as FSDP2's
         # mixed precision; Program.compute), and the dtype of each parameter's gradient
-        self.cast = {param_key(self.s, t, self.p.machines): getattr(torch, d)
+        self.cast = {param_key(self.s, t): getattr(torch, d)
                      for t, d in self.p.compute.items()}
         self.master = {n.name: getattr(torch, n.out.dtype) for n in self.g.params}
 
@@ -104,14 +104,14 @@ class _TaskRunner:
     def place_inputs(self, params, buffers, inputs) -> None:
         self.whole_values = {n.name: x for n, x in zip(self.g.user_inputs, inputs)}
         for node, p in zip(self.g.params, params):
-            self.env[param_key(self.s, node.name, self.p.machines)] = p
+            self.env[param_key(self.s, node.name)] = p
         given = {"buffer": iter(buffers), "input": iter(inputs)}
         for node in self.g.nodes:
             if node.kind not in given:
                 continue
             full, split = next(given[node.kind]), self.mbs.home(node.name)
-            if node.kind == "input" and isinstance(split, Shard) and self.p.machines > 1:
-                full = full.chunk(self.p.machines, dim=split.dim)[self.machine]  # this machine's
+            if node.kind == "input" and isinstance(split, Shard) and self.p.parts > 1:
+                full = full.chunk(self.p.parts, dim=split.dim)[self.part]  # this column's part
             for m in ([None] if node.kind == "buffer" else range(self.k)):
                 self.env[vkey(node.name, self.s.home(node.name), m)] = shard_of(
                     full, self.s.home(node.name), split, self.k, m, self.rank, self.world,
@@ -208,7 +208,7 @@ class _TaskRunner:
         flat = option_is_flat(task.option)  # over every rank, as on a 1-D mesh of them all
         option, (rank, world) = plain_option(task.option), self.place(flat)
         root = (rank == 0 or option.output != Partial()) and \
-               (not task.mb_partial or task.mb in (0, None) and (flat or self.machine == 0))
+               (not task.mb_partial or task.mb in (0, None) and (flat or self.part == 0))
         ctx = ops.LocalContext(rank, world, task.in_shapes, task.out_shape,
                                node.out.shape, tuple(m.shape for m in node.in_metas(self.g)),
                                root, self.spec.device_type, self.whole,

@@ -134,7 +134,7 @@ class Trainer(TrainerState):
         local = self._state_dict is not None or is_meta(self._model)
         if local:  # this rank's shards only, never the whole model
             params, buffers = local_weights(self._model, graph, strategy, self.rank,
-                                            program.mesh[1], self.device, self._state_dict)
+                                            program.row, self.device, self._state_dict)
         else:
             params = {n.source: named[n.source].detach().to(self.device, copy=True)
                       for n in graph.params}

@@ -152,8 +152,8 @@ class TrainerState:
         home = self.strategy.home(node)
         if isinstance(home, Shard) and self.world > 1:  # split over a machine's ranks, or
             shape[home.dim] *= self.world if is_flat(home) else self.executor.per_machine  # all
-        if node in self.strategy.across and self.program.machines > 1:
-            shape[self.strategy.across[node]] *= self.program.machines  # and across machines
+        if node in self.strategy.across and self.program.mesh:
+            shape[self.strategy.across[node]] *= self.program.parts  # and over the dp axis
         return tuple(shape)
 
     def _distributed(self, node: str, local: torch.Tensor):
@@ -164,21 +164,21 @@ class TrainerState:
 
         shape = self._full_shape(node, local)
         stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(local, device_mesh(self.device, self.program.mesh,
-                                                     self.program.transposed),
+        return DTensor.from_local(local, device_mesh(self.device, self.program.grid),
                                   self._placements(node),
                                   run_check=False, shape=torch.Size(shape), stride=stride)
 
     def _placements(self, node: str) -> list:
         """The DTensor placements of a parameter (and its optimizer states) in this plan, one
-        per mesh dimension: on a 2-D mesh, replicated across machines or stored sharded there."""
+        per mesh axis: on a 2-D mesh, on its dp axis replicated or stored sharded there."""
         inside = self._placement(node)
-        if self.program.machines == 1:
+        if self.program.mesh is None:
             return [inside]
         if is_flat(self.strategy.home(node)):  # over every rank: DTensor's [S(d), S(d)]
             return [inside, inside]
         across = self.strategy.across.get(node)
-        return [R if across is None else Shard(across), inside]
+        dp = R if across is None else Shard(across)
+        return [dp if name == self.program.dp else inside for name in self.program.mesh.names]
 
     def _placement(self, node: str):
         """The DTensor placement of a parameter (and its optimizer states) inside a machine."""

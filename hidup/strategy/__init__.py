@@ -8,11 +8,12 @@ from hidup.strategy.describe import describe, mesh_option, op_style, summarize, 
 from hidup.strategy.fixed import (ACROSS, FIXED, data_parallel, expert_parallel, fixed_strategies,
                                   fixed_strategy, fully_sharded, megatron, random_strategy,
                                   sharded_storage, stored_across)
+from hidup.strategy.mesh import AXES, Mesh
 from hidup.strategy.microbatch import microbatch_split
 from hidup.strategy.recompute import (describe_recompute, first_layers, layers, parse_recompute,
                                       recomputing, selective_part)
 
-__all__ = ["ACROSS", "FIXED", "NoMicroBatches", "Strategy", "Unreachable", "conversion",
+__all__ = ["ACROSS", "AXES", "FIXED", "Mesh", "NoMicroBatches", "Strategy", "Unreachable", "conversion",
            "conversion_cost", "data_parallel", "describe", "describe_recompute",
            "expert_parallel", "first_layers", "fitting_options", "fixed_strategies",
            "fixed_strategy", "fully_sharded", "layers", "megatron", "mesh_option",

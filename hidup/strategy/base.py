@@ -1,12 +1,11 @@
 """A strategy: one sharding option per op node and a home placement per parameter and input;
 the conversions between placements; greedy propagation of placements from seeds.
 
-A 2-D mesh is machines x ranks per machine. Its dim 0 is data parallel: each machine takes an
-equal part of the batch and the machines' parameter gradients are summed. Its dim 1 is the
-Strategy's placements and options, over one machine's ranks. A strategy with `machines` = 1 is
-the 1-D mesh of every rank. A `transposed` strategy turns the mesh around: its placements split
-over the machines (one GPU of each), and dim 0's parts are a machine's GPUs, data parallel
-inside each machine (`machines` is then the GPUs per machine: dim 0's size)."""
+A strategy with no `mesh` is for the 1-D mesh of every rank. On a 2-D mesh (hidup.strategy.mesh:
+machines x GPUs per machine) one axis is data parallel (`dp`): each of its groups takes an equal
+part of the batch and their parameter gradients are summed. The placements and options split
+over the other axis' groups: a machine's GPUs (dp "machines"), or one GPU of every machine (dp
+"gpus")."""
 from __future__ import annotations
 
 import math
@@ -15,6 +14,7 @@ from dataclasses import dataclass, field
 from hidup.graph import ops
 from hidup.graph.capture import Graph, Node
 from hidup.graph.placement import R, Partial, Placement, Replicate, Shard, ShardingOption
+from hidup.strategy.mesh import Mesh
 
 
 @dataclass(frozen=True)
@@ -23,13 +23,16 @@ class Strategy:
     placements: dict[str, Placement] = field(hash=False)  # parameters, buffers, user inputs
     options: dict[str, ShardingOption] = field(hash=False)  # op nodes
     notes: tuple[str, ...] = ()  # where it departs from what its name says, for the reports
-    machines: int = 1  # mesh dim 0 (data parallel across); the placements are over mesh dim 1
+    # the 2-D mesh it is for (None: the 1-D mesh of every rank, of any size)
+    mesh: Mesh | None = None
+    # on a 2-D mesh, the axis it is data parallel over; the placements split over the other
+    dp: str | None = None
     # parameters stored sharded whose gathered weight is freed after the forward and gathered
     # again for the backward (FSDP's reshard_after_forward), instead of held from one to the other
     reshard: frozenset[str] = field(default=frozenset(), hash=False)
-    # on a 2-D mesh, parameters stored sharded across the machines too (mesh dim 0), each on a
-    # dim of its machine's piece: gathered over the mesh column before the step uses it, its
-    # gradient reduce-scattered there instead of all-reduced (FSDP across machines)
+    # on a 2-D mesh, parameters stored sharded over the dp axis too, each on a dim of its piece:
+    # gathered over the dp axis' group before the step uses it, its gradient reduce-scattered
+    # there instead of all-reduced (FSDP across the data-parallel parts)
     across: dict[str, int] = field(default_factory=dict, hash=False)
     # layers (Node.layer) whose activations are not kept for the backward but recomputed in it,
     # right before the layer's backward (activation checkpointing; hidup.strategy.recompute)
@@ -37,18 +40,28 @@ class Strategy:
     # layers recomputed selectively: their compute-heavy ops' outputs kept (matmuls, attention;
     # hidup.strategy.recompute), the rest recomputed as above
     selective: frozenset[str] = field(default=frozenset(), hash=False)
-    # the mesh turned around: the placements over one GPU of every machine, data parallel
-    # (dim 0, of `machines` parts) over each machine's GPUs (hidup.program.mesh_groups)
-    transposed: bool = False
+
+    def __post_init__(self):
+        if (self.mesh is None) != (self.dp is None) or self.mesh and len(self.mesh.shape) != 2:
+            raise ValueError(f"strategy {self.name}: mesh {self.mesh} with dp axis {self.dp!r}: "
+                             f"give both, a 2-D mesh and one of its axes, or neither")
+        if self.mesh and self.mesh.size(self.dp) == 1:  # (size() checks it is an axis)
+            raise ValueError(f"strategy {self.name}: its data-parallel axis {self.dp!r} of mesh "
+                             f"{self.mesh} has one rank; give no mesh (the 1-D mesh) instead")
+
+    @property
+    def parts(self) -> int:
+        """The data-parallel parts of its mesh (the dp axis' size; 1 on a 1-D mesh)."""
+        return self.mesh.size(self.dp) if self.mesh else 1
 
     @property
     def mesh_words(self) -> str:
         """How its 2-D mesh divides the work, for reports ('' on a 1-D mesh)."""
-        if self.machines == 1:
+        if self.mesh is None:
             return ""
-        if self.transposed:
-            return f"data parallel over each machine's {self.machines} GPUs; across the machines"
-        return f"data parallel across {self.machines} machines; inside each"
+        if self.dp == "gpus":
+            return f"data parallel over each machine's {self.parts} GPUs; across the machines"
+        return f"data parallel across {self.parts} machines; inside each"
 
     @property
     def split_ops(self) -> int:
@@ -60,7 +73,7 @@ class Strategy:
         return self.placements[name] if name in self.placements else self.options[name].output
 
     def __str__(self) -> str:
-        mesh = f" ({self.mesh_words})" if self.machines > 1 else ""
+        mesh = f" ({self.mesh_words})" if self.mesh else ""
         lines = [f"strategy {self.name}{mesh}"]
         lines += [f"  {n}: {p}" for n, p in self.placements.items()]
         lines += [f"  {n}: {o}" for n, o in self.options.items()]

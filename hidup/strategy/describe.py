@@ -51,7 +51,7 @@ def describe(graph: Graph, strategy: Strategy) -> str:
     """One line a user can read: e.g. '16 key ops expert parallel, 41 data parallel' (on a 2-D
     mesh: 'data parallel across 8 machines; inside each: ...')."""
     counts = sorted(summarize(graph, strategy).items(), key=lambda kv: -kv[1])
-    across = f"{strategy.mesh_words}: " if strategy.machines > 1 else ""  # (parameters may be
+    across = f"{strategy.mesh_words}: " if strategy.mesh else ""  # (parameters may be
     #   stored sharded over dim 0 too: storage)
     if not counts:
         return f"{across}no key ops" + storage(graph, strategy) + \
@@ -61,7 +61,7 @@ def describe(graph: Graph, strategy: Strategy) -> str:
         ", ".join([f"{n} key ops {style}"] + [f"{m} {s}" for s, m in rest])
     flat = summarize(graph, strategy, flat=True)
     if flat:  # some ops over every rank
-        what += f"; over all {strategy.machines} machines' GPUs: " + \
+        what += f"; over all {strategy.mesh.world} GPUs: " + \
             ", ".join(f"{m} key ops {s}" for s, m in flat.items())
     return across + what + storage(graph, strategy) + describe_recompute(graph, strategy) + \
         uncovered(graph)
@@ -81,9 +81,9 @@ def storage(graph: Graph, strategy: Strategy) -> str:
     again = ", again for the backward" if strategy.reshard & set(sharded) else ""
     inside = f"; {len(sharded)} of {len(graph.params)} parameters stored sharded (gathered " \
              f"before use{again})" if sharded else ""
-    over = "inside each machine" if strategy.transposed else "across the machines"
+    over = "inside each machine" if strategy.dp == "gpus" else "across the machines"
     across = f"; {len(strategy.across)} of {len(graph.params)} stored sharded {over}" \
-        if strategy.across and strategy.machines > 1 else ""
+        if strategy.across and strategy.mesh else ""
     return inside + across
 
 
@@ -101,12 +101,12 @@ def uncovered(graph: Graph) -> str:
 
 def mesh_option(graph: Graph, strategy: Strategy, node: str) -> str:
     """An op's option with each tensor's placement per mesh dimension, as DTensor writes them:
-    '([S(0), R], [R, S(1)]) -> [S(0), S(1)]' (dim 0: across machines; dim 1: inside one). On a
+    '([S(0), R], [R, S(1)]) -> [S(0), S(1)]' (the dp axis' first, then the other's). On a
     1-D mesh, the option as it is."""
     inner = strategy.options[node]
-    if strategy.machines == 1:
+    if strategy.mesh is None:
         return str(inner)
-    outer = microbatch_split(graph, 1, machines=strategy.machines).options[node]
+    outer = microbatch_split(graph, 1, dp=strategy.parts).options[node]
     if option_is_flat(inner):  # over every rank: the same placement on both dimensions
         outer = inner = plain_option(inner)
     ins = ", ".join(f"[{a}, {b}]" for a, b in zip(outer.inputs, inner.inputs))

@@ -12,6 +12,7 @@ from hidup.graph.tokens import TOKENS
 from hidup.graph.placement import (R, Partial, Placement, Shard, ShardingOption, flat,
                                    flat_option, is_flat, plain)
 from hidup.strategy.base import Strategy, fitting_options, placed, propagate, splits_evenly
+from hidup.strategy.mesh import Mesh
 from hidup.strategy.recompute import layers
 from hidup.strategy.sequence import megatron_sp
 
@@ -148,7 +149,7 @@ def sharded_storage(graph: Graph, strategy: Strategy, world: int,
         home = homes.get(param.name, R)
         if plain(home) != R or params is not None and param.name not in params:
             continue
-        n = world * strategy.machines if is_flat(home) else world  # a flat one: every rank
+        n = world * strategy.parts if is_flat(home) else world  # a flat one: every rank
         shape = param.out.shape
         dims = [d for d in range(len(shape)) if shape[d] % n == 0]
         if not dims or n == 1:
@@ -177,57 +178,61 @@ ACROSS = {"dp-megatron": "megatron", "dp-expert": "expert", "fsdp+tp": "megatron
           "tp+ep": "megatron"}
 
 
-def tensor_and_expert(graph: Graph, world: int, machines: int) -> Strategy:
+def tensor_and_expert(graph: Graph, mesh: Mesh) -> Strategy:
     """Megatron inside each machine with the batch split across the machines (dp-megatron),
     except where expert parallelism over every GPU differs from data parallelism (the experts,
     their dispatch and return): those ops run expert's options over the mesh flattened
     (hidup.graph.placement's flat placements), so each GPU holds experts / GPUs of them,
     reached by all-to-all over the world."""
-    tp = fixed_strategy("dp-megatron", graph, world, machines)
-    ep, dp = expert_parallel(graph, world), data_parallel(graph, world)
+    tp = fixed_strategy("dp-megatron", graph, mesh.world, mesh)
+    ep, dp = expert_parallel(graph, mesh.world), data_parallel(graph, mesh.world)
     region = {n for n in ep.options if ep.options[n] != dp.options[n]}
     read = {t for n in region for t in graph.node(n).inputs}
     placements = {t: flat(ep.placements[t]) if t in read and graph.node(t).kind == "param"
                   else p for t, p in tp.placements.items()}
     options = {n: flat_option(ep.options[n]) if n in region else o for n, o in tp.options.items()}
-    return Strategy("tp+ep", placements, options, tp.notes, machines)
+    return replace(tp, name="tp+ep", placements=placements, options=options)
 
 
-def fixed_strategies(graph: Graph, world: int, machines: int = 1) -> dict[str, Strategy]:
+def fixed_strategies(graph: Graph, world: int, mesh: Mesh | None = None
+                     ) -> dict[str, Strategy]:
     """Every fixed strategy that applies to the model and world size (expert needs expert
-    weights; none may end up as a replicated run under its own name); on a mesh of `machines`
-    > 1 also those of ACROSS."""
+    weights; none may end up as a replicated run under its own name); on a 2-D `mesh` of 2 or
+    more machines also those of ACROSS."""
     out = {}
-    for name in [*FIXED, *(ACROSS if machines > 1 else ())]:
+    for name in [*FIXED, *(ACROSS if mesh and mesh.size("machines") > 1 else ())]:
         try:
-            out[name] = fixed_strategy(name, graph, world, machines)
+            out[name] = fixed_strategy(name, graph, world, mesh)
         except ValueError:
             continue
     return out
 
 
-def fixed_strategy(name: str, graph: Graph, world: int, machines: int = 1) -> Strategy:
+def fixed_strategy(name: str, graph: Graph, world: int, mesh: Mesh | None = None) -> Strategy:
     """The fixed strategy `name` on `world` ranks; an error where it would not be what its name
     says (a batch that does not split, nothing split at all), with notes where it departs in part
     (tensor-parallel weights left whole because their dims do not divide). The names of FIXED
-    span every rank (a 1-D mesh); those of ACROSS need a 2-D mesh of `machines` > 1."""
+    span every rank (a 1-D mesh); those of ACROSS need a 2-D `mesh` of 2 or more machines (data
+    parallel over "machines")."""
     if name not in FIXED and name not in ACROSS:
         raise ValueError(f"unknown strategy {name!r}; choose one of "
                          f"{sorted(FIXED) + sorted(ACROSS)} or a plan file")
     if name in FIXED:
         strategy = FIXED[name](graph, world)
         return strategy if world == 1 else _as_named(name, graph, strategy, world)
-    if machines < 2 or world % machines:
+    machines = mesh.size("machines") if mesh else 1
+    if machines < 2 or mesh.world != world:
         raise ValueError(f"strategy {name} runs {ACROSS[name]} inside each machine and data "
                          f"parallel across machines: it needs a 2-D mesh of 2 or more machines "
-                         f"that divides the {world} GPUs (--mesh MACHINESxGPUS), not "
-                         f"{machines} machine(s)")
+                         f"of the {world} GPUs (--mesh MACHINESxGPUS), not "
+                         f"{mesh or f'{machines} machine(s)'}")
     if name == "tp+ep":
-        return tensor_and_expert(graph, world, machines)
+        return tensor_and_expert(graph, mesh)
     inner = world // machines
     strategy = FIXED[ACROSS[name]](graph, inner)
     strategy = _as_named(name, graph, strategy, inner, machines)
-    strategy = Strategy(name, strategy.placements, strategy.options, strategy.notes, machines)
+    strategy = Strategy(name, strategy.placements, strategy.options, strategy.notes, mesh,
+                        "machines")
     return stored_across(graph, strategy, inner) if name == "fsdp+tp" else strategy
 
 
@@ -237,7 +242,7 @@ def stored_across(graph: Graph, strategy: Strategy, inner: int) -> Strategy:
     machines divide and that the machine's ranks do not split already, where its gradient is
     whole on a machine (no op reads it whole to make a split or Partial output). The others
     stay whole across the machines, with a note."""
-    machines, across, kept = strategy.machines, {}, []
+    machines, across, kept = strategy.parts, {}, []
     partial = {t for node in graph.ops for t, p in zip(node.inputs, strategy.options[node.name]
                                                        .inputs)
                if strategy.options[node.name].partial_gradient(p)}
@@ -255,7 +260,7 @@ def stored_across(graph: Graph, strategy: Strategy, inner: int) -> Strategy:
         across[param.name] = dims[0]
     notes = (f"{len(kept)} of {len(graph.params)} parameters kept whole across the machines: "
              f"{', '.join(kept[:3])}{' ...' if len(kept) > 3 else ''}",) if kept else ()
-    return replace(strategy, notes=strategy.notes + notes, machines=machines, across=across)
+    return replace(strategy, notes=strategy.notes + notes, across=across)
 
 
 def _as_named(name: str, graph: Graph, strategy: Strategy, world: int,

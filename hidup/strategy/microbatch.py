@@ -8,18 +8,19 @@ from hidup.graph.capture import Graph
 from hidup.graph.placement import P, R, Shard, ShardingOption
 from hidup.strategy.base import NoMicroBatches, Strategy, Unreachable, propagate
 
-def microbatch_split(graph: Graph, k: int, batch_dim: int = 0, machines: int = 1) -> Strategy:
-    """How the k micro-batches of each of `machines` machines (a 2-D mesh's dim 0) split each
-    tensor: data parallel over k x machines parts. Shard(d): split along d; R: computed once per
-    step on each machine (depends on parameters only, or on a join); P: summed.
+def microbatch_split(graph: Graph, k: int, batch_dim: int = 0, dp: int = 1) -> Strategy:
+    """How the k micro-batches of each of `dp` data-parallel parts (a 2-D mesh's dp axis,
+    hidup.strategy.Strategy.parts) split each tensor: data parallel over k x dp parts. Shard(d):
+    split along d; R: computed once per step in each part (depends on parameters only, or on a
+    join); P: summed.
 
     First with no conversion at all, so that every op runs on each micro-batch. Where some op
     cannot (a sort over the whole batch, BatchNorm's statistics over it), with joins: the
     micro-batches' parts of a tensor concatenated (all_gather) or summed (all_reduce) into one
     value of the whole batch, computed once per step, and sliced back for the ops after it."""
     seeds = {n.name: Shard(batch_dim) for n in graph.user_inputs}
-    parts = k * machines
-    what = f"{k} micro-batches" + (f" on each of {machines} machines" if machines > 1 else "")
+    parts = k * dp
+    what = f"{k} micro-batches" + (f" on each of {dp} data-parallel parts" if dp > 1 else "")
     for n in graph.user_inputs:
         if n.out.shape[batch_dim] % parts:
             raise ValueError(f"input {n.name}: batch of {n.out.shape[batch_dim]} (dim {batch_dim} of "
