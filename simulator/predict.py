@@ -103,7 +103,7 @@ def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | Non
             k: int = DUPLEX_K, options: SimOptions = SimOptions(), mesh: Mesh | None = None
             ) -> Prediction:
     """A zoo model captured, one strategy (a fixed one's name, of a 2-D `mesh` for
-    dp-megatron, fsdp+tp, tp+ep..., or a plan file) lowered for k=1 and for k
+    hsdp, dp-megatron, fsdp+tp, tp+ep..., or a plan file) lowered for k=1 and for k
     micro-batches, and both simulated."""
     spec, profile, batch, graph = _setup(model, cluster, gpus, batch)
     profile.check_world(gpus)

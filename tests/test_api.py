@@ -101,12 +101,13 @@ def test_own_model_with_adamw_trains_as_on_one_device(world):
 
 
 def _plan_named(how: str, model, world: int):
-    """A searched plan, a 2-D one (dp-megatron, fsdp+tp: 2 machines; turned-NAME: the mesh
-    turned around; flat-fsdp: dp-megatron whose second half of ops runs fsdp over every rank,
-    its parameters stored sharded over all of them), or a fixed strategy's name."""
+    """A searched plan, a 2-D one (dp-megatron, fsdp+tp, hsdp: 2 machines; turned-NAME: data
+    parallel over each machine's GPUs instead; flat-fsdp: dp-megatron whose second half of ops
+    runs fsdp over every rank, its parameters stored sharded over all of them), or a fixed
+    strategy's name."""
     if how == "flat-fsdp":
         return _flat_fsdp(model, world)
-    if how.removeprefix("turned-") in ("dp-megatron", "fsdp+tp"):
+    if how.removeprefix("turned-") in ("dp-megatron", "fsdp+tp", "hsdp"):
         from dataclasses import replace
 
         from hidup.api import Plan
@@ -209,7 +210,7 @@ def _resume(rank, world, folder, steps, how):
     ("dp-megatron", 4, "megatron", 2), ("ddp", 2, "dp-megatron", 4), ("fsdp", 2, "megatron", 4),
     ("fsdp+tp", 4, "ddp", 2), ("fsdp", 2, "fsdp+tp", 4), ("turned-fsdp+tp", 4, "fsdp+tp", 4),
     ("fsdp", 2, "turned-fsdp+tp", 4), ("flat-fsdp", 4, "megatron", 2),
-    ("fsdp", 2, "flat-fsdp", 4)])
+    ("fsdp", 2, "flat-fsdp", 4), ("hsdp", 4, "fsdp", 2)])
 def test_checkpoint_resumes_under_another_plan_and_world_size(tmp_path, saved, world_saved,
                                                               resumed, world_resumed):
     want_losses, want_weights = eager()

@@ -218,6 +218,8 @@ MESH_CASES = [("gpt:tiny", "dp-megatron", 1), ("gpt:tiny", "dp-megatron", 2),
 MESH_CASES += [("gpt:tiny", "fsdp+tp", 1), ("gpt:tiny", "fsdp+tp", 2),
                ("bert-sgmoe:tiny", "fsdp+tp", 2), ("gpt:tiny", "fsdp+tp+recompute", 2),
                ("gpt:tiny", "fsdp+tp+selective", 2), ("llama:tiny", "fsdp+tp", 2)]
+# FSDP inside each machine, replicated across the machines (hybrid sharding)
+MESH_CASES += [("gpt:tiny", "hsdp", 1), ("llama:tiny", "hsdp", 2)]
 MESH_CASES += [(m, f"random-{seed}", 1 + seed % 2) for m in ("gpt:tiny", "bert-sgmoe:tiny")
                for seed in range(4)]
 # ops over every rank (flat) beside ops over a machine's ranks: tp+ep (experts over every GPU,

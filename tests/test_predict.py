@@ -145,8 +145,8 @@ def test_default_run_compares_the_searched_plan_with_the_baselines(capsys):
     out = json.loads(capsys.readouterr().out)
     assert (out["model"], out["cluster"], out["gpus"]) == ("bert-sgmoe:paper", "v100-2x4", 8)
     names = [p["strategy"] for p in out["plans"]]
-    assert names == ["hidup", "ddp", "fsdp", "megatron", "megatron-sp", "expert", "dp-megatron",
-                     "dp-expert", "fsdp+tp", "tp+ep"]  # on a 2 x 4 mesh
+    assert names == ["hidup", "ddp", "fsdp", "megatron", "megatron-sp", "expert", "hsdp",
+                     "dp-megatron", "dp-expert", "fsdp+tp", "tp+ep"]  # on a 2 x 4 mesh
     best = {p["strategy"]: min(p[run]["step_time_ms"] for run in ("spmd", "duplex")
                                if p[run]["fits"]) for p in out["plans"]}
     assert out["chosen"]["strategy"] == min(best, key=best.get)

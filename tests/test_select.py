@@ -51,16 +51,26 @@ def test_the_choice_is_the_fastest_plan_that_fits_by_the_estimate():
     assert plain.k == 1 and plain.step_time == min(r.step_time for r in plain.ranked if r.k == 1)
     ddp = select_plan(graph, profile, Goal(2, strategy="ddp"))
     assert ddp.strategy.name == "ddp" and ddp.search is None
+    # below what the parameters and AdamW's two states take sharded over both GPUs: refused
+    # before any search, with the GPU count that would hold them
+    state = 3 * sum(p.out.nbytes for p in graph.params)  # (float32: 4 bytes each)
+    with pytest.raises(ValueError, match=rf"the model's parameters and adamw's state take "
+                                         rf"{state / 2**10:.3g} KiB, {state / 2**11:.3g} KiB per "
+                                         rf"GPU even sharded over all 2, over a device's 1000 "
+                                         rf"bytes; give at least {-(-state // 1000)} GPUs or more "
+                                         rf"memory, or an optimizer with less state"):
+        select_plan(graph, profile, Goal(2, memory=1000.0))
+    # above that bound but below what any plan holds beside it (activations, gathered weights)
     with pytest.raises(ValueError, match=r"no plan with 1 or 2 micro-batches lowers and fits a "
                                          r"device's .* GiB on 2 GPUs \(.*\); give more GPUs or "
                                          r"memory"):
-        select_plan(graph, profile, Goal(2, memory=1000.0))
+        select_plan(graph, profile, Goal(2, memory=0.51 * state))
     batch = graph.user_inputs[0].out.shape[0]  # over GPUs it does not split into: not "more"
     assert batch % 3
     with pytest.raises(ValueError, match=rf"give more memory, fewer GPUs or a batch that 3 "
                                          rf"divides \(more GPUs do not help: the batch of "
                                          rf"{batch} does not split over 3"):
-        select_plan(graph, profile, Goal(3, memory=1000.0))
+        select_plan(graph, profile, Goal(3, memory=0.34 * state))
     with pytest.raises(ValueError, match=r"strategy='fsdp2': give 'search' or one of"):
         select_plan(graph, profile, Goal(2, strategy="fsdp2"))
 

@@ -12,6 +12,8 @@ with k, held to a device's memory and ranked by the planner's estimate of the st
 chosen: a searched plan (named 'hidup') or a fixed strategy that no searched plan beat."""
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field, replace
 
 from hidup.graph.capture import Graph
@@ -20,7 +22,7 @@ from hidup.planning.costs import Profile
 from hidup.planning.programme import SearchOptions
 from hidup.planning.ranking import Ranked, rank_plans
 from hidup.planning.search import SearchResult, search
-from hidup.program import HOST_MODES
+from hidup.program import HOST_MODES, optimizer_cost
 from hidup.strategy import (ACROSS, FIXED, Mesh, Strategy, fixed_strategies, fixed_strategy,
                             microbatch_split, parse_recompute, recomputing, selective_part)
 
@@ -86,6 +88,7 @@ def select_plan(graph: Graph, profile: Profile, goal: Goal) -> Selection:
     """The plan to run for `goal` on `profile` (a ValueError says why there is none)."""
     goal, profile, k, notes = _settle(graph, profile, goal)
     graph = run_dtypes(graph, goal.precision, profile.device)
+    _check_state_fits(graph, goal, profile.device_memory)
     recompute = None if goal.recompute == "auto" else parse_recompute(goal.recompute, graph)
     selective = selective_part(goal.recompute)[0]
     mesh = Mesh.of_machines(*goal.mesh)
@@ -199,6 +202,33 @@ def _check_splits(graph: Graph, gpus: int, machines: int) -> None:
                      f"ranks needs a dimension of n or more; the largest is {largest}, the batch "
                      f"{batch}), so each GPU would run the whole step; give at most {largest} "
                      f"GPUs, or a larger batch")
+
+
+def _check_state_fits(graph: Graph, goal: Goal, memory: float | None) -> None:
+    """Refuse, before any search, a device that cannot hold the model's parameters and its
+    optimizer's state even sharded evenly over every GPU: no plan holds less (each element is
+    kept on some rank, with its state), whatever it does with the rest."""
+    if memory is None:
+        return
+    states = optimizer_cost(goal.optimizer).states
+    params = sum(p.out.nbytes for p in graph.params)
+    total = params * (1 + states)
+    if total / goal.gpus <= memory:
+        return
+    state = f" and {goal.optimizer}'s state" if states else ""
+    raise ValueError(f"the model's parameters{state} take {_size(total)}, "
+                     f"{_size(total / goal.gpus)} per GPU even sharded over all {goal.gpus}, "
+                     f"over a device's {_size(memory)}; give at least "
+                     f"{math.ceil(total / memory)} GPUs or more memory"
+                     f"{', or an optimizer with less state (sgd keeps none)' if states else ''}")
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in the unit that reads best: '3.2 GiB', '118 KiB', '1000 bytes'."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} bytes"
 
 
 def _batch(graph: Graph) -> int:

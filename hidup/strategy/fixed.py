@@ -173,9 +173,10 @@ FIXED = {"ddp": data_parallel, "fsdp": fully_sharded, "megatron": megatron,
 TENSOR_PARALLEL = ("megatron", "megatron-sp")
 # on a 2-D mesh: the strategy inside each machine, data parallel across the machines (fsdp+tp:
 # with every parameter that can be stored sharded across the machines and sequence parallelism
-# inside, as torchtitan's 2-D FSDP + tensor parallelism)
-ACROSS = {"dp-megatron": "megatron", "dp-expert": "expert", "fsdp+tp": "megatron-sp",
-          "tp+ep": "megatron"}
+# inside, as torchtitan's 2-D FSDP + tensor parallelism; hsdp: FSDP inside each machine,
+# replicated across them, as fully_shard on a 2-D DeviceMesh runs hybrid sharding)
+ACROSS = {"hsdp": "fsdp", "dp-megatron": "megatron", "dp-expert": "expert",
+          "fsdp+tp": "megatron-sp", "tp+ep": "megatron"}
 
 
 def tensor_and_expert(graph: Graph, mesh: Mesh) -> Strategy:
@@ -231,8 +232,7 @@ def fixed_strategy(name: str, graph: Graph, world: int, mesh: Mesh | None = None
     inner = world // machines
     strategy = FIXED[ACROSS[name]](graph, inner)
     strategy = _as_named(name, graph, strategy, inner, machines)
-    strategy = Strategy(name, strategy.placements, strategy.options, strategy.notes, mesh,
-                        "machines")
+    strategy = replace(strategy, name=name, mesh=mesh, dp="machines")
     return stored_across(graph, strategy, inner) if name == "fsdp+tp" else strategy
 
 
