@@ -20,6 +20,7 @@ from hidup.planning.estimate import estimate
 from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import save_plan
 from hidup.planning.profile_file import load_profile
+from hidup.planning.ranking import ranked_as
 from hidup.planning.select import DUPLEX_K, Goal, select_plan
 from hidup.strategy import describe, mesh_option
 from hidup.program import MODES, OPTIMIZERS, LoweringError, lower
@@ -99,7 +100,8 @@ def plan(args) -> dict:
     rows = {}
     for i, (name, s) in enumerate(chosen.candidates.items()):
         progress("pricing the plans for the table: plan", i + 1, len(chosen.candidates))
-        rows[name] = _times(typed, s, args.gpus, k, chosen.profile, args.optimizer, args.mode)
+        rows[name] = _times(typed, s, args.gpus, k, chosen.profile, args.optimizer, args.mode,
+                            chosen.ranked)
     rows[chosen.strategy.name]["chosen_k"] = chosen.k
     limit = chosen.profile.device_memory
     machines, per = chosen.goal.mesh
@@ -123,9 +125,15 @@ def plan(args) -> dict:
             "strategy": chosen.strategy, "graph": graph}
 
 
-def _times(graph, strategy, world, k, profile, optimizer: str, mode: str) -> dict:
+def _times(graph, strategy, world, k, profile, optimizer: str, mode: str, ranked=()) -> dict:
+    """The plan's estimated step (ms) and peak memory (GiB) with one micro-batch and with k:
+    as the ranking priced it where it lowered it whole, else lowered here."""
     out = {}
     for kk in (1, k):
+        seen = ranked_as(ranked, strategy, kk)
+        if seen is not None:
+            out[f"k{kk}_ms"], out[f"k{kk}_gib"] = seen.step_time * 1e3, seen.peak / 2**30
+            continue
         try:
             program = lower(graph, strategy, world, kk, optimizer=optimizer)
         except (LoweringError, ValueError) as exc:

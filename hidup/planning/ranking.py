@@ -52,6 +52,15 @@ class Ranked(NamedTuple):
     estimate: Estimate
     k: int
     extrapolated: bool = False  # priced from short copies of the model (Ranking.confirm)
+    peak: float = math.nan  # the memory model's peak per device (bytes), as priced
+
+
+def ranked_as(ranked, strategy: Strategy, k: int) -> Ranked | None:
+    """The entry of `ranked` for this very plan with k micro-batches, lowered whole (not
+    extrapolated), if there is one: its figures are what lowering it again would give."""
+    key = _plan_key(strategy)
+    return next((r for r in ranked if r.k == k and not r.extrapolated
+                 and _plan_key(r.strategy) == key), None)
 
 
 DEFERRED = "deferred"  # Ranking.add's word for a plan over the limit kept to be recomputed
@@ -208,7 +217,7 @@ class Ranking:
         step time."""
         est = priced.estimate
         self.ranked.append(Ranked(est.step_time, name, strategy, dp_cost, est, kk,
-                                  priced.extrapolated))
+                                  priced.extrapolated, priced.memory.peak))
         self.estimated[_plan_key(strategy), kk] = est.step_time
         return est.step_time
 
