@@ -135,6 +135,20 @@ def test_more_families_plans_split_their_ops():
     assert sum(n.op == "hidup.tokens" for n in graph.ops) == 2
 
 
+def test_a_histogram_over_as_many_experts_as_rows_is_no_row_count():
+    """Qwen3-MoE's routers count each expert's rows with a histogram of 128 bins, its expert
+    count; the tiny batch has 128 tokens too. Its bins are a weight's dim, not a row count: each
+    router is one per-token region (run on part of the rows, the histogram keeps its 128 bins),
+    whose experts expert parallelism splits."""
+    graph = capture(build("qwen3_moe"), batch("qwen3_moe"))
+    regions = [n for n in graph.ops if n.op == "hidup.tokens"]
+    assert len(regions) == 2
+    [region] = {repr(n.args[0]) for n in regions}  # the two layers' regions alike
+    assert "aten.histc.default[128]" in region
+    expert = fixed_strategy("expert", graph, 2)
+    assert all(str(expert.options[n.name]).endswith("S(0), S(0)) -> P(sum)") for n in regions)
+
+
 def test_tied_weights_train_as_one_tensor():
     """GPT-2 ties its embedding and output weights: torch.export gives each name a placeholder
     but uses one. After a step, both names hold the trained value, which eager SGD gives."""

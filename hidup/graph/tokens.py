@@ -16,7 +16,9 @@ made, until one value alone is left for the ops after it: its output. It grows b
 integer values it reads (indices, expert ids), to the float values they are computed from, so
 that it can be run on random rows. Factories it alone reads (arange) join it: their sizes are the
 rows'. Run on part of the rows, each integer argument equal to a row count of its inputs (the
-rows, or the rows times the experts each token picks) is scaled with them.
+rows, or the rows times the experts each token picks) is scaled with them, unless it also equals
+a dim of a weight it reads (the experts' count as a histogram's bins, where the captured rows
+happen to be as many).
 
 What makes this safe is a check, not a list of models: the region is run once on random inputs
 of a few rows and once on their first half, and must give the first half of the rows alike, up
@@ -61,10 +63,18 @@ class Region:
         return in_shapes[i][0] / self.shapes[i][0]
 
     def scale(self, args, fraction: float):
-        """Integer arguments equal to a row count (the rows times m) scaled by `fraction`."""
-        counts = {self.rows * m for m in range(1, 65)}
+        """Integer arguments equal to a row count (the rows times m) scaled by `fraction`, but
+        those equal to a size of a whole input too: a weight's dim (the experts' count, as a
+        histogram's bins) that the captured rows happen to equal is no row count. (Where such an
+        argument is one after all, the region fails its check and stays as it was.)"""
+        counts = {self.rows * m for m in range(1, 65)} - self.model_sizes
         return pytree.tree_map(
             lambda a: round(a * fraction) if type(a) is int and a in counts else a, args)
+
+    @property
+    def model_sizes(self) -> set[int]:
+        """The dims of its whole (not row-wise) inputs: the weights'."""
+        return {d for s, r in zip(self.shapes, self.rowwise) if not r for d in s}
 
     def __call__(self, *tensors, run=None):
         """The region's output for these inputs (their rows a part of the captured ones).
