@@ -3,6 +3,7 @@ that runs on any part of the rows; a sort that really mixes rows is left as it w
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -85,3 +86,21 @@ def test_a_sort_that_mixes_rows_stays_as_it_was():
     assert not [n for n in graph.ops if n.op == TOKENS]
     assert any("sort" in n.op for n in graph.ops)
     assert microbatch_split(graph, 2).notes  # the micro-batches join before it
+
+
+def test_what_a_region_keeps_is_its_rows_share():
+    """What a router region keeps for its backward is made of the rows it computes: under data
+    parallelism a rank's share of them, however large the weights it reads whole (measured at
+    the captured shapes, it is scaled by the rows' share, not by all its inputs')."""
+    x = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(1))
+    graph = capture(SortedRouter(experts=4, dim=8), (x,))
+    [node] = [n for n in graph.ops if n.op == TOKENS]
+    region = node.args[0]
+    halves = [(s[0] // 2, *s[1:]) if r else s for s, r in zip(region.shapes, region.rowwise)]
+    assert region.share(halves) == 0.5 and region.share(region.shapes) == 1.0
+    from hidup.program.lowering import Lowering
+    lowering = Lowering(graph, fixed_strategy("ddp", graph, 2), 2, 1, "router")
+    weights = sum(math.prod(s) for s, r in zip(region.shapes, region.rowwise) if not r)
+    rows = sum(math.prod(s) for s, r in zip(region.shapes, region.rowwise) if r)
+    assert weights > 0 and lowering.local_share(node, 1000, halves) == 500  # not
+    assert 1000 * (weights + rows / 2) // (weights + rows) > 500  # what all inputs would give

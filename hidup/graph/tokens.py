@@ -62,6 +62,14 @@ class Region:
         i = self.rowwise.index(True)
         return in_shapes[i][0] / self.shapes[i][0]
 
+    def share(self, in_shapes) -> float:
+        """The part of its captured work that inputs of these shapes make: its rows' part, and
+        where the experts' weights are split, the part of the experts (each rank computes its
+        experts' rows only)."""
+        experts = [shape[0] / s[0] for shape, s, e in zip(in_shapes, self.shapes, self.experts)
+                   if e]
+        return self.fraction(in_shapes) * min(experts, default=1.0)
+
     def scale(self, args, fraction: float):
         """Integer arguments equal to a row count (the rows times m) scaled by `fraction`, but
         those equal to a size of a whole input too: a weight's dim (the experts' count, as a

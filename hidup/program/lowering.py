@@ -23,6 +23,7 @@ from hidup.graph.flops import backward_flops, forward_flops
 from hidup.graph.placement import (Partial, Placement, R, Replicate, Shard, flat, is_flat,
                                    plain, plain_option)
 from hidup.graph.saved import backward_saves
+from hidup.graph.tokens import TOKENS
 
 from hidup.strategy import Mesh, Strategy, microbatch_split
 from hidup.program.buckets import GradientBuckets
@@ -290,9 +291,13 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
         return self.local_share(node, backward_saves(self.g, node).scratch[backward], ins)
 
     def local_share(self, node, nbytes: int, ins) -> int:
-        """`nbytes` measured at the node's whole shapes, scaled by its inputs' local share."""
+        """`nbytes` measured at the node's whole shapes, scaled by its inputs' local share; a
+        per-token region's by its rows' and experts' share (what it keeps is made of the rows
+        it computes, however large the weights it reads whole: Region.share)."""
         if not nbytes:
             return 0
+        if node.op == TOKENS:
+            return int(nbytes * node.args[0].share(ins))
         whole = sum(m.numel for m in node.in_metas(self.g))
         return nbytes * sum(map(math.prod, ins)) // max(1, whole)
 
