@@ -20,7 +20,7 @@ from hidup.planning.estimate import estimate
 from hidup.planning.memory import peak_memory
 from hidup.planning.planfile import save_plan
 from hidup.planning.profile_file import load_profile
-from hidup.planning.ranking import ranked_as
+from hidup.planning.ranking import lowered_whole, plan_key
 from hidup.planning.select import DUPLEX_K, Goal, select_plan
 from hidup.strategy import describe, mesh_option
 from hidup.program import MODES, OPTIMIZERS, LoweringError, lower
@@ -97,11 +97,11 @@ def plan(args) -> dict:
     chosen = select_plan(graph, profile, goal)
     found, k = chosen.search, chosen.duplex_k
     typed = run_dtypes(graph, chosen.goal.precision, chosen.profile.device)
-    rows = {}
+    rows, whole = {}, lowered_whole(chosen.ranked)
     for i, (name, s) in enumerate(chosen.candidates.items()):
         progress("pricing the plans for the table: plan", i + 1, len(chosen.candidates))
         rows[name] = _times(typed, s, args.gpus, k, chosen.profile, args.optimizer, args.mode,
-                            chosen.ranked)
+                            whole)
     rows[chosen.strategy.name]["chosen_k"] = chosen.k
     limit = chosen.profile.device_memory
     machines, per = chosen.goal.mesh
@@ -125,12 +125,13 @@ def plan(args) -> dict:
             "strategy": chosen.strategy, "graph": graph}
 
 
-def _times(graph, strategy, world, k, profile, optimizer: str, mode: str, ranked=()) -> dict:
+def _times(graph, strategy, world, k, profile, optimizer: str, mode: str, whole) -> dict:
     """The plan's estimated step (ms) and peak memory (GiB) with one micro-batch and with k:
-    as the ranking priced it where it lowered it whole, else lowered here."""
-    out = {}
+    as the ranking priced it where it lowered it whole (`whole`: ranking.lowered_whole), else
+    lowered here."""
+    out, key = {}, plan_key(strategy)
     for kk in (1, k):
-        seen = ranked_as(ranked, strategy, kk)
+        seen = whole.get((key, kk))
         if seen is not None:
             out[f"k{kk}_ms"], out[f"k{kk}_gib"] = seen.step_time * 1e3, seen.peak / 2**30
             continue

@@ -178,6 +178,11 @@ def test_plan_files_record_the_mesh(tiny_graphs, tmp_path):
     path.write_text(json.dumps(doc))
     with pytest.raises(PlanError, match="no axis 'tp'; its axes are .*make the plan again"):
         load_plan(path, graph, 4)
+    doc["dp"], doc["axes"] = "x", ["x", "y"]  # the plans' axes go by the cluster's names
+    path.write_text(json.dumps(doc))
+    with pytest.raises(PlanError, match=r"axes \['x', 'y'\] are not \['machines', 'gpus'\]; "
+                                        r"make the plan again"):
+        load_plan(path, graph, 4)
     doc = json.loads(path.read_text())
     doc["mesh"] = [3, 2]
     path.write_text(json.dumps(doc))

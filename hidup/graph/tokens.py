@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 from torch.utils import _pytree as pytree
@@ -75,14 +76,16 @@ class Region:
         those equal to a size of a whole input too: a weight's dim (the experts' count, as a
         histogram's bins) that the captured rows happen to equal is no row count. (Where such an
         argument is one after all, the region fails its check and stays as it was.)"""
-        counts = {self.rows * m for m in range(1, 65)} - self.model_sizes
+        counts = self.row_counts
         return pytree.tree_map(
             lambda a: round(a * fraction) if type(a) is int and a in counts else a, args)
 
-    @property
-    def model_sizes(self) -> set[int]:
-        """The dims of its whole (not row-wise) inputs: the weights'."""
-        return {d for s, r in zip(self.shapes, self.rowwise) if not r for d in s}
+    @cached_property
+    def row_counts(self) -> frozenset[int]:
+        """The integers `scale` takes for row counts: the rows times 1..64, but the dims of its
+        whole (not row-wise) inputs, the weights'."""
+        weights = {d for s, r in zip(self.shapes, self.rowwise) if not r for d in s}
+        return frozenset(self.rows * m for m in range(1, 65)) - weights
 
     def __call__(self, *tensors, run=None):
         """The region's output for these inputs (their rows a part of the captured ones).

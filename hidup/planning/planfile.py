@@ -224,17 +224,19 @@ def _mesh(path, doc: dict, world: int) -> tuple[Mesh | None, str | None]:
     """The plan's mesh and data-parallel axis: its mesh [world] (1-D: none) or [MACHINES,
     GPUS_PER_MACHINE] with its axes' names and the one it is data parallel over."""
     mesh, dp = doc.get("mesh", [world]), doc.get("dp")
-    axes = doc.get("axes", list(AXES[-len(mesh):]) if isinstance(mesh, list) else None)
     try:
         if not (isinstance(mesh, list) and len(mesh) in (1, 2) and
                 all(isinstance(n, int) and n > 0 for n in mesh) and math.prod(mesh) == world):
             raise ValueError(f"mesh {mesh!r} is not [{world}] or [MACHINES, GPUS_PER_MACHINE] "
                              f"of {world} GPUs")
+        axes = doc.get("axes", list(AXES[-len(mesh):]))
+        if axes != list(AXES[-len(mesh):]):  # the names the plans' axes go by
+            raise ValueError(f"axes {axes!r} are not {list(AXES[-len(mesh):])}")
         if len(mesh) == 1:
             if dp is not None:
                 raise ValueError(f"dp {dp!r} on a 1-D mesh")
             return None, None
-        grid = Mesh(tuple(mesh), tuple(axes))
+        grid = Mesh(tuple(mesh))
         Strategy("check", {}, {}, mesh=grid, dp=dp)  # dp one of its axes, of 2 or more ranks
         return grid, dp
     except (TypeError, ValueError) as exc:

@@ -55,19 +55,22 @@ class Ranked(NamedTuple):
     peak: float = math.nan  # the memory model's peak per device (bytes), as priced
 
 
-def ranked_as(ranked, strategy: Strategy, k: int) -> Ranked | None:
-    """The entry of `ranked` for this very plan with k micro-batches, lowered whole (not
-    extrapolated), if there is one: its figures are what lowering it again would give."""
-    key = _plan_key(strategy)
-    return next((r for r in ranked if r.k == k and not r.extrapolated
-                 and _plan_key(r.strategy) == key), None)
+def lowered_whole(ranked) -> dict[tuple, Ranked]:
+    """The entries of `ranked` lowered whole (not extrapolated), by (plan_key(strategy), k):
+    their figures are what lowering the plan again would give."""
+    out: dict[tuple, Ranked] = {}
+    for r in ranked:
+        if not r.extrapolated:
+            out.setdefault((plan_key(r.strategy), r.k), r)
+    return out
 
 
 DEFERRED = "deferred"  # Ranking.add's word for a plan over the limit kept to be recomputed
 
 
 
-def _plan_key(strategy: Strategy) -> tuple:
+def plan_key(strategy: Strategy) -> tuple:
+    """What makes two plans the same plan (all of it but its name and notes)."""
     return (strategy.mesh, strategy.dp, tuple(strategy.placements.items()),
             tuple(strategy.options.items()), tuple(sorted(strategy.reshard)),
             tuple(sorted(strategy.across.items())), tuple(sorted(strategy.recompute)),
@@ -115,7 +118,7 @@ class Ranking:
                          "ranked", tag, j, cost(label), BEHIND)
                 break  # finals come cheapest first: so are the rest
             strategy = dp.strategy(label, "hidup" if dp.objective == "time" else "min-comm")
-            plan = _plan_key(strategy)
+            plan = plan_key(strategy)
             if plan in mine:
                 continue  # the same plan reached through another state
             mine.append(plan)
@@ -166,7 +169,7 @@ class Ranking:
         if self.options.recompute is not None:
             strategy = recomputing(self.graph, strategy, self.options.recompute,
                                    self.options.selective)
-        tried = self.seen.setdefault(_plan_key(strategy), {}) if seen else {}
+        tried = self.seen.setdefault(plan_key(strategy), {}) if seen else {}
         counts = counts or sorted({1, self.options.k})
         for kk in counts:
             if kk in tried:
@@ -218,7 +221,7 @@ class Ranking:
         est = priced.estimate
         self.ranked.append(Ranked(est.step_time, name, strategy, dp_cost, est, kk,
                                   priced.extrapolated, priced.memory.peak))
-        self.estimated[_plan_key(strategy), kk] = est.step_time
+        self.estimated[plan_key(strategy), kk] = est.step_time
         return est.step_time
 
     def confirm(self) -> None:
@@ -266,7 +269,7 @@ class Ranking:
         names = layers(self.graph)
         for strategy, name in self.hand:
             for kk in sorted({1, self.options.k}):
-                if self.estimated.get((_plan_key(strategy), kk), math.inf) >= self.fastest:
+                if self.estimated.get((plan_key(strategy), kk), math.inf) >= self.fastest:
                     continue
                 if self.add(recomputing(self.graph, strategy, names, True),
                             f"{name}+selective", math.nan, [kk])[kk] is True:
@@ -286,7 +289,7 @@ class Ranking:
                 not layers(self.graph) or memory.params + memory.optimizer > self.memory:
             return False
         bound = priced.estimate.step_time
-        self.estimated[_plan_key(strategy), kk] = bound
+        self.estimated[plan_key(strategy), kk] = bound
         self.deferred.append((bound, len(self.deferred), strategy, name, dp_cost, kk,
                               memory.peak))
         return True
@@ -341,7 +344,7 @@ class Ranking:
             if self.add(plan, name, dp_cost, [kk])[kk]:
                 return True
         self.rank(priced, every, name, dp_cost, kk)  # every layer (priced above): it fits
-        self.seen.setdefault(_plan_key(every), {})[kk] = True
+        self.seen.setdefault(plan_key(every), {})[kk] = True
         return True
 
 

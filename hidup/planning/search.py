@@ -142,7 +142,8 @@ def _rank_finals(ranking: Ranking, runs, least: float, proofs: list | None) -> N
     timed = options.objective == "time"
     # the programme priced best first, so that the fastest ranked is known early (HOPELESS)
     for axis, dp, finals in sorted(runs, key=lambda run: run[2][0].best):
-        mesh_tag = "" if axis is None else "-2d" if axis == dp.options.mesh.names[0] else "-2dt"
+        over_gpus = axis == "gpus"  # the placements across the machines (no integer programme)
+        mesh_tag = "-2dt" if over_gpus else "-2d" if axis else ""
         if timed and far_behind(finals[0].best, least):  # its plan best either way only
             # (finals are in that order)
             ranking.finals(dp, finals, _BEST, 1, "search" + mesh_tag, sorted({1, dp.k}))
@@ -150,7 +151,7 @@ def _rank_finals(ranking: Ranking, runs, least: float, proofs: list | None) -> N
             # one: the `keep` best either way are among them
             for by, tag, at in _orders(dp.k, options.objective):
                 ranking.finals(dp, sorted(finals, key=by), by, options.keep, tag + mesh_tag, at)
-        if options.exact > 0 and timed and mesh_tag != "-2dt" and proofs is not None:
+        if options.exact > 0 and timed and not over_gpus and proofs is not None:
             proof = exact_plan(dp.plain, "hidup", options.exact)
             beam_cost = min(label.plain for label in finals)
             proofs.append((dp.dp_parts, proof.cost, proof.bound, proof.optimal, beam_cost))
