@@ -33,6 +33,12 @@ def test_a_mesh_numbers_its_ranks_row_major_as_device_mesh():
     assert mesh.groups("gpus") == ((0, 1, 2, 3), (4, 5, 6, 7))  # a machine's GPUs
     assert mesh.groups("machines") == ((0, 4), (1, 5), (2, 6), (3, 7))  # one GPU of each
     assert [mesh.coords(r) for r in (0, 1, 4, 7)] == [(0, 0), (0, 1), (1, 0), (1, 3)]
+    # along several axes: the ranks that differ only there; along all of them, the world
+    assert mesh.groups(("machines", "gpus")) == (tuple(range(8)),) and mesh.size(mesh.names) == 8
+    assert mesh.groups(()) == tuple((r,) for r in range(8)) and mesh.size(()) == 1
+    cube = Mesh((2, 2, 2), ("machines", "fsdp", "tp"))
+    assert cube.groups(("machines", "tp")) == ((0, 1, 4, 5), (2, 3, 6, 7))
+    assert cube.group("fsdp", 5) == (5, 7) and cube.size(("fsdp", "tp")) == 4
     assert all(mesh.rank(mesh.coords(r)) == r for r in range(8))
     # a plan's rows and columns, and a rank's (part, place), data parallel over either axis
     assert mesh.rows("machines") == mesh.groups("gpus")
@@ -68,9 +74,11 @@ def test_conversions_run_inside_machines_and_gradients_across(tiny_graphs):
     assert program.mesh == TWO and program.dp == "machines" and program.world == 4
     assert (program.parts, program.row) == (2, 2)
     fwd = [t for t in program.collectives if t.phase == "fwd" and t.tensor != graph.loss]
-    assert fwd and all(t.groups == ROWS and t.group == ROWS[0] for t in fwd)
+    assert fwd and all(t.groups == ROWS and t.group == ROWS[0] and t.axes == ("gpus",)
+                       for t in fwd)
     grads = [t for t in program.collectives if t.inputs[0].startswith("d") and t.mb is None]
     kinds = {t.outputs[0].removeprefix("grad:"): t.groups for t in grads}
+    assert {t.axes for t in grads} == {("machines",), ("machines", "gpus")}  # columns, world
     assert set(kinds) == {p.name for p in graph.params}  # every gradient summed across machines
     for p in graph.params:  # a Partial sum inside a machine (a consumer reads it replicated
         partial = any(  # and makes a split output) over the world; else over its column
@@ -98,7 +106,8 @@ def test_the_mesh_turned_around_splits_across_machines_and_sums_inside(tiny_grap
     program = lower(graph, turned, 4, k=2, bucket_bytes=0)
     assert program.dp == "gpus" and program.position(1) == (1, 0)
     fwd = [t for t in program.collectives if t.phase == "fwd" and t.tensor != graph.loss]
-    assert fwd and all(t.groups == COLUMNS and t.group == COLUMNS[0] for t in fwd)
+    assert fwd and all(t.groups == COLUMNS and t.group == COLUMNS[0] and t.axes == ("machines",)
+                       for t in fwd)
     grads = {t.groups for t in program.collectives
              if t.inputs[0].startswith("d") and t.mb is None}
     assert grads == {(), ROWS}  # summed over a machine's GPUs (or the world, where Partial)

@@ -25,7 +25,6 @@ import math
 
 from hidup.graph.connected import connected
 from hidup.graph.flops import library_op
-from hidup.graph.placement import is_flat
 from hidup.planning.costs import kernel_key
 from hidup.program.recompute import dropped
 from hidup.program.tasks import Compute, Convert, Program
@@ -46,7 +45,7 @@ def kernel_times(program: Program, profile, mode: str = "graph") -> dict[int, fl
             times[group[-1].id] = profile.kernel_time(flops, _group_bytes(group, program))
     for t in program.tasks:  # all-reduces inside a kernel (Compute.reduces) hold its stream
         if isinstance(t, Compute) and t.reduces and t.id not in gone:
-            group = program.group(0, is_flat(t.option.output))
+            group = program.group(0, program.op_axes(t.option))
             times[t.id] += sum(profile.collective_time("all_reduce", b, group) for b in t.reduces)
     return times
 

@@ -36,8 +36,8 @@ def runs_under_cap(items: list, key, nbytes, cap: int) -> tuple[list[list], list
 
 class GradientBuckets:
     """Lowering's gradient reductions and update. It reads the Lowering's dp_parts, buckets,
-    bucket_bytes, flushed, final, scopes, optimizer, tasks, pending and waited, and calls its
-    home, gplace, groups, shape, nbytes, wait_for and add."""
+    bucket_bytes, flushed, final, mesh, column_axes, optimizer, tasks, pending and waited, and
+    calls its home, gplace, collective_axes, along, shape, nbytes, wait_for and add."""
 
     # -- storage across the machines (a 2-D mesh's dim 0) ---------------------------------------
     def gather_across(self) -> None:
@@ -50,7 +50,7 @@ class GradientBuckets:
             self.emit_bucket("all_gather", bucket, Shard(self.across[bucket[0]]), R, "fwd",
                              [stored_key(b, self.home(b), True) for b in bucket],
                              [vkey(b, self.home(b), None) for b in bucket],
-                             [self.stored_shape(b) for b in bucket], scope="column",
+                             [self.stored_shape(b) for b in bucket], axes=self.column_axes,
                              nbytes=sum(self.nbytes(b, self.home(b)) for b in bucket))
 
     def check_across(self) -> None:
@@ -90,42 +90,43 @@ class GradientBuckets:
             self.final[t] = key
             return
         self.final[t] = "grad:" + t
-        scope = "world" if partial else "across" if t in self.across else "column"
+        kind = "world" if partial else "across" if t in self.across else "column"
         # DDP's first bucket is small, so that communication starts early in the backward
-        cap = self.bucket_bytes if scope in self.flushed else \
+        cap = self.bucket_bytes if kind in self.flushed else \
             min(self.bucket_bytes, FIRST_BUCKET_BYTES)
-        one_dim = scope == "across"  # one dim per reduce-scatter bucket
-        closed, self.buckets[scope] = runs_under_cap(
-            self.buckets[scope] + [t], lambda p: self.across[p] if one_dim else None,
+        one_dim = kind == "across"  # one dim per reduce-scatter bucket
+        closed, self.buckets[kind] = runs_under_cap(
+            self.buckets[kind] + [t], lambda p: self.across[p] if one_dim else None,
             lambda p: self.nbytes(p, self.home(p), grad=True), cap)
         for names in closed:
-            self.flush_bucket(scope, names)
-        if not self.buckets[scope]:  # t's bucket reached the cap
-            self.flushed.add(scope)
+            self.flush_bucket(kind, names)
+        if not self.buckets[kind]:  # t's bucket reached the cap
+            self.flushed.add(kind)
 
-    def flush_bucket(self, scope: str, names: list[str]) -> None:
+    def flush_bucket(self, kind: str, names: list[str]) -> None:
         """One all-reduce for these gradients (flattened together, as DDP does)."""
         if not names:
             return
         homes = [self.home(p) for p in names]
-        if scope == "across":  # reduce-scattered over the column into the stored shards
+        if kind == "across":  # reduce-scattered over the column into the stored shards
             return self.emit_bucket("reduce_scatter", names, Partial(),
                                     Shard(self.across[names[0]]), "bwd",
                                     [gkey(p, h, None) for p, h in zip(names, homes)],
                                     ["grad:" + p for p in names],
                                     [self.shape(p, h) for p, h in zip(names, homes)],
-                                    scope="column",
+                                    axes=self.column_axes,
                                     nbytes=sum(self.nbytes(p, h, grad=True)
                                                for p, h in zip(names, homes)))
         for p, h in zip(names, homes):
             self.wait_for(gkey(p, h, None))
-        group, groups = self.scopes[scope]
+        axes = self.mesh.names if kind == "world" else self.column_axes
+        group, groups = self.along(axes)
         task = Convert(len(self.tasks), "all_reduce", names[0] if len(names) == 1 else
                        f"bucket({names[0]}..{names[-1]})", Partial(), R, "bwd", None,
                        self.shape(names[0], homes[0]),
                        sum(self.nbytes(p, h, grad=True) for p, h in zip(names, homes)), group,
                        tuple(gkey(p, h, None) for p, h in zip(names, homes)),
-                       tuple("grad:" + p for p in names), (), groups)
+                       tuple("grad:" + p for p in names), (), groups, axes=axes)
         self.add(task)
         for key in task.outputs:
             self.pending.setdefault(key, []).append(task.id)
@@ -221,20 +222,22 @@ class GradientBuckets:
 
     def emit_bucket(self, kind: str, names: list[str], src: Placement, dst: Placement,
                     phase: str, in_keys: list[str], out_keys: list[str], shapes,
-                    scope: str = "row", nbytes: int | None = None) -> None:
-        """One collective over the tensors `names` (one of them: a plain conversion) in the
-        scope's groups; `nbytes`: their whole size (default: each gathered on a machine)."""
+                    axes: tuple[str, ...] | None = None, nbytes: int | None = None) -> None:
+        """One collective over the tensors `names` (one of them: a plain conversion) along the
+        mesh's `axes` (default: emit_convert's); `nbytes`: their whole size (default: each
+        gathered on a machine)."""
         if nbytes is None:
             nbytes = sum(max(self.nbytes(t, self.whole(t)), self.nbytes(t, dst)) for t in names)
         if len(names) == 1:
             return self.emit_convert(kind, names[0], src, dst, phase, None, in_keys[0],
-                                     out_keys[0], shapes[0], nbytes, scope=scope)
+                                     out_keys[0], shapes[0], nbytes, axes=axes)
         for key in in_keys:
             self.wait_for(key)
-        group, groups = self.groups(scope, src, dst)
+        axes = self.collective_axes(axes, src, dst)
+        group, groups = self.along(axes)
         task = Convert(len(self.tasks), kind, f"bucket({names[0]}..{names[-1]})", src, dst,
                        phase, None, shapes[0], nbytes, group, tuple(in_keys), tuple(out_keys),
-                       (), groups, in_shapes=tuple(shapes))
+                       (), groups, in_shapes=tuple(shapes), axes=axes)
         self.add(task)
         for key in out_keys:
             self.pending.setdefault(key, []).append(task.id)
@@ -242,9 +245,9 @@ class GradientBuckets:
     def update(self) -> None:
         rest, self.scattered = self.scattered, []
         self.flush_scatter(rest)
-        for scope in self.buckets:
-            rest, self.buckets[scope] = self.buckets[scope], []
-            self.flush_bucket(scope, rest)
+        for kind in self.buckets:
+            rest, self.buckets[kind] = self.buckets[kind], []
+            self.flush_bucket(kind, rest)
         for key in self.final.values():
             self.wait_for(key)
         numel = sum(math.prod(self.stored_shape(p)) for p in self.final)

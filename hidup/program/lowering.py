@@ -66,13 +66,12 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
                                 f"({self.mbs_split.notes[0] if self.mbs_split.notes else 'a join'})"
                                 f", which a 2-D mesh's parts would have to join; use a 1-D "
                                 f"mesh (one machine) for it")
-        mesh = strategy.mesh or Mesh.line(world)
-        rows, columns = mesh.rows(strategy.dp), mesh.columns(strategy.dp)
-        # scope -> (rank 0's group, every group): a row, a column (one place in every row), or
-        # the whole world
-        self.scopes = {"row": (rows[0], rows if self.dp_parts > 1 else ()),
-                       "column": (columns[0], columns if self.world > 1 else ()),
-                       "world": (tuple(range(world)), ())}
+        self.mesh = strategy.mesh or Mesh.line(world)
+        # the mesh axes collectives run along: a row's (the axis the placements split over), a
+        # column's (the data-parallel axis: one place in every row), or every axis (the world)
+        self.row_axes = (self.mesh.split_axis(strategy.dp),)
+        self.column_axes = (strategy.dp,) if strategy.dp else ()
+        self._along: dict[tuple[str, ...], tuple] = {}
         shapes = Shapes(graph, self.mbs_split, self.world, self.parts, self.dp_parts)
         self.shape, self.nbytes, self.itemsize = shapes.shape, shapes.nbytes, shapes.itemsize
         #   (tensor, placement) -> local; tensor -> its run itemsize
@@ -186,21 +185,34 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
 
     # -- emitting tasks -----------------------------------------------------------------------
     def emit_convert(self, kind, t, src, dst, phase, m, in_key, out_key, shape, nbytes,
-                     root_only=False, scope: str = "row") -> None:
+                     root_only=False, axes: tuple[str, ...] | None = None) -> None:
+        """A conversion of one tensor; a collective runs along `axes` (default: a row's, or
+        every axis between flat placements)."""
         self.wait_for(in_key)  # its input complete: no collective still writing it
-        group, groups = self.groups(scope, src, dst) if kind in COLLECTIVES else ((), ())
+        axes = self.collective_axes(axes, src, dst) if kind in COLLECTIVES else ()
+        group, groups = self.along(axes) if axes else ((), ())
         task = Convert(len(self.tasks), kind, t, src, dst, phase, m, shape, nbytes, group,
-                       (in_key,), (out_key,), (out_key,) if root_only else (), groups)
+                       (in_key,), (out_key,), (out_key,) if root_only else (), groups,
+                       axes=axes)
         self.add(task)
         if task.collective:
             self.pending.setdefault(out_key, []).append(task.id)
 
-    def groups(self, scope: str, src: Placement, dst: Placement) -> tuple:
-        """(rank 0's group, every group) of a collective in `scope`; a row's between flat
-        placements runs over every rank."""
-        if scope == "row" and (is_flat(src) or is_flat(dst)):
-            scope = "world"
-        return self.scopes[scope]
+    def collective_axes(self, axes: tuple[str, ...] | None, src: Placement,
+                        dst: Placement) -> tuple[str, ...]:
+        """The axes a collective between src and dst runs along: `axes` where given, else a
+        row's, or every axis where src or dst is flat (over every rank)."""
+        if axes is not None:
+            return axes
+        return self.mesh.names if is_flat(src) or is_flat(dst) else self.row_axes
+
+    def along(self, axes: tuple[str, ...]) -> tuple:
+        """(rank 0's group, every group) of a collective along the mesh's `axes`; the groups
+        are () where one group holds every rank."""
+        if axes not in self._along:
+            groups = self.mesh.groups(axes)
+            self._along[axes] = groups[0], groups if len(groups) > 1 else ()
+        return self._along[axes]
 
     def wait_for(self, key: str) -> None:
         for cid in self.pending.get(key, []):
@@ -348,11 +360,12 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
             self.emit_convert("all_reduce", t, home, flat(R), "fwd", m, vkey(t, home, m),
                               vkey(t, flat(R), m), self.shape(t, home), self.nbytes(t, home))
             return vkey(t, flat(R), m)
-        scope = "row" if self.dp_parts == 1 else "world" if home != R else "column"
+        axes = self.row_axes if self.dp_parts == 1 else \
+            self.mesh.names if home != R else self.column_axes
         out = vkey(t, R, m) if home != R else f"{vkey(t, R, m)}+machines"
         self.emit_convert("all_reduce", t, home if home != R else Partial(), R, "fwd", m,
                           vkey(t, home, m), out, self.shape(t, home), self.nbytes(t, home),
-                          scope=scope)
+                          axes=axes)
         return out
 
     def backward(self) -> dict[str, str]:

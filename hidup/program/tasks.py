@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from hidup.graph.capture import Graph
-from hidup.graph.placement import Placement, Shard, ShardingOption, is_flat, plain
+from hidup.graph.placement import (Placement, Shard, ShardingOption, is_flat, option_is_flat,
+                                   plain)
 from hidup.strategy import Mesh, Strategy
 
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
@@ -134,7 +135,7 @@ class Convert:
     outputs: tuple[str, ...]
     root_only: tuple[str, ...] = ()
     # sub-groups: the world split into disjoint groups, each rank's collective runs in its own:
-    # on a 2-D mesh the groups along one of its axes (hidup.strategy.Mesh.groups: a machine's
+    # the mesh's groups along `axes` (hidup.strategy.Mesh.groups: on a 2-D mesh a machine's
     # ranks, or one GPU of every machine); () for a collective over the whole world
     groups: tuple[tuple[int, ...], ...] = ()
     # micro-batch conversions along a dim the ranks' placement does not split: the rank blocks
@@ -143,6 +144,9 @@ class Convert:
     # a bucket (several inputs, one collective over them flattened together): each input's
     # local shape; () for one tensor (its shape is `shape`)
     in_shapes: tuple[tuple[int, ...], ...] = ()
+    # a collective's: the axes of the Program's mesh it runs along (its groups are the mesh's
+    # groups along them, each rank's the DeviceMesh's group of those axes); () for a local one
+    axes: tuple[str, ...] = ()
 
     @property
     def collective(self) -> bool:
@@ -217,12 +221,19 @@ class Program:
         """A rank's (data-parallel part, place in its row): hidup.strategy.Mesh.position."""
         return self.grid.position(rank, self.dp)
 
-    def group(self, rank: int, flat: bool = False) -> tuple[int, ...]:
-        """The ranks that an op's placements split over, seen from `rank`: its row of the mesh,
-        or (`flat`) every rank."""
-        if flat:
-            return tuple(range(self.world))
-        return self.grid.group(self.grid.split_axis(self.dp), rank)
+    @property
+    def split_axes(self) -> tuple[str, ...]:
+        """The mesh axes its placements split tensors over (a row's)."""
+        return (self.grid.split_axis(self.dp),)
+
+    def op_axes(self, option: ShardingOption) -> tuple[str, ...]:
+        """The mesh axes an op run under `option` splits over: a row's, or every axis for a
+        flat option (over every rank)."""
+        return self.grid.names if option_is_flat(option) else self.split_axes
+
+    def group(self, rank: int, axes: tuple[str, ...] | None = None) -> tuple[int, ...]:
+        """The ranks along the mesh's `axes` (default: a row's) seen from `rank`."""
+        return self.grid.group(self.split_axes if axes is None else axes, rank)
 
     @property
     def collectives(self) -> list[Convert]:

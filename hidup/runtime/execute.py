@@ -58,13 +58,11 @@ class Executor:
         self.lr = torch.tensor(float(lr), device=self.device)
         names = {}  # calibration.ops stands collectives in locally, with no group
         if self.world > 1 and not local_collectives:
-            names = {tuple(range(self.world)): (group or dist.group.WORLD).group_name}
-            if program.mesh:  # this rank's row and column, from the mesh
+            names = {program.grid.names: (group or dist.group.WORLD).group_name}
+            if program.mesh:  # this rank's group along each axis, the DeviceMesh's
                 mesh = device_mesh(self.device, program.mesh)
-                for made in (mesh.get_group(n) for n in program.mesh.names):
-                    ranks = tuple(dist.get_process_group_ranks(made))
-                    if len(ranks) > 1:
-                        names[ranks] = made.group_name
+                for axis in program.mesh.names:
+                    names[(axis,)] = mesh.get_group(axis).group_name
         self.spec = StepSpec(graph, strategy, program, self.rank, names, autocast,
                              self.device.type, local_collectives)
         self._steps: dict[tuple, object] = {}

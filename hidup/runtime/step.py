@@ -43,9 +43,10 @@ class StepSpec:
     strategy: Strategy
     program: Program
     rank: int  # in the world (on a 2-D mesh: Program.position places it)
-    # the process groups of the collectives, by their ranks: the world's, and on a 2-D mesh this
-    # rank's row and column (empty with world size 1 or collectives stood in)
-    group_names: dict[tuple[int, ...], str]
+    # the process groups of the collectives, by the mesh axes they run along (Convert.axes):
+    # every axis' (the world's), and on a 2-D mesh this rank's group along each axis (empty
+    # with world size 1 or collectives stood in)
+    group_names: dict[tuple[str, ...], str]
     autocast: torch.dtype | None = None  # each node's forward under torch.autocast (bf16);
     #   its output kept in autocast's dtype, as eager keeps it (activations and their gradients
     #   in bf16 where autocast makes them so, weights and their gradients float32)
@@ -218,10 +219,10 @@ class _TaskRunner:
     def reduce_inside(self, x: torch.Tensor, op: str, flat: bool) -> torch.Tensor:
         """x all-reduced by `op` over the ranks an op's placements split over, for an op that
         reduces inside itself (LocalContext.reduce; the Program's Compute.reduces)."""
-        group = self.p.group(self.spec.rank, flat)
-        if len(group) == 1 or self.spec.local_collectives:
+        axes = self.p.grid.names if flat else self.p.split_axes
+        if self.p.grid.size(axes) == 1 or self.spec.local_collectives:
             return x
-        return _C.wait_tensor(_C.all_reduce(x, op, self.spec.group_names[group]))
+        return _C.wait_tensor(_C.all_reduce(x, op, self.spec.group_names[axes]))
 
     def whole(self, name: str) -> torch.Tensor | None:
         """Graph tensor `name` computed whole from the whole global batch (each op replicated),
@@ -376,17 +377,15 @@ class _TaskRunner:
         self.pending[task.id] = finish
 
     def members(self, task: Convert) -> tuple[int, ...]:
-        """The ranks of this rank's group of collective `task` (its row or column on a 2-D
-        mesh, else the world)."""
-        return next(g for g in task.parts if self.spec.rank in g)
+        """The ranks of this rank's group of collective `task` (along its axes of the mesh)."""
+        return self.p.grid.group(task.axes, self.spec.rank)
 
     def group_name(self, task: Convert) -> str:
-        group = self.members(task)
-        if group not in self.spec.group_names:
-            raise RuntimeError(f"task {task}: no process group of ranks {group} on rank "
-                               f"{self.spec.rank} (the executor makes the world's and a 2-D "
-                               f"mesh's rows and columns)")
-        return self.spec.group_names[group]
+        if task.axes not in self.spec.group_names:
+            raise RuntimeError(f"task {task}: no process group along the mesh axes "
+                               f"{list(task.axes)} on rank {self.spec.rank} (the executor makes "
+                               f"the world's and one along each axis of the mesh)")
+        return self.spec.group_names[task.axes]
 
     def collective(self, task: Convert, x: torch.Tensor) -> torch.Tensor:
         """Issue one functional collective over this rank's group (or its local stand-in)."""

@@ -49,9 +49,10 @@ class Mesh:
     def world(self) -> int:
         return math.prod(self.shape)
 
-    def size(self, axis: str | None) -> int:
-        """Ranks along `axis` (1 for None: no axis)."""
-        return 1 if axis is None else self.shape[self._index(axis)]
+    def size(self, axes: str | tuple[str, ...] | None) -> int:
+        """Ranks along `axes` (one axis' name, or several; 1 for None or (): no axis)."""
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+        return math.prod(self.shape[self._index(a)] for a in axes)
 
     def other(self, axis: str) -> str:
         """On a 2-D mesh, the axis that is not `axis`."""
@@ -59,17 +60,27 @@ class Mesh:
             raise ValueError(f"mesh {self}: the other axis than {axis!r} needs 2 axes")
         return self.names[1 - self._index(axis)]
 
-    def groups(self, axis: str) -> tuple[tuple[int, ...], ...]:
-        """The groups along `axis`, each in that axis' order, the groups in row-major order of
-        the other axes' coordinates."""
-        i = self._index(axis)
-        rest = [range(n) for j, n in enumerate(self.shape) if j != i]
-        return tuple(tuple(self.rank(c[:i] + (a,) + c[i:]) for a in range(self.shape[i]))
-                     for c in product(*rest))
+    def groups(self, axes: str | tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """The groups along `axes` (one axis' name, or several): each group the ranks that
+        differ only in those axes' coordinates, in row-major order of them; the groups in
+        row-major order of the other axes' coordinates. Along every axis: the one group of
+        all ranks."""
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        inside = sorted(map(self._index, axes))
+        rest = [j for j in range(len(self.shape)) if j not in inside]
+        out = []
+        for c in product(*(range(self.shape[j]) for j in rest)):
+            coords = dict(zip(rest, c))
+            group = []
+            for a in product(*(range(self.shape[j]) for j in inside)):
+                coords.update(zip(inside, a))
+                group.append(self.rank(tuple(coords[j] for j in range(len(self.shape)))))
+            out.append(tuple(group))
+        return tuple(out)
 
-    def group(self, axis: str, rank: int) -> tuple[int, ...]:
-        """The group along `axis` that holds `rank`."""
-        return next(g for g in self.groups(axis) if rank in g)
+    def group(self, axes: str | tuple[str, ...], rank: int) -> tuple[int, ...]:
+        """The group along `axes` that holds `rank`."""
+        return next(g for g in self.groups(axes) if rank in g)
 
     def coords(self, rank: int) -> tuple[int, ...]:
         """The rank's coordinate on each axis."""
@@ -103,7 +114,7 @@ class Mesh:
 
     def columns(self, dp: str | None) -> tuple[tuple[int, ...], ...]:
         """The plan's data-parallel groups (along `dp`; one rank each on a 1-D mesh)."""
-        return self.groups(dp) if dp else tuple((r,) for r in range(self.world))
+        return self.groups(dp or ())
 
     def position(self, rank: int, dp: str | None) -> tuple[int, int]:
         """(part, place) of `rank` for a plan: its coordinate on `dp` (the data-parallel part of
