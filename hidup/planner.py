@@ -104,11 +104,10 @@ def plan(args) -> dict:
                             whole)
     rows[chosen.strategy.name]["chosen_k"] = chosen.k
     limit = chosen.profile.device_memory
-    machines, per = chosen.goal.mesh
     return {"model": spec.name, "batch": batch, "cluster": profile.name, "gpus": args.gpus,
-            "mesh": [machines, per],
+            "mesh": list(chosen.goal.mesh),
             "chosen_mesh": list(chosen.strategy.mesh.shape) if chosen.strategy.mesh
-            else [args.gpus], "chosen_dp": chosen.strategy.dp,
+            else [args.gpus], "chosen_dp": list(chosen.strategy.dp),
             "micro_batches": k, "optimizer": args.optimizer, "mode": args.mode,
             "chosen": chosen.strategy.name,
             "chosen_k": chosen.k, "searched": chosen.searched,
@@ -184,14 +183,20 @@ def report(res: dict) -> list[str]:
              f"chose {what}, {duplex}", *res["notes"]]
     lines += [exact_line(proof, res["gpus"]) for proof in res["exact"]]
     graph, strategy = res["graph"], res["strategy"]
-    machines, per = res["mesh"]
-    if machines > 1:
-        lines.append(f"mesh {machines}x{per}: searched on it both ways round (data parallel "
+    mesh, machines = res["mesh"], res["mesh"][0]
+    if len(mesh) == 3:
+        lines.append(f"mesh {'x'.join(map(str, mesh))}: searched on it with each axis split "
+                     f"over in turn (data parallel over the others) and over all {res['gpus']} "
+                     f"GPUs")
+    elif machines > 1:
+        lines.append(f"mesh {machines}x{mesh[1]}: searched on it both ways round (data parallel "
                      f"across the machines, any split inside; data parallel inside each, any "
                      f"split across) and over all {res['gpus']} GPUs")
     if strategy.mesh:
         dims = f"over each machine's {strategy.parts} GPUs, across the machines" \
-            if strategy.dp == "gpus" else f"across {machines} machines, inside one"
+            if strategy.dp == ("gpus",) else f"across {machines} machines, inside one" \
+            if len(strategy.dp) == 1 else \
+            ", ".join([*strategy.dp, strategy.split_axis]) + ": data parallel, then split"
         lines += ["", f"placements of the key ops per mesh dimension ([{dims}]):"]
     else:
         lines += ["", "placements of the key ops:"]

@@ -89,8 +89,9 @@ def turned(strategy):
 
     from hidup.strategy import Mesh
     mesh = strategy.mesh
-    return replace(strategy, mesh=Mesh(mesh.shape[::-1], mesh.names),
-                   dp=mesh.other(strategy.dp))
+    dp = (mesh.split_axis(strategy.dp),)
+    return replace(strategy, mesh=Mesh(mesh.shape[::-1], mesh.names), dp=dp,
+                   across_axes=dp if strategy.across else ())
 
 
 def build_model(spec, seed: int = 0) -> torch.nn.Module:

@@ -103,10 +103,19 @@ def test_own_model_with_adamw_trains_as_on_one_device(world):
 def _plan_named(how: str, model, world: int):
     """A searched plan, a 2-D one (dp-megatron, fsdp+tp, hsdp: 2 machines; turned-NAME: data
     parallel over each machine's GPUs instead; flat-fsdp: dp-megatron whose second half of ops
-    runs fsdp over every rank, its parameters stored sharded over all of them), or a fixed
-    strategy's name."""
+    runs fsdp over every rank, its parameters stored sharded over all of them), a 3-D one
+    (cube-NAME: 2 machines of 2 blocks), or a fixed strategy's name."""
     if how == "flat-fsdp":
         return _flat_fsdp(model, world)
+    if how.startswith("cube-"):
+        from hidup.api import Plan
+        from hidup.graph.capture import capture
+        from hidup.strategy import Mesh, fixed_strategy
+
+        graph = capture(model, batches()[0])
+        strategy = fixed_strategy(how.removeprefix("cube-"), graph, world,
+                                  Mesh.grid(2, 2, world // 4))
+        return Plan.of(graph, strategy, world, 1)
     if how.removeprefix("turned-") in ("dp-megatron", "fsdp+tp", "hsdp"):
         from dataclasses import replace
 
@@ -210,7 +219,8 @@ def _resume(rank, world, folder, steps, how):
     ("dp-megatron", 4, "megatron", 2), ("ddp", 2, "dp-megatron", 4), ("fsdp", 2, "megatron", 4),
     ("fsdp+tp", 4, "ddp", 2), ("fsdp", 2, "fsdp+tp", 4), ("turned-fsdp+tp", 4, "fsdp+tp", 4),
     ("fsdp", 2, "turned-fsdp+tp", 4), ("flat-fsdp", 4, "megatron", 2),
-    ("fsdp", 2, "flat-fsdp", 4), ("hsdp", 4, "fsdp", 2)])
+    ("fsdp", 2, "flat-fsdp", 4), ("hsdp", 4, "fsdp", 2), ("cube-hsdp+tp", 8, "fsdp", 2),
+    ("fsdp", 2, "cube-fsdp+tp", 8)])
 def test_checkpoint_resumes_under_another_plan_and_world_size(tmp_path, saved, world_saved,
                                                               resumed, world_resumed):
     want_losses, want_weights = eager()

@@ -296,7 +296,12 @@ def test_2d_mesh_plans_match_single_device():
     random strategies inside each machine, Duplex on and off, equal single-device training."""
     results = run_ranks(4, distributed_grads, MESH_CASES, mesh_strategy, True)
     assert sum(case[1].startswith("random") for case in results[0]) >= 4, results[0].keys()
-    refs = {name: reference(name, 4) for name in {case[0] for case in MESH_CASES}}
+    assert_equal_to_one_device(results, 4, MESH_CASES)
+
+
+def assert_equal_to_one_device(results, world: int, cases) -> None:
+    """Every rank's loss and gradients of every case equal a single-device run's."""
+    refs = {name: reference(name, world) for name in {case[0] for case in cases}}
     for case in results[0]:
         ref_loss, ref_grads = refs[case[0]]
         scale = 1e-3 * max(float(g.norm()) for g in ref_grads.values())
@@ -307,3 +312,30 @@ def test_2d_mesh_plans_match_single_device():
             for pname, g in grads.items():
                 err = rel_err(g, ref_grads[pname], scale)
                 assert err <= 1e-5, (case, pname, err, text)
+
+
+# a 3-D mesh (2 machines x 2 blocks x 2 GPUs): data parallel over the machines and the blocks,
+# Megatron (with sequence parallelism) over a block's GPUs; the parameters stored sharded over
+# both data-parallel axes (fsdp+tp) or over the blocks only, replicated across the machines
+# (hsdp+tp); FSDP over a block's GPUs (hsdp); plans searched on the 3-D mesh
+CUBE_CASES = [("gpt:tiny", "fsdp+tp", 2), ("gpt:tiny", "hsdp+tp", 1), ("gpt:tiny", "hsdp", 1),
+              ("llama:tiny", "hsdp+tp", 2), ("bert-sgmoe:tiny", "dp-expert", 1),
+              ("gpt:tiny", "search-3d", 1)]
+
+
+def cube_strategy(graph, name: str, world: int, k: int):
+    mesh = Mesh.grid(2, 2, world // 4)
+    if name == "search-3d":
+        dp = Search(graph, world, load_profile("v100-8x8-10gbps"),
+                    SearchOptions(k=k, mesh=mesh, dp=("machines", "outer")))
+        return dp.strategy(dp.run()[0], "hidup")
+    return fixed_strategy(name, graph, world, mesh)
+
+
+@pytest.mark.slow
+def test_3d_mesh_plans_match_single_device():
+    """2 x 2 x 2 gloo ranks: fixed and searched plans on a 3-D mesh, Duplex on and off, equal
+    single-device training."""
+    results = run_ranks(8, distributed_grads, CUBE_CASES, cube_strategy, True)
+    assert len(results[0]) == len(CUBE_CASES), results[0].keys()
+    assert_equal_to_one_device(results, 8, CUBE_CASES)

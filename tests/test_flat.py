@@ -86,9 +86,9 @@ def test_tp_ep_runs_experts_over_every_rank_and_the_rest_inside_machines(moe):
 
 def test_flat_options_are_refused_where_they_cannot_run(moe):
     strategy = fixed_strategy("tp+ep", moe, 4, TWO)
-    with pytest.raises(LoweringError, match="needs a 2-D mesh data parallel over its machines"):
+    with pytest.raises(LoweringError, match="needs a mesh data parallel over every axis outside the innermost"):
         lower(moe, turned(strategy), 4)
-    with pytest.raises(LoweringError, match="needs a 2-D mesh data parallel over its machines"):
+    with pytest.raises(LoweringError, match="needs a mesh data parallel over every axis outside the innermost"):
         lower(moe, replace(strategy, mesh=None, dp=None), 4)
     # an expert weight that lives over a machine's ranks, read over every rank: a parameter's
     # gradient is summed per scope, so it does not pass between them

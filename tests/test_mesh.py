@@ -53,13 +53,22 @@ def test_a_mesh_numbers_its_ranks_row_major_as_device_mesh():
         mesh.groups("tp")
     with pytest.raises(ValueError, match="give one name per axis"):
         Mesh((2, 2), ("gpus",))
-    with pytest.raises(ValueError, match="a plan on it needs a data-parallel axis"):
+    with pytest.raises(ValueError, match=r"data parallel over every axis but one, not over \[\]"):
         mesh.rows(None)
     with pytest.raises(ValueError, match="data-parallel axis 'machines' of mesh 1x4 .* has one "
-                                         "rank; give no mesh"):
+                                         "rank; give a mesh without it"):
         Strategy("s", {}, {}, mesh=Mesh.grid(1, 4), dp="machines")
-    with pytest.raises(ValueError, match="give both, a 2-D mesh and one of its axes, or neither"):
+    with pytest.raises(ValueError, match="give both, a mesh of 2 or 3 axes and its "
+                                         "data-parallel axes, or neither"):
         Strategy("s", {}, {}, mesh=mesh)
+    with pytest.raises(ValueError, match=r"not over \['machines', 'gpus'\]"):
+        Strategy("s", {}, {}, mesh=mesh, dp=("machines", "gpus"))
+    # a 3-D mesh: data parallel over two axes, split over the third
+    cube = Mesh.grid(2, 2, 2)
+    assert cube.names == ("machines", "outer", "gpus") and cube.outside(("machines", "outer"))
+    assert cube.position(6, ("machines", "outer")) == (3, 0)  # part 1 * 2 + 1, place 0
+    assert cube.position(6, ("machines", "gpus")) == (2, 1)
+    assert cube.columns(("machines", "outer")) == ((0, 2, 4, 6), (1, 3, 5, 7))
 
 
 def two_by_two(profile: str = "v100-8x8-10gbps"):
@@ -71,7 +80,7 @@ def test_conversions_run_inside_machines_and_gradients_across(tiny_graphs):
     _, _, graph = tiny_graphs["gpt:tiny"]
     strategy = fixed_strategy("dp-megatron", graph, 4, TWO)
     program = lower(graph, strategy, 4, k=2, bucket_bytes=0)
-    assert program.mesh == TWO and program.dp == "machines" and program.world == 4
+    assert program.mesh == TWO and program.dp == ("machines",) and program.world == 4
     assert (program.parts, program.row) == (2, 2)
     fwd = [t for t in program.collectives if t.phase == "fwd" and t.tensor != graph.loss]
     assert fwd and all(t.groups == ROWS and t.group == ROWS[0] and t.axes == ("gpus",)
@@ -102,9 +111,9 @@ def test_the_mesh_turned_around_splits_across_machines_and_sums_inside(tiny_grap
     _, _, graph = tiny_graphs["gpt:tiny"]
     strategy = fixed_strategy("dp-megatron", graph, 4, TWO)
     turned = turn(strategy)
-    assert turned.mesh == TWO and turned.dp == "gpus"
+    assert turned.mesh == TWO and turned.dp == ("gpus",)
     program = lower(graph, turned, 4, k=2, bucket_bytes=0)
-    assert program.dp == "gpus" and program.position(1) == (1, 0)
+    assert program.dp == ("gpus",) and program.position(1) == (1, 0)
     fwd = [t for t in program.collectives if t.phase == "fwd" and t.tensor != graph.loss]
     assert fwd and all(t.groups == COLUMNS and t.group == COLUMNS[0] and t.axes == ("machines",)
                        for t in fwd)
@@ -131,7 +140,7 @@ def test_a_mesh_that_does_not_divide_the_world_or_batch_is_refused(tiny_graphs):
     with pytest.raises(LoweringError, match=r"is for the mesh 2x2 \(machines, gpus\) of 4 GPUs, "
                                             r"not 3; plan it for 3 GPUs"):
         lower(graph, strategy, 3)
-    with pytest.raises(ValueError, match="needs a 2-D mesh of 2 or more machines"):
+    with pytest.raises(ValueError, match="needs a mesh of the 4 GPUs of 2 or more machines"):
         fixed_strategy("dp-expert", graph, 4)
     with pytest.raises(ValueError, match="does not split into 4 micro-batches on each of 4 "
                                          "data-parallel parts"):
@@ -164,7 +173,7 @@ def test_search_on_a_mesh_ranks_2d_and_1d_plans(tiny_graphs):
     assert any("-2d#" in n for n in names) and any(n.startswith("search#") for n in names)
     assert any("-2dt#" in n for n in names)  # data parallel over each machine's GPUs
     on_gpus = [r.strategy for r in found.ranked if "-2dt#" in r.name]
-    assert all(s.dp == "gpus" and s.mesh == TWO and s.parts == 2 for s in on_gpus)
+    assert all(s.dp == ("gpus",) and s.mesh == TWO and s.parts == 2 for s in on_gpus)
     assert all(r.strategy.mesh is None for r in found.ranked if r.name.startswith("search#"))
     times = [t for _, t in found.candidates]
     assert times == sorted(times) and found.estimate.step_time == times[0]
@@ -176,13 +185,16 @@ def test_plan_files_record_the_mesh(tiny_graphs, tmp_path):
     path = tmp_path / "plan.json"
     save_plan(path, graph, strategy, 4, "gpt:tiny")
     doc = json.loads(path.read_text())
-    assert (doc["mesh"], doc["axes"], doc["dp"]) == ([2, 2], ["machines", "gpus"], "machines")
+    assert (doc["mesh"], doc["axes"], doc["dp"]) == ([2, 2], ["machines", "gpus"], ["machines"])
     loaded = load_plan(path, graph, 4)
-    assert loaded.mesh == TWO and loaded.dp == "machines"
+    assert loaded.mesh == TWO and loaded.dp == ("machines",)
     assert loaded.options == strategy.options
     save_plan(path, graph, replace(strategy, mesh=Mesh.grid(1, 4), dp="gpus"), 4, "gpt:tiny")
-    assert load_plan(path, graph, 4).dp == "gpus"
+    assert load_plan(path, graph, 4).dp == ("gpus",)
     doc = json.loads(path.read_text())
+    doc["dp"] = "gpus"  # as files wrote it before the axes were a list
+    path.write_text(json.dumps(doc))
+    assert load_plan(path, graph, 4).dp == ("gpus",)
     doc["dp"] = "tp"
     path.write_text(json.dumps(doc))
     with pytest.raises(PlanError, match="no axis 'tp'; its axes are .*make the plan again"):
@@ -195,7 +207,7 @@ def test_plan_files_record_the_mesh(tiny_graphs, tmp_path):
     doc = json.loads(path.read_text())
     doc["mesh"] = [3, 2]
     path.write_text(json.dumps(doc))
-    with pytest.raises(PlanError, match=r"mesh \[3, 2\] is not \[4\] or \[MACHINES"):
+    with pytest.raises(PlanError, match=r"mesh \[3, 2\] is not \[4\], \[MACHINES"):
         load_plan(path, graph, 4)
 
 
@@ -219,7 +231,8 @@ def test_plan_cli_mesh(capsys):
     assert "--mesh 3x8: 3 x 8 is not the 16 GPUs of --gpus" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         plan_main(["--model", "gpt:tiny", "--gpus", "16", "--mesh", "two"])
-    assert "--mesh two: give MACHINESxGPUS, e.g. 8x8" in capsys.readouterr().err
+    assert "--mesh two: give MACHINESxGPUS (e.g. 8x8) or MACHINESxBLOCKSxGPUS" in \
+        capsys.readouterr().err
 
 
 def test_a_mesh_priced_far_over_the_other_has_only_its_best_plan_lowered(monkeypatch):

@@ -164,16 +164,20 @@ def parse_seconds(text: str) -> float:
     return float(m.group(1)) * {"s": 1, "ms": 1e-3, "us": 1e-6, None: 1}[m.group(2)]
 
 
-def parse_mesh(text: str, gpus: int, error) -> tuple[int, int]:
-    """'8x8' -> (8, 8), checked against the world size; `error(message)` otherwise."""
+def parse_mesh(text: str, gpus: int, error) -> tuple[int, ...]:
+    """'8x8' -> (8, 8), '8x2x4' -> (8, 2, 4), checked against the world size;
+    `error(message)` otherwise."""
     try:
-        machines, per = (int(n) for n in text.lower().split("x"))
+        shape = tuple(int(n) for n in text.lower().split("x"))
     except ValueError:
-        error(f"--mesh {text}: give MACHINESxGPUS, e.g. 8x8")
-    if machines < 1 or per < 1 or machines * per != gpus:
-        error(f"--mesh {text}: {machines} x {per} is not the {gpus} GPUs of --gpus; give a "
-              f"mesh whose product is {gpus} (e.g. {max(1, gpus // 8)}x{min(gpus, 8)})")
-    return machines, per
+        shape = ()
+    if len(shape) not in (2, 3):
+        error(f"--mesh {text}: give MACHINESxGPUS (e.g. 8x8) or MACHINESxBLOCKSxGPUS (8x2x4: "
+              f"each machine's GPUs in 2 blocks of 4)")
+    if min(shape) < 1 or math.prod(shape) != gpus:
+        error(f"--mesh {text}: {' x '.join(map(str, shape))} is not the {gpus} GPUs of --gpus; "
+              f"give a mesh whose product is {gpus} (e.g. {max(1, gpus // 8)}x{min(gpus, 8)})")
+    return shape
 
 
 RECOMPUTE_HELP = ("activation checkpointing: 'auto' recomputes in the backward the fewest first "

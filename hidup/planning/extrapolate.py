@@ -88,11 +88,12 @@ class Pricer:
     def _short(self, strategy: Strategy, kept: dict, k: int) -> Priced:
         short = _shortened(self.graph, kept)
         names = short._index
+        across = {p: d for p, d in strategy.across.items() if p in names}
         plan = replace(strategy,
                        placements={n: p for n, p in strategy.placements.items() if n in names},
                        options={n: o for n, o in strategy.options.items() if n in names},
                        reshard=frozenset(p for p in strategy.reshard if p in names),
-                       across={p: d for p, d in strategy.across.items() if p in names},
+                       across=across, across_axes=strategy.across_axes if across else (),
                        recompute=strategy.recompute & set(layers(short)),
                        selective=strategy.selective & set(layers(short)))
         key = (k, _computes(short, plan))
@@ -108,7 +109,7 @@ def _computes(graph: Graph, plan: Strategy) -> tuple:
             tuple((n.out, plan.placements.get(n.name), n.name in plan.reshard,
                    plan.across.get(n.name)) for n in graph.nodes if n.kind != "op"),
             tuple((layer in plan.recompute, layer in plan.selective) for layer in layers(graph)),
-            plan.mesh, plan.dp)
+            plan.mesh, plan.dp, plan.across_axes)
 
 
 def segments_of(graph: Graph, strategy: Strategy) -> tuple[tuple[str, ...], ...]:

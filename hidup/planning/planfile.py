@@ -15,9 +15,9 @@ from hidup.graph.capture import Graph, TensorMeta, capture
 from hidup.graph.dtypes import PRECISIONS
 from hidup.graph.ops import node_options
 from hidup.graph.placement import Partial, parse_option, parse_placement, plain_option
-from hidup.strategy import AXES, Mesh, Strategy, describe, fixed_strategy, layers
+from hidup.strategy import Mesh, Strategy, describe, fixed_strategy, layers
 
-PLAN_FORMAT, PLAN_VERSION = "hidup-plan", 2  # 2: a named mesh and its "dp" axis
+PLAN_FORMAT, PLAN_VERSION = "hidup-plan", 2  # 2: a named mesh and its "dp" axes
 
 
 class PlanError(ValueError):
@@ -139,7 +139,7 @@ def save_plan(path: Path, graph: Graph | None, strategy: Strategy, world: int, m
            "fingerprint": fingerprint, "world": world,
            "mesh": list(strategy.mesh.shape) if strategy.mesh else [world],
            "axes": list(strategy.mesh.names) if strategy.mesh else ["gpus"],
-           "dp": strategy.dp, "cluster": cluster,
+           "dp": list(strategy.dp), "cluster": cluster,
            "micro_batches": micro_batches, "optimizer": optimizer, "memory": memory,
            "precision": precision,
            "inputs": [{"shape": list(m.shape), "dtype": m.dtype} for m in inputs or ()],
@@ -147,6 +147,7 @@ def save_plan(path: Path, graph: Graph | None, strategy: Strategy, world: int, m
            "placements": {n: str(p) for n, p in strategy.placements.items()},
            "options": {n: str(o) for n, o in strategy.options.items()},
            "reshard": sorted(strategy.reshard), "across": dict(strategy.across),
+           "across_axes": list(strategy.across_axes),
            "recompute": sorted(strategy.recompute), "selective": sorted(strategy.selective)}
     Path(path).write_text(json.dumps(doc, indent=1) + "\n")
 
@@ -204,7 +205,8 @@ def load_plan(path: Path, graph: Graph | None, world: int, cluster: str | None =
                         {n: parse_option(o) for n, o in doc["options"].items()}, notes, mesh, dp,
                         frozenset(doc.get("reshard", ())), _across(path, doc),
                         frozenset(doc.get("recompute", ())),
-                        frozenset(doc.get("selective", ())))
+                        frozenset(doc.get("selective", ())),
+                        across_axes=_across_axes(path, doc, dp))
     if graph is not None:
         check(graph, strategy)
     return strategy
@@ -220,25 +222,40 @@ def _across(path, doc: dict) -> dict[str, int]:
     return across
 
 
-def _mesh(path, doc: dict, world: int) -> tuple[Mesh | None, str | None]:
-    """The plan's mesh and data-parallel axis: its mesh [world] (1-D: none) or [MACHINES,
-    GPUS_PER_MACHINE] with its axes' names and the one it is data parallel over."""
-    mesh, dp = doc.get("mesh", [world]), doc.get("dp")
+def _across_axes(path, doc: dict, dp: tuple[str, ...]) -> tuple[str, ...]:
+    """The dp axes the plan stores its `across` parameters sharded over (files before they were
+    recorded: every dp axis)."""
+    axes = doc.get("across_axes", list(dp) if doc.get("across") else [])
+    if not (isinstance(axes, list) and all(isinstance(a, str) for a in axes)):
+        raise PlanError(f"plan file {path}: \"across_axes\" {axes!r} is not a list of axes; "
+                        f"make the plan again with python -m hidup.planner --out")
+    return tuple(axes)
+
+
+def _mesh(path, doc: dict, world: int) -> tuple[Mesh | None, tuple[str, ...]]:
+    """The plan's mesh and data-parallel axes: its mesh [world] (1-D: none), [MACHINES,
+    GPUS_PER_MACHINE] or [MACHINES, BLOCKS, GPUS_PER_BLOCK] with its axes' names and those it
+    is data parallel over (one axis' name, in files before they were lists)."""
+    mesh, dp = doc.get("mesh", [world]), doc.get("dp") or []
+    dp = [dp] if isinstance(dp, str) else dp
     try:
-        if not (isinstance(mesh, list) and len(mesh) in (1, 2) and
+        if not (isinstance(mesh, list) and len(mesh) in (1, 2, 3) and
                 all(isinstance(n, int) and n > 0 for n in mesh) and math.prod(mesh) == world):
-            raise ValueError(f"mesh {mesh!r} is not [{world}] or [MACHINES, GPUS_PER_MACHINE] "
-                             f"of {world} GPUs")
-        axes = doc.get("axes", list(AXES[-len(mesh):]))
-        if axes != list(AXES[-len(mesh):]):  # the names the plans' axes go by
-            raise ValueError(f"axes {axes!r} are not {list(AXES[-len(mesh):])}")
+            raise ValueError(f"mesh {mesh!r} is not [{world}], [MACHINES, GPUS_PER_MACHINE] or "
+                             f"[MACHINES, BLOCKS, GPUS_PER_BLOCK] of {world} GPUs")
+        names = ("gpus",) if len(mesh) == 1 else Mesh.grid(*mesh).names
+        axes = doc.get("axes", list(names))
+        if axes != list(names):  # the names the plans' axes go by
+            raise ValueError(f"axes {axes!r} are not {list(names)}")
+        if not isinstance(dp, list) or not all(isinstance(a, str) for a in dp):
+            raise ValueError(f"dp {dp!r} is not a list of axes")
         if len(mesh) == 1:
-            if dp is not None:
+            if dp:
                 raise ValueError(f"dp {dp!r} on a 1-D mesh")
-            return None, None
-        grid = Mesh(tuple(mesh))
-        Strategy("check", {}, {}, mesh=grid, dp=dp)  # dp one of its axes, of 2 or more ranks
-        return grid, dp
+            return None, ()
+        grid = Mesh.grid(*mesh)
+        Strategy("check", {}, {}, mesh=grid, dp=tuple(dp))  # every axis but one, of 2+ ranks
+        return grid, tuple(dp)
     except (TypeError, ValueError) as exc:
         raise PlanError(f"plan file {path}: {exc}; make the plan again with python -m "
                         f"hidup.planner --out") from exc

@@ -35,7 +35,7 @@ from hidup.graph.placement import (Partial, Placement, R, Shard, ShardingOption,
 from hidup.planning.beam import Beam, _Label
 from hidup.planning.costs import Profile
 from hidup.planning.pricing import Pricing, _NodeCost, _scaled
-from hidup.strategy import Mesh, Strategy, fitting_options, microbatch_split
+from hidup.strategy import Mesh, Strategy, dp_axes, fitting_options, microbatch_split
 from hidup.strategy.recompute import recomputable_share
 from hidup.program.tasks import LoweringError, Shapes, optimizer_cost
 
@@ -61,11 +61,12 @@ class SearchOptions:
     k: int = 2  # micro-batches (Duplex); the plans are also priced with one
     memory: float | None = None  # bytes a device holds (None: no limit)
     optimizer: str = "adamw"  # whose update time and state memory count (hidup.program.OPTIMIZERS)
-    # the 2-D mesh of the world to search on (None: the 1-D mesh; hidup.planning.search also
-    # searches the 1-D mesh beside it)
+    # the mesh of the world to search on, of 2 or 3 axes (None: the 1-D mesh;
+    # hidup.planning.search also searches the 1-D mesh beside it)
     mesh: Mesh | None = None
-    # the programme's data-parallel axis of `mesh` (the search runs one programme per axis)
-    dp: str | None = None
+    # the programme's data-parallel axes of `mesh`, every axis but one (the search runs one
+    # programme per split axis); () on the 1-D mesh
+    dp: tuple[str, ...] = ()
     beam: int = 16  # states kept per cut
     labels: int = 4  # labels kept per state
     keep: int = 3  # plans of the programme lowered and estimated per order
@@ -78,11 +79,15 @@ class SearchOptions:
     #                          attention's outputs kept)
     mode: str = "graph"  # the executor mode whose costs the estimate ranks plans by (its host
     #   time per task where the profile has host figures; 'compile': Inductor's fused kernels)
-    flat: bool = True  # on a 2-D mesh data parallel over its machines, also each op's options
-    #   over every rank (flat placements), beside those over a machine's ranks
+    flat: bool = True  # on a mesh data parallel over every axis outside its innermost (2-D:
+    #   its machines), also each op's options over every rank (flat placements), beside those
+    #   over a row's ranks
     extrapolate: int = 1000  # graphs of this many ops or more, where they repeat layers, are
     #   ranked from short copies (hidup.planning.extrapolate; smaller ones lower in well under
     #   a second); the chosen plan is always lowered whole
+
+    def __post_init__(self):
+        object.__setattr__(self, "dp", dp_axes(self.dp))
 
 
 class Search(Pricing, Beam):
@@ -105,10 +110,10 @@ class Search(Pricing, Beam):
         self.optimizer = optimizer_cost(options.optimizer)
         self.g, self.profile, self.k = graph, profile, k
         mesh, dp = options.mesh or Mesh.line(world), options.dp
-        if mesh.world != world or (options.mesh is None) != (dp is None):
-            raise ValueError(f"search options: mesh {options.mesh} with dp axis {dp!r} for "
-                             f"{world} GPUs; give a 2-D mesh of the world and one of its axes, "
-                             f"or neither")
+        if mesh.world != world or (options.mesh is None) != (not dp):
+            raise ValueError(f"search options: mesh {options.mesh} with dp axes {list(dp)} for "
+                             f"{world} GPUs; give a mesh of the world and every axis of it but "
+                             f"one, or neither")
         self.dp_parts = mesh.size(dp)  # the mesh's data-parallel parts
         self.world = world // self.dp_parts  # placements: a row's ranks
         self.memory, self.objective, self.beam = memory or math.inf, objective, beam
@@ -173,7 +178,7 @@ class Search(Pricing, Beam):
         """The programme, for the progress line: its mesh and micro-batches."""
         mesh = self.options.mesh
         mesh = f"{self.world} GPUs" if mesh is None else \
-            f"the {'x'.join(map(str, mesh.shape))} mesh, data parallel over {self.options.dp}"
+            f"the {'x'.join(map(str, mesh.shape))} mesh, data parallel over {', '.join(self.options.dp)}"
         return f"search on {mesh}, k={self.k}: op"
 
     def extend(self, states, node: Node) -> dict[tuple, list[_Label]]:
@@ -207,7 +212,8 @@ class Search(Pricing, Beam):
         """The node's options over a machine's ranks, and on a 2-D mesh with SearchOptions.flat
         its options over every rank (flat)."""
         opts = list(fitting_options(self.g, node, self.world))
-        if self.options.dp == "machines" and self.options.flat:
+        if self.options.mesh and self.options.mesh.outside(self.options.dp) and \
+                self.options.flat:
             opts += [flat_option(o) for o in fitting_options(self.g, node,
                                                              self.world * self.dp_parts)]
         return opts

@@ -73,8 +73,8 @@ def plan_key(strategy: Strategy) -> tuple:
     """What makes two plans the same plan (all of it but its name and notes)."""
     return (strategy.mesh, strategy.dp, tuple(strategy.placements.items()),
             tuple(strategy.options.items()), tuple(sorted(strategy.reshard)),
-            tuple(sorted(strategy.across.items())), tuple(sorted(strategy.recompute)),
-            tuple(sorted(strategy.selective)))
+            tuple(sorted(strategy.across.items())), strategy.across_axes,
+            tuple(sorted(strategy.recompute)), tuple(sorted(strategy.selective)))
 
 
 class Ranking:

@@ -88,15 +88,15 @@ def _search(graph: Graph, world: int, profile: Profile, options: SearchOptions,
     started = time.perf_counter()
     ranking = Ranking(graph, world, profile, options)
     labels, proofs, runs, failed = 0, [], [], {}
-    for axis in _axes(options.mesh):
+    for axes in _axes(options.mesh):
         try:
             dp = programme(graph, world, profile, replace(
-                options, mesh=options.mesh if axis else None, dp=axis))
-            runs.append((axis, dp, dp.run()))
+                options, mesh=options.mesh if axes else None, dp=axes))
+            runs.append((axes, dp, dp.run()))
         except ValueError as exc:  # no plan of the programme fits: the baselines may
-            log.info("search on %s, data parallel over %s: %s", options.mesh if axis else world,
-                     axis, exc)
-            failed[axis] = str(exc)
+            log.info("search on %s, data parallel over %s: %s", options.mesh if axes else world,
+                     axes, exc)
+            failed[axes] = str(exc)
             continue
         labels += dp.labels
     least = min((finals[0].best for _, _, finals in runs), default=math.inf)
@@ -106,7 +106,7 @@ def _search(graph: Graph, world: int, profile: Profile, options: SearchOptions,
         # (Ranking.recompute_hand)
         ranking.add_hand(strategy, name)
     _rank_finals(ranking, runs, least, proofs)
-    one_d = next((dp for axis, dp, _ in runs if axis is None), None)
+    one_d = next((dp for axes, dp, _ in runs if not axes), None)
     whole = replicated_plan(one_d) if timed and one_d is not None else None
     if whole is not None and not far_behind(one_d.plain.price(whole), least):
         ranking.add(one_d.expand(whole), "search-replicated#0", one_d.plain.price(whole))
@@ -119,8 +119,8 @@ def _search(graph: Graph, world: int, profile: Profile, options: SearchOptions,
         ranking.recompute_deferred()
         ranking.confirm()
     if not ranking.ranked:
-        if None in failed:  # the programme over every GPU found nothing: its reason
-            raise ValueError(failed[None])
+        if () in failed:  # the programme over every GPU found nothing: its reason
+            raise ValueError(failed[()])
         limit = math.inf if options.memory is None else options.memory / 2**30
         least = "" if ranking.least == math.inf else \
             f" (the smallest lowered needs {ranking.least / 2**30:.3g} GiB)"
@@ -141,9 +141,11 @@ def _rank_finals(ranking: Ranking, runs, least: float, proofs: list | None) -> N
     options = ranking.options
     timed = options.objective == "time"
     # the programme priced best first, so that the fastest ranked is known early (HOPELESS)
-    for axis, dp, finals in sorted(runs, key=lambda run: run[2][0].best):
-        over_gpus = axis == "gpus"  # the placements across the machines (no integer programme)
-        mesh_tag = "-2dt" if over_gpus else "-2d" if axis else ""
+    for axes, dp, finals in sorted(runs, key=lambda run: run[2][0].best):
+        mesh = options.mesh
+        # the placements across the machines: no integer programme
+        over_gpus = bool(axes) and not mesh.outside(axes)
+        mesh_tag = _tag(mesh, axes)
         if timed and far_behind(finals[0].best, least):  # its plan best either way only
             # (finals are in that order)
             ranking.finals(dp, finals, _BEST, 1, "search" + mesh_tag, sorted({1, dp.k}))
@@ -158,14 +160,29 @@ def _rank_finals(ranking: Ranking, runs, least: float, proofs: list | None) -> N
             log.info("exact k=1 plan on %d data-parallel parts: %.4g s (bound %.4g, %s) in "
                      "%.1f s; the beam's %.4g s", dp.dp_parts, proof.cost, proof.bound,
                      "optimal" if proof.optimal else "time ran out", proof.seconds, beam_cost)
-            ranking.add_stored(proof.strategy, "exact-2d#0" if axis else "exact#0", proof.cost)
+            ranking.add_stored(proof.strategy, f"exact{mesh_tag}#0", proof.cost)
 
 
-def _axes(mesh: Mesh | None) -> list[str | None]:
-    """The data-parallel axes searched (None: the 1-D mesh of every GPU): on a 2-D mesh, each
-    axis of 2 or more ranks (across the machines, placements inside each; over each machine's
-    GPUs, placements across the machines), and the 1-D mesh."""
-    return [a for a in (mesh.names if mesh else ()) if mesh.size(a) > 1] + [None]
+def _axes(mesh: Mesh | None) -> list[tuple[str, ...]]:
+    """The data-parallel axes searched (): the 1-D mesh of every GPU): on a mesh, every axis
+    but one, each axis split over in turn where every other has 2 or more ranks (on a 2-D mesh:
+    across the machines, placements inside each; over each machine's GPUs, placements across
+    the machines), and the 1-D mesh."""
+    if mesh is None:
+        return [()]
+    splits = [tuple(a for a in mesh.names if a != split) for split in reversed(mesh.names)]
+    return [dp for dp in splits if all(mesh.size(a) > 1 for a in dp)] + [()]
+
+
+def _tag(mesh: Mesh | None, dp: tuple[str, ...]) -> str:
+    """How a programme's plans are named after their mesh: '' on the 1-D mesh, '-2d' data
+    parallel across the machines of a 2-D one, '-2dt' over its GPUs; on a 3-D mesh '-3d-' and
+    the axis split over."""
+    if not dp:
+        return ""
+    if len(mesh.shape) == 2:
+        return "-2d" if mesh.outside(dp) else "-2dt"
+    return f"-3d-{mesh.split_axis(dp)}"
 
 
 def _orders(k: int, objective: str) -> list[tuple]:

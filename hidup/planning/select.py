@@ -174,9 +174,10 @@ def _settle(graph: Graph, profile: Profile, goal: Goal
                              f"16 * 2**30")
         profile = replace(profile, device_memory=float(goal.memory))
     mesh = tuple(goal.mesh or profile.mesh(goal.gpus))
-    if len(mesh) != 2 or mesh[0] < 1 or mesh[1] < 1 or mesh[0] * mesh[1] != goal.gpus:
+    if len(mesh) not in (2, 3) or min(mesh) < 1 or math.prod(mesh) != goal.gpus:
         raise ValueError(f"mesh {'x'.join(map(str, mesh))} is not the {goal.gpus} GPUs; give "
-                         f"MACHINESxGPUS whose product is {goal.gpus}")
+                         f"MACHINESxGPUS or MACHINESxBLOCKSxGPUS whose product is "
+                         f"{goal.gpus}")
     if goal.strategy == SEARCH:  # a fixed strategy says what of its own does not split
         _check_splits(graph, goal.gpus, mesh[0])
     k, notes = goal.micro_batches or DUPLEX_K, ()

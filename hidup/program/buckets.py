@@ -39,10 +39,10 @@ class GradientBuckets:
     bucket_bytes, flushed, final, mesh, column_axes, optimizer, tasks, pending and waited, and
     calls its home, gplace, collective_axes, along, shape, nbytes, wait_for and add."""
 
-    # -- storage across the machines (a 2-D mesh's dim 0) ---------------------------------------
+    # -- storage over the dp axes (Strategy.across_axes: on a 2-D mesh, across the machines) ----
     def gather_across(self) -> None:
-        """Parameters stored sharded across the machines: all-gathered over the mesh column at
-        the start of the step into their machine's piece, in buckets (one dim per bucket)."""
+        """Parameters stored sharded over the dp axes: all-gathered along those axes at the
+        start of the step into their row's piece, in buckets (one dim per bucket)."""
         closed, last = runs_under_cap([p.name for p in self.g.params if p.name in self.across],
                                       lambda t: self.across[t],
                                       lambda t: self.nbytes(t, self.home(t)), self.bucket_bytes)
@@ -50,19 +50,19 @@ class GradientBuckets:
             self.emit_bucket("all_gather", bucket, Shard(self.across[bucket[0]]), R, "fwd",
                              [stored_key(b, self.home(b), True) for b in bucket],
                              [vkey(b, self.home(b), None) for b in bucket],
-                             [self.stored_shape(b) for b in bucket], axes=self.column_axes,
+                             [self.stored_shape(b) for b in bucket], axes=self.s.across_axes,
                              nbytes=sum(self.nbytes(b, self.home(b)) for b in bucket))
 
     def check_across(self) -> None:
-        """Storage across the machines needs a 2-D mesh, a parameter, a dim of its machine's
-        piece that the machines divide, and a gradient whole on a machine (summed across)."""
-        params = {p.name for p in self.g.params}
+        """Storage over the dp axes needs a mesh, a parameter, a dim of its row's piece that
+        those axes divide, and a gradient whole in a row (summed over the dp axes)."""
+        params, n = {p.name for p in self.g.params}, self.mesh.size(self.s.across_axes)
         for t, d in self.across.items():
             shape = self.shape(t, self.home(t)) if t in params else ()
             why = "the mesh is 1-D" if self.dp_parts == 1 else \
                 "it is not a parameter" if t not in params else \
                 f"dim {d} of its machine's piece {list(shape)} does not split into " \
-                f"{self.dp_parts}" if d >= len(shape) or shape[d] % self.dp_parts else \
+                f"{n}" if d >= len(shape) or shape[d] % n else \
                 f"its machine's ranks split dim {d} already (a checkpoint's DTensor would " \
                 f"read the two splits in the other order)" if self.home(t) == Shard(d) else \
                 "its gradient is a partial sum inside a machine" if isinstance(
@@ -76,7 +76,7 @@ class GradientBuckets:
         across the machines: that piece's part)."""
         shape = list(self.shape(t, self.home(t)))
         if t in self.across:
-            shape[self.across[t]] //= self.dp_parts
+            shape[self.across[t]] //= self.mesh.size(self.s.across_axes)
         return tuple(shape)
 
     def param_grad(self, t: str, home: Placement) -> None:
@@ -108,15 +108,24 @@ class GradientBuckets:
         if not names:
             return
         homes = [self.home(p) for p in names]
-        if kind == "across":  # reduce-scattered over the column into the stored shards
-            return self.emit_bucket("reduce_scatter", names, Partial(),
-                                    Shard(self.across[names[0]]), "bwd",
-                                    [gkey(p, h, None) for p, h in zip(names, homes)],
-                                    ["grad:" + p for p in names],
-                                    [self.shape(p, h) for p, h in zip(names, homes)],
-                                    axes=self.column_axes,
-                                    nbytes=sum(self.nbytes(p, h, grad=True)
-                                               for p, h in zip(names, homes)))
+        if kind == "across":  # reduce-scattered over the storage's axes into the stored shards
+            rest = tuple(a for a in self.column_axes if a not in self.s.across_axes)
+            scattered = [f"grad:{p}" + ("+scattered" if rest else "") for p in names]
+            self.emit_bucket("reduce_scatter", names, Partial(),
+                             Shard(self.across[names[0]]), "bwd",
+                             [gkey(p, h, None) for p, h in zip(names, homes)], scattered,
+                             [self.shape(p, h) for p, h in zip(names, homes)],
+                             axes=self.s.across_axes,
+                             nbytes=sum(self.nbytes(p, h, grad=True)
+                                        for p, h in zip(names, homes)))
+            if rest:  # and summed over the dp axes that replicate them (hybrid sharding)
+                self.emit_bucket("all_reduce", names, Partial(), R, "bwd", scattered,
+                                 ["grad:" + p for p in names],
+                                 [self.stored_shape(p) for p in names], axes=rest,
+                                 nbytes=sum(self.nbytes(p, h, grad=True)
+                                            for p, h in zip(names, homes))
+                                 // self.mesh.size(self.s.across_axes))
+            return
         for p, h in zip(names, homes):
             self.wait_for(gkey(p, h, None))
         axes = self.mesh.names if kind == "world" else self.column_axes

@@ -70,7 +70,7 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
         # the mesh axes collectives run along: a row's (the axis the placements split over), a
         # column's (the data-parallel axis: one place in every row), or every axis (the world)
         self.row_axes = (self.mesh.split_axis(strategy.dp),)
-        self.column_axes = (strategy.dp,) if strategy.dp else ()
+        self.column_axes = strategy.dp
         self._along: dict[tuple[str, ...], tuple] = {}
         shapes = Shapes(graph, self.mbs_split, self.world, self.parts, self.dp_parts)
         self.shape, self.nbytes, self.itemsize = shapes.shape, shapes.nbytes, shapes.itemsize

@@ -41,10 +41,11 @@ class Scopes:
         flats = [n for n, o in self.s.options.items() if option_is_flat(o)]
         if not flats:
             return
-        if self.s.dp != "machines":
+        if not self.s.mesh or not self.s.mesh.outside(self.s.dp):
             raise LoweringError(f"strategy {self.s.name}: op {flats[0]} runs over every rank "
-                                f"(a flat option), which needs a 2-D mesh data parallel over "
-                                f"its machines; use its 1-D option instead")
+                                f"(a flat option), which needs a mesh data parallel over every "
+                                f"axis outside the innermost (on a 2-D mesh: its machines); "
+                                f"use its 1-D option instead")
         for t, uses in self.uses.items():
             scopes = {is_flat(p) for _, _, p in uses} | {is_flat(self.home(t))}
             if len(scopes) > 1 and not isinstance(self.mbs_split.home(t), Shard):

@@ -188,10 +188,10 @@ class Program:
     loss_keys: tuple[str, ...]  # replicated per-micro-batch losses (summed = the step's loss)
     param_grads: dict[str, str] = field(hash=False)  # parameter node -> final gradient key
     optimizer: str = "adamw"  # the update's optimizer, a key of OPTIMIZERS
-    # the 2-D mesh of its world (None: the 1-D mesh), and the axis of it the plan is data
-    # parallel over (hidup.strategy.Strategy.mesh and dp)
+    # the mesh of its world (None: the 1-D mesh), and the axes of it the plan is data parallel
+    # over (hidup.strategy.Strategy.mesh and dp)
     mesh: Mesh | None = None
-    dp: str | None = None
+    dp: tuple[str, ...] = ()
     # buffer node -> the replicated value forward writes into it (BatchNorm's running statistics)
     buffer_updates: dict[str, str] = field(default_factory=dict, hash=False)
     precision: str = "fp32"  # the run's: fp32, or bf16 (mixed, under torch.autocast)
@@ -240,7 +240,7 @@ class Program:
         return [t for t in self.tasks if isinstance(t, Convert) and t.collective]
 
     def __str__(self) -> str:
-        mesh = f" mesh={self.mesh} dp={self.dp}" if self.mesh else ""
+        mesh = f" mesh={self.mesh} dp={','.join(self.dp)}" if self.mesh else ""
         head = f"program {self.model} {self.strategy} world={self.world}{mesh} k={self.k}"
         return "\n".join([head] + [f"  {t}" for t in self.tasks])
 

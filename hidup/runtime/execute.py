@@ -59,10 +59,11 @@ class Executor:
         names = {}  # calibration.ops stands collectives in locally, with no group
         if self.world > 1 and not local_collectives:
             names = {program.grid.names: (group or dist.group.WORLD).group_name}
-            if program.mesh:  # this rank's group along each axis, the DeviceMesh's
-                mesh = device_mesh(self.device, program.mesh)
-                for axis in program.mesh.names:
-                    names[(axis,)] = mesh.get_group(axis).group_name
+            if program.mesh:  # this rank's group along each axis and each set of them used
+                used = {(a,) for a in program.mesh.names} | {
+                    t.axes for t in program.collectives}
+                for axes in sorted(used - set(names)):  # (every rank in the same order)
+                    names[axes] = axes_group(self.device, program.mesh, axes).group_name
         self.spec = StepSpec(graph, strategy, program, self.rank, names, autocast,
                              self.device.type, local_collectives)
         self._steps: dict[tuple, object] = {}
@@ -123,18 +124,19 @@ class Executor:
 
     @property
     def row_group(self):
-        """The process group of this rank's machine on a 2-D mesh (the world on a 1-D one): the
-        ranks a parameter's shards are split over."""
+        """The process group of this rank's row on a mesh (the world on a 1-D one): the ranks a
+        parameter's shards are split over."""
         if self.p.mesh is None:
             return None
-        return device_mesh(self.device, self.p.mesh).get_group(self.p.mesh.other(self.p.dp))
+        return axes_group(self.device, self.p.mesh, self.p.split_axes)
 
     def full(self, node: str, local: torch.Tensor) -> torch.Tensor:
         """Parameter `node`'s whole tensor from this rank's shard `local` (or its gradient's),
         gathered over the ranks that hold its pieces (for checks, outside the timed step)."""
         if node in self.s.across and self.p.mesh:  # this row's piece first
-            local = full_tensor(local, Shard(self.s.across[node]), self.p.parts,
-                                device_mesh(self.device, self.p.mesh).get_group(self.p.dp))
+            axes = self.s.across_axes
+            local = full_tensor(local, Shard(self.s.across[node]), self.p.mesh.size(axes),
+                                axes_group(self.device, self.p.mesh, axes))
         home = self.s.home(node)
         if is_flat(home):  # over every rank
             return full_tensor(local, plain(home), self.p.world)
@@ -152,6 +154,21 @@ def device_mesh(device: torch.device, mesh: Mesh):
         from torch.distributed.device_mesh import init_device_mesh
 
         _MESHES[key] = init_device_mesh(device.type, mesh.shape, mesh_dim_names=mesh.names)
+    return _MESHES[key]
+
+
+def axes_group(device: torch.device, mesh: Mesh, axes: tuple[str, ...]):
+    """This rank's process group along the mesh's `axes`: the DeviceMesh's group of one axis,
+    the world's for every axis, else one of the groups made (once, on every rank alike) for
+    the mesh's groups along them."""
+    if len(axes) == 1:
+        return device_mesh(device, mesh).get_group(axes[0])
+    if tuple(axes) == mesh.names:
+        return dist.group.WORLD
+    key = (id(dist.group.WORLD), device.type, mesh, tuple(axes))
+    if key not in _MESHES:
+        _MESHES[key], _ = dist.new_subgroups_by_enumeration(
+            [list(g) for g in mesh.groups(axes)])
     return _MESHES[key]
 
 

@@ -33,10 +33,12 @@ def param_shard(full: torch.Tensor, strategy, node: str, rank: int, per_machine:
     home = strategy.home(node)
     if is_flat(home):  # over every rank
         return shard_of(full, plain(home), None, 1, None, rank, world).contiguous()
-    part, position = (strategy.mesh or Mesh.line(world)).position(rank, strategy.dp)
-    x = shard_of(full, strategy.home(node), None, 1, None, position, per_machine)
-    if node in strategy.across and strategy.mesh:
-        x = x.chunk(strategy.parts, dim=strategy.across[node])[part]
+    mesh = strategy.mesh or Mesh.line(world)
+    x = shard_of(full, strategy.home(node), None, 1, None, mesh.position(rank, strategy.dp)[1],
+                 per_machine)
+    if node in strategy.across and strategy.mesh:  # its place along the storage's axes
+        axes = strategy.across_axes
+        x = x.chunk(mesh.size(axes), dim=strategy.across[node])[mesh.index(rank, axes)]
     return x.contiguous()
 
 

@@ -152,8 +152,9 @@ class TrainerState:
         home = self.strategy.home(node)
         if isinstance(home, Shard) and self.world > 1:  # split over a machine's ranks, or
             shape[home.dim] *= self.world if is_flat(home) else self.executor.per_machine  # all
-        if node in self.strategy.across and self.program.mesh:
-            shape[self.strategy.across[node]] *= self.program.parts  # and over the dp axis
+        if node in self.strategy.across and self.program.mesh:  # and over the storage's axes
+            shape[self.strategy.across[node]] *= self.program.mesh.size(
+                self.strategy.across_axes)
         return tuple(shape)
 
     def _distributed(self, node: str, local: torch.Tensor):
@@ -170,15 +171,14 @@ class TrainerState:
 
     def _placements(self, node: str) -> list:
         """The DTensor placements of a parameter (and its optimizer states) in this plan, one
-        per mesh axis: on a 2-D mesh, on its dp axis replicated or stored sharded there."""
-        inside = self._placement(node)
-        if self.program.mesh is None:
-            return [inside]
+        per mesh axis: on a dp axis replicated or stored sharded there."""
+        inside, names = self._placement(node), self.program.grid.names
         if is_flat(self.strategy.home(node)):  # over every rank: DTensor's [S(d), S(d)]
-            return [inside, inside]
+            return [inside] * len(names)
         across = self.strategy.across.get(node)
-        dp = R if across is None else Shard(across)
-        return [dp if name == self.program.dp else inside for name in self.program.mesh.names]
+        stored = R if across is None else Shard(across)
+        return [inside if name not in self.program.dp else stored
+                if name in self.strategy.across_axes else R for name in names]
 
     def _placement(self, node: str):
         """The DTensor placement of a parameter (and its optimizer states) inside a machine."""

@@ -1,11 +1,11 @@
 """A strategy: one sharding option per op node and a home placement per parameter and input;
 the conversions between placements; greedy propagation of placements from seeds.
 
-A strategy with no `mesh` is for the 1-D mesh of every rank. On a 2-D mesh (hidup.strategy.mesh:
-machines x GPUs per machine) one axis is data parallel (`dp`): each of its groups takes an equal
-part of the batch and their parameter gradients are summed. The placements and options split
-over the other axis' groups: a machine's GPUs (dp "machines"), or one GPU of every machine (dp
-"gpus")."""
+A strategy with no `mesh` is for the 1-D mesh of every rank. On a mesh of 2 or 3 axes
+(hidup.strategy.mesh) every axis but one is data parallel (`dp`): each group along them takes
+an equal part of the batch and their parameter gradients are summed. The placements and options
+split over the other axis' groups (on a 2-D mesh: a machine's GPUs with dp ("machines",), or
+one GPU of every machine with dp ("gpus",))."""
 from __future__ import annotations
 
 import math
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from hidup.graph import ops
 from hidup.graph.capture import Graph, Node
 from hidup.graph.placement import R, Partial, Placement, Replicate, Shard, ShardingOption
-from hidup.strategy.mesh import Mesh
+from hidup.strategy.mesh import Mesh, dp_axes
 
 
 @dataclass(frozen=True)
@@ -23,15 +23,16 @@ class Strategy:
     placements: dict[str, Placement] = field(hash=False)  # parameters, buffers, user inputs
     options: dict[str, ShardingOption] = field(hash=False)  # op nodes
     notes: tuple[str, ...] = ()  # where it departs from what its name says, for the reports
-    # the 2-D mesh it is for (None: the 1-D mesh of every rank, of any size)
+    # the mesh of 2 or 3 axes it is for (None: the 1-D mesh of every rank, of any size)
     mesh: Mesh | None = None
-    # on a 2-D mesh, the axis it is data parallel over; the placements split over the other
-    dp: str | None = None
+    # on a mesh, the axes it is data parallel over, every axis but one (an axis' name is taken
+    # for the 1-tuple); the placements split over the other; () on the 1-D mesh
+    dp: tuple[str, ...] = ()
     # parameters stored sharded whose gathered weight is freed after the forward and gathered
     # again for the backward (FSDP's reshard_after_forward), instead of held from one to the other
     reshard: frozenset[str] = field(default=frozenset(), hash=False)
-    # on a 2-D mesh, parameters stored sharded over the dp axis too, each on a dim of its piece:
-    # gathered over the dp axis' group before the step uses it, its gradient reduce-scattered
+    # on a mesh, parameters stored sharded over the `across_axes` too, each on a dim of its
+    # piece: gathered along those axes before the step uses it, its gradient reduce-scattered
     # there instead of all-reduced (FSDP across the data-parallel parts)
     across: dict[str, int] = field(default_factory=dict, hash=False)
     # layers (Node.layer) whose activations are not kept for the backward but recomputed in it,
@@ -40,28 +41,55 @@ class Strategy:
     # layers recomputed selectively: their compute-heavy ops' outputs kept (matmuls, attention;
     # hidup.strategy.recompute), the rest recomputed as above
     selective: frozenset[str] = field(default=frozenset(), hash=False)
+    # the dp axes `across` stores its parameters sharded over (the rest of dp replicates them:
+    # hybrid sharding); () where nothing is stored so
+    across_axes: tuple[str, ...] = ()
 
     def __post_init__(self):
-        if (self.mesh is None) != (self.dp is None) or self.mesh and len(self.mesh.shape) != 2:
-            raise ValueError(f"strategy {self.name}: mesh {self.mesh} with dp axis {self.dp!r}: "
-                             f"give both, a 2-D mesh and one of its axes, or neither")
-        if self.mesh and self.mesh.size(self.dp) == 1:  # (size() checks it is an axis)
-            raise ValueError(f"strategy {self.name}: its data-parallel axis {self.dp!r} of mesh "
-                             f"{self.mesh} has one rank; give no mesh (the 1-D mesh) instead")
+        object.__setattr__(self, "dp", dp_axes(self.dp))
+        if self.mesh is None or not self.dp:
+            if self.mesh is not None or self.dp:
+                raise ValueError(f"strategy {self.name}: mesh {self.mesh} with dp axes "
+                                 f"{list(self.dp)}: give both, a mesh of 2 or 3 axes and its "
+                                 f"data-parallel axes, or neither")
+        else:
+            if len(self.mesh.shape) not in (2, 3):
+                raise ValueError(f"strategy {self.name}: mesh {self.mesh} has "
+                                 f"{len(self.mesh.shape)} axes; give 2 or 3, or no mesh")
+            self.mesh.split_axis(self.dp)  # every axis but one
+            if any(self.mesh.size(a) == 1 for a in self.dp):
+                one = next(a for a in self.dp if self.mesh.size(a) == 1)
+                raise ValueError(f"strategy {self.name}: its data-parallel axis {one!r} of mesh "
+                                 f"{self.mesh} has one rank; give a mesh without it instead")
+        if bool(self.across) != bool(self.across_axes) or \
+                any(a not in self.dp for a in self.across_axes):
+            raise ValueError(f"strategy {self.name}: parameters stored sharded over the axes "
+                             f"{list(self.across_axes)} ({len(self.across)} of them): give "
+                             f"both, the parameters and some of its dp axes {list(self.dp)}, "
+                             f"or neither")
 
     @property
     def parts(self) -> int:
-        """The data-parallel parts of its mesh (the dp axis' size; 1 on a 1-D mesh)."""
+        """The data-parallel parts of its mesh (the dp axes' size; 1 on a 1-D mesh)."""
         return self.mesh.size(self.dp) if self.mesh else 1
 
     @property
+    def split_axis(self) -> str | None:
+        """The mesh axis its placements split over (None on the 1-D mesh)."""
+        return self.mesh.split_axis(self.dp) if self.mesh else None
+
+    @property
     def mesh_words(self) -> str:
-        """How its 2-D mesh divides the work, for reports ('' on a 1-D mesh)."""
+        """How its mesh divides the work, for reports ('' on a 1-D mesh)."""
         if self.mesh is None:
             return ""
-        if self.dp == "gpus":
-            return f"data parallel over each machine's {self.parts} GPUs; across the machines"
-        return f"data parallel across {self.parts} machines; inside each"
+        if len(self.mesh.shape) == 2:
+            if self.dp == ("gpus",):
+                return f"data parallel over each machine's {self.parts} GPUs; across the machines"
+            return f"data parallel across {self.parts} machines; inside each"
+        along = " x ".join(f"{a} ({self.mesh.size(a)})" for a in self.dp)
+        return f"data parallel along {along}; along {self.split_axis} " \
+               f"({self.mesh.size(self.split_axis)})"
 
     @property
     def split_ops(self) -> int:

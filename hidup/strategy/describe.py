@@ -81,7 +81,9 @@ def storage(graph: Graph, strategy: Strategy) -> str:
     again = ", again for the backward" if strategy.reshard & set(sharded) else ""
     inside = f"; {len(sharded)} of {len(graph.params)} parameters stored sharded (gathered " \
              f"before use{again})" if sharded else ""
-    over = "inside each machine" if strategy.dp == "gpus" else "across the machines"
+    over = "inside each machine" if strategy.across_axes == ("gpus",) else \
+        "across the machines" if strategy.across_axes == ("machines",) else \
+        f"along {' x '.join(strategy.across_axes)}"
     across = f"; {len(strategy.across)} of {len(graph.params)} stored sharded {over}" \
         if strategy.across and strategy.mesh else ""
     return inside + across
@@ -101,13 +103,17 @@ def uncovered(graph: Graph) -> str:
 
 def mesh_option(graph: Graph, strategy: Strategy, node: str) -> str:
     """An op's option with each tensor's placement per mesh dimension, as DTensor writes them:
-    '([S(0), R], [R, S(1)]) -> [S(0), S(1)]' (the dp axis' first, then the other's). On a
+    '([S(0), R], [R, S(1)]) -> [S(0), S(1)]' (the dp axes' first, then the split axis'). On a
     1-D mesh, the option as it is."""
     inner = strategy.options[node]
     if strategy.mesh is None:
         return str(inner)
     outer = microbatch_split(graph, 1, dp=strategy.parts).options[node]
-    if option_is_flat(inner):  # over every rank: the same placement on both dimensions
+    if option_is_flat(inner):  # over every rank: the same placement on every dimension
         outer = inner = plain_option(inner)
-    ins = ", ".join(f"[{a}, {b}]" for a, b in zip(outer.inputs, inner.inputs))
-    return f"({ins}) -> [{outer.output}, {inner.output}]"
+    n = len(strategy.dp)
+
+    def per_axis(a, b) -> str:
+        return f"[{', '.join(map(str, [a] * n + [b]))}]"
+    ins = ", ".join(per_axis(a, b) for a, b in zip(outer.inputs, inner.inputs))
+    return f"({ins}) -> {per_axis(outer.output, inner.output)}"

@@ -171,12 +171,14 @@ def sharded_storage(graph: Graph, strategy: Strategy, world: int,
 FIXED = {"ddp": data_parallel, "fsdp": fully_sharded, "megatron": megatron,
          "megatron-sp": megatron_sp, "expert": expert_parallel}
 TENSOR_PARALLEL = ("megatron", "megatron-sp")
-# on a 2-D mesh: the strategy inside each machine, data parallel across the machines (fsdp+tp:
-# with every parameter that can be stored sharded across the machines and sequence parallelism
-# inside, as torchtitan's 2-D FSDP + tensor parallelism; hsdp: FSDP inside each machine,
-# replicated across them, as fully_shard on a 2-D DeviceMesh runs hybrid sharding)
+# on a mesh: the strategy along its innermost axis (inside each machine), data parallel over
+# every other axis (fsdp+tp: with every parameter that can be stored sharded over all of those
+# and sequence parallelism inside, as torchtitan's FSDP + tensor parallelism; hsdp: FSDP inside
+# each machine, replicated across them, as fully_shard on a 2-D DeviceMesh runs hybrid
+# sharding; hsdp+tp, on a 3-D mesh: fsdp+tp with the parameters stored sharded over the middle
+# axis only, replicated across the machines, as torchtitan's HSDP + tensor parallelism)
 ACROSS = {"hsdp": "fsdp", "dp-megatron": "megatron", "dp-expert": "expert",
-          "fsdp+tp": "megatron-sp", "tp+ep": "megatron"}
+          "fsdp+tp": "megatron-sp", "hsdp+tp": "megatron-sp", "tp+ep": "megatron"}
 
 
 def tensor_and_expert(graph: Graph, mesh: Mesh) -> Strategy:
@@ -198,8 +200,8 @@ def tensor_and_expert(graph: Graph, mesh: Mesh) -> Strategy:
 def fixed_strategies(graph: Graph, world: int, mesh: Mesh | None = None
                      ) -> dict[str, Strategy]:
     """Every fixed strategy that applies to the model and world size (expert needs expert
-    weights; none may end up as a replicated run under its own name); on a 2-D `mesh` of 2 or
-    more machines also those of ACROSS."""
+    weights; none may end up as a replicated run under its own name); on a `mesh` of 2 or more
+    machines also those of ACROSS that apply to it."""
     out = {}
     for name in [*FIXED, *(ACROSS if mesh and mesh.size("machines") > 1 else ())]:
         try:
@@ -213,36 +215,43 @@ def fixed_strategy(name: str, graph: Graph, world: int, mesh: Mesh | None = None
     """The fixed strategy `name` on `world` ranks; an error where it would not be what its name
     says (a batch that does not split, nothing split at all), with notes where it departs in part
     (tensor-parallel weights left whole because their dims do not divide). The names of FIXED
-    span every rank (a 1-D mesh); those of ACROSS need a 2-D `mesh` of 2 or more machines (data
-    parallel over "machines")."""
+    span every rank (a 1-D mesh); those of ACROSS need a `mesh` of 2 or more machines (data
+    parallel over every axis but the innermost; hsdp+tp a 3-D one)."""
     if name not in FIXED and name not in ACROSS:
         raise ValueError(f"unknown strategy {name!r}; choose one of "
                          f"{sorted(FIXED) + sorted(ACROSS)} or a plan file")
     if name in FIXED:
         strategy = FIXED[name](graph, world)
         return strategy if world == 1 else _as_named(name, graph, strategy, world)
-    machines = mesh.size("machines") if mesh else 1
-    if machines < 2 or mesh.world != world:
+    dp = mesh.names[:-1] if mesh else ()
+    if not dp or mesh.world != world or any(mesh.size(a) < 2 for a in dp) or \
+            name == "hsdp+tp" and len(dp) < 2:
+        flag = "of 3 axes, --mesh MACHINESxBLOCKSxGPUS" if name == "hsdp+tp" else \
+            "--mesh MACHINESxGPUS"
         raise ValueError(f"strategy {name} runs {ACROSS[name]} inside each machine and data "
-                         f"parallel across machines: it needs a 2-D mesh of 2 or more machines "
-                         f"of the {world} GPUs (--mesh MACHINESxGPUS), not "
-                         f"{mesh or f'{machines} machine(s)'}")
+                         f"parallel across machines: it needs a mesh of the {world} GPUs of 2 "
+                         f"or more machines, with 2 or more ranks on every axis but the "
+                         f"innermost ({flag}), not {mesh or 'one machine'}")
     if name == "tp+ep":
         return tensor_and_expert(graph, mesh)
-    inner = world // machines
+    inner = mesh.size(mesh.names[-1])
     strategy = FIXED[ACROSS[name]](graph, inner)
-    strategy = _as_named(name, graph, strategy, inner, machines)
-    strategy = replace(strategy, name=name, mesh=mesh, dp="machines")
-    return stored_across(graph, strategy, inner) if name == "fsdp+tp" else strategy
+    strategy = _as_named(name, graph, strategy, inner, mesh.size(dp))
+    strategy = replace(strategy, name=name, mesh=mesh, dp=dp)
+    if name == "fsdp+tp":
+        return stored_across(graph, strategy, inner)
+    return stored_across(graph, strategy, inner, dp[1:]) if name == "hsdp+tp" else strategy
 
 
-def stored_across(graph: Graph, strategy: Strategy, inner: int) -> Strategy:
-    """`strategy` (on a 2-D mesh of `inner` ranks per machine) with every parameter that can
-    be stored sharded across the machines so: on the first dim of its machine's piece that the
-    machines divide and that the machine's ranks do not split already, where its gradient is
-    whole on a machine (no op reads it whole to make a split or Partial output). The others
-    stay whole across the machines, with a note."""
-    machines, across, kept = strategy.parts, {}, []
+def stored_across(graph: Graph, strategy: Strategy, inner: int,
+                  axes: tuple[str, ...] | None = None) -> Strategy:
+    """`strategy` (on a mesh of `inner` ranks per row) with every parameter that can be stored
+    sharded over its dp `axes` (default: all of them) so: on the first dim of its row's piece
+    that those axes divide and that the row's ranks do not split already, where its gradient
+    is whole in a row (no op reads it whole to make a split or Partial output). The others
+    stay whole over them, with a note."""
+    axes = strategy.dp if axes is None else axes
+    machines, across, kept = strategy.mesh.size(axes), {}, []
     partial = {t for node in graph.ops for t, p in zip(node.inputs, strategy.options[node.name]
                                                        .inputs)
                if strategy.options[node.name].partial_gradient(p)}
@@ -258,9 +267,11 @@ def stored_across(graph: Graph, strategy: Strategy, inner: int) -> Strategy:
             kept.append(param.name)
             continue
         across[param.name] = dims[0]
-    notes = (f"{len(kept)} of {len(graph.params)} parameters kept whole across the machines: "
-             f"{', '.join(kept[:3])}{' ...' if len(kept) > 3 else ''}",) if kept else ()
-    return replace(strategy, notes=strategy.notes + notes, across=across)
+    notes = (f"{len(kept)} of {len(graph.params)} parameters kept whole along "
+             f"{', '.join(axes)}: {', '.join(kept[:3])}{' ...' if len(kept) > 3 else ''}",) \
+        if kept else ()
+    return replace(strategy, notes=strategy.notes + notes, across=across,
+                   across_axes=axes if across else ())
 
 
 def _as_named(name: str, graph: Graph, strategy: Strategy, world: int,

@@ -1,11 +1,12 @@
 """The device mesh: the ranks as a grid of named axes, outermost first, numbered row-major as
 DeviceMesh numbers them (on a cluster of 8-GPU machines, the 2 x 8 mesh ("machines", "gpus")
 puts rank 9 at machine 1, GPU 1). A group along an axis is the ranks that differ only in that
-axis' coordinate: along "gpus" one machine's GPUs, along "machines" one GPU of every machine.
+axis' coordinate: along "gpus" one machine's GPUs, along "machines" one GPU of every machine;
+along several axes, the ranks that differ only in those.
 
-A plan (hidup.strategy.Strategy) splits its tensors over one axis' groups and, on a 2-D mesh,
-is data parallel over the other (its `dp` axis: each group there takes an equal part of the
-batch and sums its parameters' gradients)."""
+A plan (hidup.strategy.Strategy) splits its tensors over one axis' groups (its split axis) and
+is data parallel over every other axis (its `dp` axes: each group there takes an equal part of
+the batch and sums its parameters' gradients)."""
 from __future__ import annotations
 
 import math
@@ -14,6 +15,13 @@ from itertools import product
 
 # the axes of a 2-D mesh of a cluster: its machines, and each machine's GPUs
 AXES = ("machines", "gpus")
+# of a 3-D one: its machines, each machine's GPUs in blocks ("outer"), and a block's GPUs
+AXES3 = ("machines", "outer", "gpus")
+
+
+def dp_axes(axes: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """Axes as given (one axis' name, several, or None) as a tuple."""
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 @dataclass(frozen=True)
@@ -35,15 +43,22 @@ class Mesh:
         return cls((world,), ("gpus",))
 
     @classmethod
-    def grid(cls, machines: int, per_machine: int) -> Mesh:
-        """The 2-D mesh of `machines` x `per_machine` ranks (AXES)."""
-        return cls((machines, per_machine))
+    def grid(cls, *shape: int) -> Mesh:
+        """The 2-D mesh of machines x GPUs per machine (AXES), or the 3-D mesh of machines x
+        blocks per machine x GPUs per block (AXES3)."""
+        names = {2: AXES, 3: AXES3}.get(len(shape))
+        if names is None:
+            raise ValueError(f"mesh {'x'.join(map(str, shape))}: give 2 or 3 sizes "
+                             f"(MACHINESxGPUS or MACHINESxBLOCKSxGPUS)")
+        return cls(tuple(shape), names)
 
     @classmethod
-    def of_machines(cls, machines: int, per_machine: int) -> Mesh | None:
-        """A plan's mesh of `machines` x `per_machine` ranks: the 2-D grid, or None (the 1-D
-        mesh) where it has one machine."""
-        return cls.grid(machines, per_machine) if machines > 1 else None
+    def of_machines(cls, machines: int, *per_machine: int) -> Mesh | None:
+        """A plan's mesh of `machines` x `per_machine` ranks (a machine's GPUs, or its blocks x
+        a block's GPUs): the grid, or None (the 1-D mesh) where a 2-D one has one machine."""
+        if machines == 1 and len(per_machine) == 1:
+            return None
+        return cls.grid(machines, *per_machine)
 
     @property
     def world(self) -> int:
@@ -51,21 +66,14 @@ class Mesh:
 
     def size(self, axes: str | tuple[str, ...] | None) -> int:
         """Ranks along `axes` (one axis' name, or several; 1 for None or (): no axis)."""
-        axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
-        return math.prod(self.shape[self._index(a)] for a in axes)
-
-    def other(self, axis: str) -> str:
-        """On a 2-D mesh, the axis that is not `axis`."""
-        if len(self.shape) != 2:
-            raise ValueError(f"mesh {self}: the other axis than {axis!r} needs 2 axes")
-        return self.names[1 - self._index(axis)]
+        return math.prod(self.shape[self._index(a)] for a in dp_axes(axes))
 
     def groups(self, axes: str | tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """The groups along `axes` (one axis' name, or several): each group the ranks that
         differ only in those axes' coordinates, in row-major order of them; the groups in
         row-major order of the other axes' coordinates. Along every axis: the one group of
         all ranks."""
-        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        axes = dp_axes(axes)
         inside = sorted(map(self._index, axes))
         rest = [j for j in range(len(self.shape)) if j not in inside]
         out = []
@@ -99,28 +107,45 @@ class Mesh:
             r = r * n + c
         return r
 
-    # -- a plan's view: data parallel over `dp` (None on a 1-D mesh), split over the other axis
-    def split_axis(self, dp: str | None) -> str:
-        """The axis a plan that is data parallel over `dp` splits its tensors over."""
-        if dp is None:
-            if len(self.shape) != 1:
-                raise ValueError(f"mesh {self}: a plan on it needs a data-parallel axis")
-            return self.names[0]
-        return self.other(dp)
+    # -- a plan's view: data parallel over its `dp` axes (() on a 1-D mesh), split over the other
+    def split_axis(self, dp: tuple[str, ...]) -> str:
+        """The axis a plan that is data parallel over the axes `dp` splits its tensors over: the
+        one axis not in `dp`."""
+        dp = dp_axes(dp)
+        for a in dp:
+            self._index(a)  # an axis of the mesh
+        rest = [a for a in self.names if a not in dp]
+        if len(rest) != 1:
+            raise ValueError(f"mesh {self}: a plan on it is data parallel over every axis but "
+                             f"one, not over {list(dp)}")
+        return rest[0]
 
-    def rows(self, dp: str | None) -> tuple[tuple[int, ...], ...]:
+    def rows(self, dp: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """The groups a plan's placements split over (along its split axis)."""
         return self.groups(self.split_axis(dp))
 
-    def columns(self, dp: str | None) -> tuple[tuple[int, ...], ...]:
-        """The plan's data-parallel groups (along `dp`; one rank each on a 1-D mesh)."""
-        return self.groups(dp or ())
+    def outside(self, dp: tuple[str, ...]) -> bool:
+        """Are the `dp` axes all outside the split axis (the split axis the innermost)? Then a
+        part's row is consecutive ranks, and a tensor split over the batch by the parts, then
+        over a row, is split as over every rank flattened."""
+        return self.split_axis(dp) == self.names[-1]
 
-    def position(self, rank: int, dp: str | None) -> tuple[int, int]:
-        """(part, place) of `rank` for a plan: its coordinate on `dp` (the data-parallel part of
-        the batch it takes; 0 on a 1-D mesh) and on the split axis (which piece of a split tensor
-        it holds)."""
-        return (self.coord(dp, rank) if dp else 0, self.coord(self.split_axis(dp), rank))
+    def columns(self, dp: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """The plan's data-parallel groups (along its `dp` axes; one rank each on a 1-D mesh)."""
+        return self.groups(dp_axes(dp))
+
+    def index(self, rank: int, axes: tuple[str, ...]) -> int:
+        """The rank's place in its group along `axes`: its coordinates on them, row-major."""
+        out = 0
+        for a in dp_axes(axes):
+            out = out * self.size(a) + self.coord(a, rank)
+        return out
+
+    def position(self, rank: int, dp: tuple[str, ...]) -> tuple[int, int]:
+        """(part, place) of `rank` for a plan: its index among the `dp` axes (the data-parallel
+        part of the batch it takes, row-major over them; 0 on a 1-D mesh) and its coordinate on
+        the split axis (which piece of a split tensor it holds)."""
+        return self.index(rank, dp), self.coord(self.split_axis(dp), rank)
 
     def _index(self, axis: str) -> int:
         if axis not in self.names:
