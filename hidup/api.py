@@ -28,17 +28,19 @@ __all__ = ["Plan", "plan", "parallelize", "Trainer"]
 
 def plan(model: torch.nn.Module, example_inputs: tuple | list, *, cluster: str, gpus: int,
          micro_batches: int | None = None, memory: float | None = None,
-         optimizer: str = "adamw", strategy: str = SEARCH, mesh: tuple[int, int] | None = None,
+         optimizer: str = "adamw", strategy: str = SEARCH, mesh: tuple[int, ...] | None = None,
          name: str | None = None, recompute: str = "auto", mode: str = "graph",
          precision: str | None = None) -> Plan:
     """Plan `model` (whose `model(*example_inputs)` returns the loss; the inputs are one global
     batch) for `gpus` ranks of `cluster` (a shipped profile's name or a profile file).
 
     strategy "search" (default) runs HiDup's Duplex-aware search on the cluster's mesh (`mesh`:
-    machines x GPUs per machine to choose another) within `memory` bytes per device (default:
-    the profile's device memory), with the fixed strategies as baselines, and keeps the fastest
-    plan that fits; "ddp", "fsdp", "megatron", "megatron-sp" or "expert" takes that fixed
-    strategy.
+    machines x GPUs per machine, or machines x blocks x GPUs per block, to choose another)
+    within `memory` bytes per device (default: the profile's device memory), with the fixed
+    strategies as baselines, and keeps the fastest plan that fits; "ddp", "fsdp", "megatron",
+    "megatron-sp" or "expert" takes that fixed strategy, and on a mesh of 2 or more machines
+    "hsdp", "dp-megatron", "dp-expert", "fsdp+tp" and "tp+ep" (on a 3-D one also "hsdp+tp")
+    too.
     micro_batches None lets the planner choose between plain SPMD and Duplex (k=2); a number fixes it. `optimizer`
     is the one training will use ("sgd", "adamw", ...: its state counts in memory and its
     update in the step). `recompute` is activation checkpointing: "auto" recomputes the fewest

@@ -37,9 +37,12 @@ def parse_args(argv=None):
     ap.add_argument("--gpus", type=int, default=8, help="world size")
     ap.add_argument("--mesh", default=None, metavar="MACHINESxGPUS",
                     help="the device mesh, e.g. 8x8: plans with data parallel across the "
-                         "machines and any split inside them are searched beside the plans over "
-                         "every GPU; 1xN: those only (default: the cluster's machines x GPUs per "
-                         "machine when --gpus fills whole machines, else 1x--gpus)")
+                         "machines and any split inside them (and the other way round) are "
+                         "searched beside the plans over every GPU; 1xN: those only; "
+                         "MACHINESxBLOCKSxGPUS (e.g. 8x2x4): a 3-D mesh, each machine's GPUs in "
+                         "blocks, searched with each axis split over in turn (default: the "
+                         "cluster's machines x GPUs per machine when --gpus fills whole "
+                         "machines, else 1x--gpus)")
     ap.add_argument("--batch", type=int, default=None, help="global batch (default: the model's)")
     ap.add_argument("--micro-batches", type=int, default=None, metavar="K",
                     help="micro-batches per rank: 1 (plain SPMD), 2 or more (Duplex) (default: "

@@ -102,7 +102,7 @@ def simulate(graph: Graph, plan: Strategy, profile: Profile, gpus: int, k: int,
 def predict(model: str, cluster: str, gpus: int, strategy: str, batch: int | None = None,
             k: int = DUPLEX_K, options: SimOptions = SimOptions(), mesh: Mesh | None = None
             ) -> Prediction:
-    """A zoo model captured, one strategy (a fixed one's name, of a 2-D `mesh` for
+    """A zoo model captured, one strategy (a fixed one's name, of a `mesh` for
     hsdp, dp-megatron, fsdp+tp, tp+ep..., or a plan file) lowered for k=1 and for k
     micro-batches, and both simulated."""
     spec, profile, batch, graph = _setup(model, cluster, gpus, batch)
@@ -175,8 +175,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="world size (default: %(default)s)")
     p.add_argument("--strategy", metavar="NAME|PATH", default=SEARCH,
                    help=f"'{SEARCH}': HiDup's searched plan beside the fixed strategies; or one "
-                        f"strategy alone: a fixed one ({', '.join(FIXED)}; on --mesh "
-                        f"also {', '.join(ACROSS)}) or the path of a plan "
+                        f"strategy alone: a fixed one ({', '.join(FIXED)}; on a --mesh of 2 or "
+                        f"more machines also {', '.join(ACROSS)}) or the path of a plan "
                         f"file (default: %(default)s)")
     p.add_argument("--batch", metavar="B", type=_positive, default=None,
                    help="global batch size (default: the model's own)")
@@ -186,9 +186,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", metavar="GIB", type=float, default=None,
                    help="device memory limit in GiB (default: the cluster profile's)")
     p.add_argument("--mesh", metavar="MACHINESxGPUS", default=None,
-                   help="the device mesh the search runs on beside the 1-D one, e.g. 2x4, and "
-                        "a 2-D --strategy NAME's (default: the cluster's machines x GPUs per "
-                        "machine when --gpus fills whole machines)")
+                   help="the device mesh the search runs on beside the 1-D one, e.g. 2x4, or "
+                        "a 3-D one, MACHINESxBLOCKSxGPUS (e.g. 2x2x2: each machine's GPUs in "
+                        "blocks), and a mesh --strategy NAME's (hsdp+tp needs 3-D) (default: "
+                        "the cluster's machines x GPUs per machine when --gpus fills whole "
+                        "machines)")
     p.add_argument("--precision", choices=list(PRECISIONS), default=None,
                    help="the dtypes values, collectives and memory are counted at (bf16: mixed "
                         "precision under torch.autocast, float32 master weights; default: the "

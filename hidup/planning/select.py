@@ -3,8 +3,9 @@
 through every door.
 
 HiDup's Duplex-aware search runs on the cluster's device mesh (machines x GPUs per machine where
-the GPUs fill whole machines) and over every GPU, with the fixed strategies that apply (ddp,
-megatron, expert; dp-megatron and dp-expert on a 2-D mesh) as its baselines, each also with every
+the GPUs fill whole machines, or a 3-D mesh asked for) and over every GPU, with the fixed
+strategies that apply (ddp, megatron, expert; hsdp, dp-megatron, dp-expert, fsdp+tp, tp+ep on a
+mesh of 2 or more machines, hsdp+tp on a 3-D one) as its baselines, each also with every
 layer recomputed, selectively (as torchtitan runs fsdp) or whole, where that might win
 (hidup.planning.ranking.Ranking.recompute_hand); every plan is lowered with one micro-batch and
 with k, held to a device's memory and ranked by the planner's estimate of the step
@@ -40,8 +41,9 @@ class Goal:
     #   faster; a number: that many
     memory: float | None = None  # bytes a device holds (None: the profile's)
     optimizer: str = "adamw"  # the one training runs: its update's time and its state's memory
-    mesh: tuple[int, int] | None = None  # machines x GPUs per machine (None: the cluster's;
-    #   hidup.strategy.Mesh.grid makes it the mesh searched where it has 2 or more machines)
+    mesh: tuple[int, ...] | None = None  # machines x GPUs per machine, or machines x blocks x
+    #   GPUs per block (None: the cluster's; hidup.strategy.Mesh.grid makes it the mesh searched
+    #   where it has 2 or more machines, or 3 axes)
     strategy: str = SEARCH  # or a fixed strategy's name (hidup.strategy.FIXED, ACROSS)
     beam: int = 16  # states the search keeps per cut
     exact: float = 0.0  # seconds for the integer programme's proof of the k = 1 plan (0: none)

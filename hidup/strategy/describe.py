@@ -8,6 +8,7 @@ from hidup.graph import ops
 from hidup.graph.capture import Graph, Node
 from hidup.graph.placement import R, Shard, ShardingOption, option_is_flat, plain_option
 from hidup.strategy.base import Strategy
+from hidup.strategy.mesh import axes_words
 from hidup.strategy.microbatch import microbatch_split
 from hidup.strategy.recompute import describe_recompute
 
@@ -81,10 +82,8 @@ def storage(graph: Graph, strategy: Strategy) -> str:
     again = ", again for the backward" if strategy.reshard & set(sharded) else ""
     inside = f"; {len(sharded)} of {len(graph.params)} parameters stored sharded (gathered " \
              f"before use{again})" if sharded else ""
-    over = "inside each machine" if strategy.across_axes == ("gpus",) else \
-        "across the machines" if strategy.across_axes == ("machines",) else \
-        f"along {' x '.join(strategy.across_axes)}"
-    across = f"; {len(strategy.across)} of {len(graph.params)} stored sharded {over}" \
+    across = f"; {len(strategy.across)} of {len(graph.params)} stored sharded " \
+             f"{axes_words(strategy.across_axes)}" \
         if strategy.across and strategy.mesh else ""
     return inside + across
 

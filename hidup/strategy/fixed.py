@@ -12,7 +12,7 @@ from hidup.graph.tokens import TOKENS
 from hidup.graph.placement import (R, Partial, Placement, Shard, ShardingOption, flat,
                                    flat_option, is_flat, plain)
 from hidup.strategy.base import Strategy, fitting_options, placed, propagate, splits_evenly
-from hidup.strategy.mesh import Mesh
+from hidup.strategy.mesh import Mesh, axes_words
 from hidup.strategy.recompute import layers
 from hidup.strategy.sequence import megatron_sp
 
@@ -267,9 +267,8 @@ def stored_across(graph: Graph, strategy: Strategy, inner: int,
             kept.append(param.name)
             continue
         across[param.name] = dims[0]
-    notes = (f"{len(kept)} of {len(graph.params)} parameters kept whole along "
-             f"{', '.join(axes)}: {', '.join(kept[:3])}{' ...' if len(kept) > 3 else ''}",) \
-        if kept else ()
+    notes = (f"{len(kept)} of {len(graph.params)} parameters kept whole {axes_words(axes)}: "
+             f"{', '.join(kept[:3])}{' ...' if len(kept) > 3 else ''}",) if kept else ()
     return replace(strategy, notes=strategy.notes + notes, across=across,
                    across_axes=axes if across else ())
 

@@ -24,6 +24,13 @@ def dp_axes(axes: str | tuple[str, ...] | None) -> tuple[str, ...]:
     return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
+def axes_words(axes: tuple[str, ...]) -> str:
+    """Where along the mesh, in words: 'across the machines', 'inside each machine', or 'along
+    machines x outer'."""
+    return {("machines",): "across the machines", ("gpus",): "inside each machine"}.get(
+        tuple(axes), f"along {' x '.join(axes)}")
+
+
 @dataclass(frozen=True)
 class Mesh:
     shape: tuple[int, ...]  # ranks along each axis, outermost first
