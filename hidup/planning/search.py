@@ -60,8 +60,8 @@ def search(graph: Graph, world: int, profile: Profile, options: SearchOptions = 
     lowered with k and with one, ranked by the fast estimate (objective 'comm': by its own
     count). The programme prices every plan with k micro-batches and with one and keeps what is
     best either way, so that a search for Duplex finds the plans a plain search finds. On a 2-D
-    `options.mesh` it runs data parallel over its machines, over its GPUs (_axes) and over every
-    rank (1-D), and ranks them all (of a programme whose best is priced over BEHIND times
+    `options.mesh` it runs data parallel over its machines, over its GPUs (_axes; on a 3-D mesh
+    with each axis split over in turn) and over every rank (1-D), and ranks them all (of a programme whose best is priced over BEHIND times
     another's, that best plan). The integer programme is not run data parallel over the GPUs. Every
     plan is priced and held to `memory` with `optimizer`'s update and state. With `exact` > 0
     seconds the k = 1 programme's best plan on each mesh is also sought by the integer
