@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from hidup.cli import Parser
+from hidup.cli.collector import no_gc
 from hidup.graph.capture import capture
 from hidup.models import get_model, names
 from hidup.planning.costs import ProfileError, kernel_key, timing_key
@@ -126,14 +127,16 @@ def breakdown(timer: KernelTimer, times: dict[str, list[float]]) -> tuple[float,
 def measure_in_turns(timers: list[KernelTimer], steps: int, warmup: int) -> None:
     """`warmup` steps of each timer, then `steps` rounds of one step of each in turn: a drift
     of the machine's speed (this VM's drifts by up to 1.9x within a minute) lands on every
-    configuration alike instead of on whichever was measured while it lasted."""
-    for timer in timers:
-        for _ in range(warmup):
-            timer.step()
-        timer.start()
-    for _ in range(steps):
+    configuration alike instead of on whichever was measured while it lasted. Python's garbage
+    collector is paused meanwhile (hidup.cli.collector): its passes would land on the kernels."""
+    with no_gc(collect=True):
         for timer in timers:
-            timer.step()
+            for _ in range(warmup):
+                timer.step()
+            timer.start()
+        for _ in range(steps):
+            for timer in timers:
+                timer.step()
 
 
 def measure_kernels(model: str, strategy: str, world: int, k: int, steps: int = 5,

@@ -22,6 +22,7 @@ from hidup.strategy import (Mesh, fixed_strategy, layers, random_strategy, recom
 from hidup.program import LoweringError, lower
 from hidup.program.tasks import BUCKET_BYTES
 from hidup.runtime.execute import Executor, full_tensor
+from hidup.runtime.local_world import assemble, run_local
 
 MODELS = ("mlp:tiny", "gpt:tiny")
 CASES = [(m, s, k) for m in MODELS for s in ("ddp", "megatron") for k in (1, 2)]
@@ -123,6 +124,59 @@ def one_step(model, graph, strategy, world: int, k: int, name: str, batch,
     return float(loss), grads, str(strategy)
 
 
+def local_step(model, graph, strategy, world: int, k: int, name: str, batch,
+               bucket_bytes: int = BUCKET_BYTES, buffers_out: bool = False) -> list[tuple]:
+    """As one_step gives it on each of `world` ranks, the ranks run on threads of this process
+    (hidup.runtime.local_world: untraced, collectives exchanged in memory): per rank (loss,
+    whole gradients by parameter name, the strategy as text), and with `buffers_out` the rank's
+    buffers after the step by name."""
+    program = lower(graph, strategy, world, k, name, bucket_bytes)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = {**graph.constants, **dict(model.named_buffers())}
+    ranks = run_local(graph, strategy, program,
+                      {n.name: params[n.source].detach() for n in graph.params},
+                      [buffers[n.source].detach() for n in graph.nodes if n.kind == "buffer"],
+                      list(batch))
+    grads = {graph.node(p).source: assemble(strategy, program, p, [r.grads[p] for r in ranks],
+                                            graph.node(p).out.shape)
+             for p in program.param_grads}
+    names = [n.source for n in graph.nodes if n.kind == "buffer"]
+    return [(float(r.loss), grads, str(strategy))
+            + ((dict(zip(names, r.buffers)),) if buffers_out else ()) for r in ranks]
+
+
+def local_grads(world: int, cases, make_strategy=one_d_strategy) -> list[dict]:
+    """What run_ranks(world, distributed_grads, cases, make_strategy) gives, each case's step
+    run by local_step: per rank, {case: (loss, whole gradients, the strategy as text)}."""
+    out, graphs = [{} for _ in range(world)], {}
+    for name, strategy_name, k in cases:
+        spec = get_model(name, gpus=world)
+        model = build_model(spec)
+        if name not in graphs:
+            graphs[name] = capture(model, batch_of(spec, seed=0))
+        strategy = make_strategy(graphs[name], strategy_name, world, k)
+        if strategy is None:
+            continue
+        for rank, result in enumerate(local_step(model, graphs[name], strategy, world, k, name,
+                                                 batch_of(spec),
+                                                 BUCKETS.get(strategy_name, BUCKET_BYTES))):
+            out[rank][(name, strategy_name, k)] = result
+    return out
+
+
+def split_run(world: int, cases, make_strategy=one_d_strategy, mesh: bool = False,
+              real=None) -> list:
+    """Each case's step per rank: those of `real` (default: those users run traced, mode_of)
+    on `world` gloo ranks, the others on threads of this process (local_grads: untraced);
+    merged per rank."""
+    traced = [c for c in cases if (c in real if real is not None else
+                                   mode_of(c[1], 2 if mesh else world) == "graph")]
+    local = local_grads(world, [c for c in cases if c not in traced], make_strategy)
+    real = run_ranks(world, distributed_grads, traced, make_strategy, mesh) if traced else \
+        [{} for _ in range(world)]
+    return [{**a, **b} for a, b in zip(real, local)]
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor, scale: float = 0.0) -> float:
     """Norm-wise relative error. A gradient that is zero in exact arithmetic (e.g. an attention key
     bias: softmax ignores a per-query constant) holds only rounding noise, so the denominator is
@@ -133,7 +187,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor, scale: float = 0.0) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_strategies_match_single_device(world):
-    results = run_ranks(world, distributed_grads, CASES)
+    results = split_run(world, CASES)
     refs = {name: reference(name, world) for name in {case[0] for case in CASES}}
     for case in CASES:
         ref_loss, ref_grads = refs[case[0]]
@@ -233,6 +287,12 @@ MESH_CASES += [(m, f"{FLAT}{seed}", 1 + seed % 2) for m in ("gpt:tiny", "bert-sg
 MESH_CASES += [("gpt:tiny", f"{TURNED}dp-megatron", 2), ("bert-sgmoe:tiny", f"{TURNED}dp-expert", 1),
                ("gpt:tiny", f"{TURNED}fsdp+tp", 2), ("bert-sgmoe:tiny", f"{TURNED}search-2d", 2),
                ("gpt:tiny", f"{TURNED}random-5", 2)]
+# the mesh cases run traced on gloo ranks (their collectives in DeviceMesh's groups: a row's, a
+# column's, the world's, flat ops', storage across the machines, the turned mesh's); the others'
+# numerics on threads (local_grads)
+REAL_MESH = [("gpt:tiny", "dp-megatron", 2), ("bert-sgmoe:tiny", "search-2d", 1),
+             ("gpt:tiny", "fsdp+tp", 2), ("llama:tiny", "hsdp", 2),
+             ("bert-sgmoe:tiny", "tp+ep", 2), ("gpt:tiny", f"{TURNED}fsdp+tp", 2)]
 
 
 def mesh_strategy(graph, name: str, world: int, k: int):
@@ -293,8 +353,9 @@ def random_flat(graph, world: int, k: int, rng):
 @pytest.mark.slow
 def test_2d_mesh_plans_match_single_device():
     """2 machines x 2 ranks: dp-megatron, dp-expert, fsdp+tp, plans searched on the mesh and
-    random strategies inside each machine, Duplex on and off, equal single-device training."""
-    results = run_ranks(4, distributed_grads, MESH_CASES, mesh_strategy, True)
+    random strategies inside each machine, Duplex on and off, equal single-device training
+    (REAL_MESH on gloo ranks, traced; the others on threads)."""
+    results = split_run(4, MESH_CASES, mesh_strategy, True, REAL_MESH)
     assert sum(case[1].startswith("random") for case in results[0]) >= 4, results[0].keys()
     assert_equal_to_one_device(results, 4, MESH_CASES)
 
@@ -334,8 +395,10 @@ def cube_strategy(graph, name: str, world: int, k: int):
 
 @pytest.mark.slow
 def test_3d_mesh_plans_match_single_device():
-    """2 x 2 x 2 gloo ranks: fixed and searched plans on a 3-D mesh, Duplex on and off, equal
-    single-device training."""
-    results = run_ranks(8, distributed_grads, CUBE_CASES, cube_strategy, True)
+    """2 x 2 x 2 ranks: fixed and searched plans on a 3-D mesh, Duplex on and off, equal
+    single-device training; the first two on gloo ranks, traced (their collectives in groups
+    along one axis and along two), the others on threads (local_grads)."""
+    real = run_ranks(8, distributed_grads, CUBE_CASES[:2], cube_strategy, True)
+    results = [{**a, **b} for a, b in zip(real, local_grads(8, CUBE_CASES[2:], cube_strategy))]
     assert len(results[0]) == len(CUBE_CASES), results[0].keys()
     assert_equal_to_one_device(results, 8, CUBE_CASES)

@@ -1,8 +1,10 @@
 """Property: a random valid strategy (a random option per node) trains exactly like one device,
 for every model, Duplex on and off, on 2 and 4 gloo ranks. The strategies are drawn anew on each
 run from a seed the test prints (HIDUP_TEST_SEED draws them again). Each runs untraced (the
-Program's tasks one by one as Python); on 2 ranks the first of each model's draws also runs
-traced (graph mode, what users run), which must give the same loss and gradients bit for bit."""
+Program's tasks one by one as Python) with its ranks on threads of one process, their
+collectives exchanged in memory (hidup.runtime.local_world); on 2 gloo ranks the first of each
+model's draws also runs traced (graph mode, what users run), which must give the same loss and
+gradients bit for bit."""
 from __future__ import annotations
 
 import os
@@ -15,26 +17,43 @@ from conftest import build_model, run_ranks
 from hidup.graph.capture import capture
 from hidup.models import get_model
 from hidup.strategy import random_strategy
-from test_equivalence import batch_of, one_step, reference, rel_err
+from test_equivalence import batch_of, local_step, one_step, reference, rel_err
 
 MODELS = ("mlp:tiny", "gpt:tiny", "bert-sgmoe:tiny", "bert-switch:tiny", "vit-sgmoe:tiny",
           "vit-switch:tiny", "switch-trace:tiny")
 
 
-def random_runs(rank, world, name, seeds, traced=()):
+def drawn(graph, world: int, seed: int):
+    """Seed's random strategy (each must lower: a failure else) and its micro-batches."""
+    k = 1 + seed % 2
+    return random_strategy(graph, world, random.Random(seed), divide=world * k), k
+
+
+def random_runs(world, name, seeds):
     """{seed: (strategy text, loss, whole gradients)} after one untraced step of each seed's
-    strategy (each must lower: a failure else); for the seeds in `traced` also
-    {("graph", seed): ...} of the traced step."""
+    strategy, its ranks on threads of this process (local_step; rank 0's loss)."""
     spec = get_model(name, gpus=world)
     graph = capture(build_model(spec), batch_of(spec, seed=0))
     out = {}
     for seed in seeds:
-        k = 1 + seed % 2
-        strategy = random_strategy(graph, world, random.Random(seed), divide=world * k)
-        for mode in ("untraced", "graph") if seed in traced else ("untraced",):
-            loss, grads, text = one_step(build_model(spec), graph, strategy, world, k, name,
-                                         batch_of(spec), mode=mode)
-            out[seed if mode == "untraced" else (mode, seed)] = (text, loss, grads)
+        strategy, k = drawn(graph, world, seed)
+        loss, grads, text = local_step(build_model(spec), graph, strategy, world, k, name,
+                                       batch_of(spec))[0]
+        out[seed] = (text, loss, grads)
+    return out
+
+
+def traced_runs(rank, world, name, seeds):
+    """{("graph", seed): (strategy text, loss, whole gradients)} of the traced step of each
+    seed's strategy on gloo ranks (graph mode, what users run)."""
+    spec = get_model(name, gpus=world)
+    graph = capture(build_model(spec), batch_of(spec, seed=0))
+    out = {}
+    for seed in seeds:
+        strategy, k = drawn(graph, world, seed)
+        loss, grads, text = one_step(build_model(spec), graph, strategy, world, k, name,
+                                     batch_of(spec), mode="graph")
+        out[("graph", seed)] = (text, loss, grads)
     return out
 
 
@@ -52,7 +71,9 @@ def test_random_strategy_matches_single_device(world, name):
     ref_loss, ref_grads = reference(name, world)
     scale = 1e-3 * max(float(g.norm()) for g in ref_grads.values())
     traced = seeds[:1] if world == 2 else ()
-    results = run_ranks(world, random_runs, name, seeds, traced)[0]
+    results = random_runs(world, name, seeds)
+    if traced:
+        results.update(run_ranks(world, traced_runs, name, traced)[0])
     for seed in traced:  # the traced step computes what its tasks run as Python do, bit for bit
         text, loss, grads = results.pop(("graph", seed))
         assert (text, loss) == results[seed][:2], (SEED, seed, text)

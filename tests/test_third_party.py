@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 from conftest import run_ranks
-from test_equivalence import mode_of, one_step, rel_err
+from test_equivalence import local_step, mode_of, one_step, rel_err
 
 from hidup.graph.capture import capture
 from hidup.graph.placement import R, Shard
@@ -45,9 +45,38 @@ def strategy_of(graph, how: str, world: int, k: int):
     return fixed_strategy(how, graph, world)
 
 
+def traced(name: str, how: str, world: int, k: int) -> bool:
+    """The searched plan runs traced as users run it under Duplex on 2 gloo ranks (the eight
+    first families); the rest untraced on threads (local_grads: the same tasks as Python;
+    test_random_strategies holds the two modes to the same result bit for bit, and
+    test_equivalence traces every fixed plan). Tracing is 70% of a gloo rank's time: every k = 2
+    plan traced took 70 s on 2 ranks, against 35 s for the searched one only."""
+    return how == "search" and k > 1 and name in MODELS and mode_of(how, world) == "graph"
+
+
+def run_cases(world: int, cases) -> list[dict]:
+    """Per rank {case: (loss, whole gradients, strategy text, buffers)} after one step of each
+    case: the traced ones on gloo ranks (third_party_grads), the others on threads."""
+    real = [c for c in cases if traced(*c[:2], world, c[2])]
+    out = run_ranks(world, third_party_grads, real) if real else [{} for _ in range(world)]
+    graphs = {}
+    for name, how, k in cases:
+        if (name, how, k) in real:
+            continue
+        model = build(name)
+        if name not in graphs:
+            graphs[name] = capture(model, batch(name, seed=0))
+        strategy = strategy_of(graphs[name], how, world, k)
+        for rank, result in enumerate(local_step(model, graphs[name], strategy, world, k, name,
+                                                 batch(name), buffers_out=True)):
+            out[rank][(name, how, k)] = result
+    return out
+
+
 def third_party_grads(rank, world, cases):
-    """{case: (loss, whole gradients, strategy text, buffers)} after one step of each case (the
-    executor writes forward's buffer updates into the model's own buffers, as eager does)."""
+    """{case: (loss, whole gradients, strategy text, buffers)} after one traced step of each
+    case (the executor writes forward's buffer updates into the model's own buffers, as eager
+    does)."""
     out, graphs = {}, {}
     for name, how, k in cases:
         model = build(name)  # the same weights each time: its graph is captured once
@@ -55,14 +84,7 @@ def third_party_grads(rank, world, cases):
             graphs[name] = capture(model, batch(name, seed=0))
         graph = graphs[name]
         strategy = strategy_of(graph, how, world, k)
-        # the searched plan traced as users run it under Duplex on 2 ranks (the eight first
-        # families); the rest untraced (the same tasks as Python: test_random_strategies holds
-        # the two modes to the same result bit for bit, and test_equivalence traces every fixed
-        # plan). Tracing is 70% of this test's time: every k = 2 plan traced took 70 s on 2
-        # ranks, against 35 s for the searched one only
-        mode = mode_of(how, world) if how == "search" and k > 1 and name in MODELS \
-            else "untraced"
-        result = one_step(model, graph, strategy, world, k, name, batch(name), mode=mode)
+        result = one_step(model, graph, strategy, world, k, name, batch(name), mode="graph")
         out[(name, how, k)] = result + ({n: b.clone() for n, b in model.named_buffers()},)
     return out
 
@@ -98,8 +120,7 @@ CASES_4 = [c for c in PLANS if c[0] not in ("bart", "t5")] + [("llama", "random"
 @pytest.mark.slow
 @pytest.mark.parametrize("world, cases", [(2, CASES), (4, CASES_4)])
 def test_third_party_models_match_eager(world, cases):
-    results = run_ranks(world, third_party_grads, cases)
-    check(results, cases)
+    check(run_cases(world, cases), cases)
 
 
 # more families (experiments.third_party.MORE_SPECS: 26, with the first eight 34, encoders,
@@ -116,7 +137,7 @@ MORE = [(m, how, k) for m in MORE_SPECS for how in ("ddp", "fsdp", "megatron", "
 def test_more_families_match_eager_under_plans_that_split(part):
     names = list(MORE_SPECS)[part::3]
     cases = [c for c in MORE if c[0] in names]
-    check(run_ranks(2, third_party_grads, cases), cases)
+    check(run_cases(2, cases), cases)
 
 
 def test_more_families_plans_split_their_ops():

@@ -37,7 +37,7 @@ def test_single_process_run_and_loss_falls(capsys):
 
 def test_bad_input_is_one_line(capsys):
     assert main(["--model", "mlp:tiny", "--strategy", "zigzag", "--steps", "2", "--warmup", "0"]) == 2
-    assert "unknown strategy 'zigzag'; choose one of ['ddp', 'expert', 'fsdp', 'megatron', 'megatron-sp', 'dp-expert', 'dp-megatron', 'fsdp+tp', 'hsdp', 'tp+ep'] or a plan file" in \
+    assert "unknown strategy 'zigzag'; choose one of ['ddp', 'expert', 'fsdp', 'megatron', 'megatron-sp', 'dp-expert', 'dp-megatron', 'fsdp+tp', 'hsdp', 'hsdp+tp', 'tp+ep'] or a plan file" in \
         capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--steps", "2", "--warmup", "2"])

@@ -43,7 +43,7 @@ def _said(stderr: str) -> list[str]:
 
 def test_bad_flags_are_one_line_before_any_rank_starts():
     cases = [(["--strategy", "megatorn"], "python -m hidup.train: error: unknown strategy 'megatorn'; choose one "
-                                          "of ['ddp', 'expert', 'fsdp', 'megatron', 'megatron-sp', 'dp-expert', 'dp-megatron', 'fsdp+tp', 'hsdp', 'tp+ep'] or a plan file"),
+                                          "of ['ddp', 'expert', 'fsdp', 'megatron', 'megatron-sp', 'dp-expert', 'dp-megatron', 'fsdp+tp', 'hsdp', 'hsdp+tp', 'tp+ep'] or a plan file"),
              (["--lr", "nan"], "python -m hidup.train: error: --lr must be a finite number, 0 or "
                                "more, got nan; e.g. --lr 0.01; see --help")]
     procs = [subprocess.Popen(_launcher(extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -8,14 +8,13 @@ runs the programme data parallel over each of its axes and over every rank (1-D)
 every kind of plan."""
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from operator import attrgetter
 
+from hidup.cli.collector import no_gc
 from hidup.graph.capture import Graph
 from hidup.graph.ops.registry import replicated
 from hidup.graph.repeats import Cut
@@ -67,20 +66,9 @@ def search(graph: Graph, world: int, profile: Profile, options: SearchOptions = 
     seconds the k = 1 programme's best plan on each mesh is also sought by the integer
     programme (hidup.planning.exact), proven optimal for that cost model unless the time runs
     out, and ranked as exact#0 (exact-2d#0); the beam can miss it (experiments.search_exactness)."""
-    with _no_gc():  # it makes a million small objects, none in a cycle: the collector's
+    with no_gc():  # it makes a million small objects, none in a cycle: the collector's
         # passes over them (and over the labels alive while plans are lowered) cost a tenth
         return _search(graph, world, profile, options, baselines or {})
-
-
-@contextmanager
-def _no_gc():
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _search(graph: Graph, world: int, profile: Profile, options: SearchOptions,

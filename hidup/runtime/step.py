@@ -52,6 +52,9 @@ class StepSpec:
     #   in bf16 where autocast makes them so, weights and their gradients float32)
     device_type: str = "cpu"
     local_collectives: bool = False  # calibration: collectives stood in by local copies
+    # every rank on a thread of one process: collectives exchanged in memory, by the ranks of
+    # each group (hidup.runtime.local_world; the untraced step only)
+    exchange: object | None = None
 
 
 class _TaskRunner:
@@ -80,17 +83,23 @@ class _TaskRunner:
                      for t, d in self.p.compute.items()}
         self.master = {n.name: getattr(torch, n.out.dtype) for n in self.g.params}
 
+    def annotate(self, meta: dict):
+        """Mark the graph nodes the block records with `meta` (their task: the profiler labels
+        and calibration.ops read it); nothing where the ranks run on threads (local_world): the
+        marks are a global of torch.fx, which threads would garble for later traces."""
+        return nullcontext() if self.spec.exchange is not None else fx_traceback.annotate(meta)
+
     def __call__(self, params, buffers, inputs, lr):
         """params, buffers, inputs: lists in the graph's order (this rank's parameter shards, the
         whole buffers and the whole global batch); lr a 0-d tensor. Returns [loss] (update) or
         [loss, *gradients] (no update)."""
         self.env, self.saved, self.pending = Values(), {}, {}
-        with fx_traceback.annotate({"task": INPUT_TASK}):
+        with self.annotate({"task": INPUT_TASK}):
             self.place_inputs(params, buffers, inputs)
         for task in self.p.tasks:
             if isinstance(task, Compute) and task.phase == "update" and not self.update_params:
                 continue
-            with fx_traceback.annotate({"task": task.id}):
+            with self.annotate({"task": task.id}):
                 self.run_task(task, params, lr)
         for node, buf in zip((n for n in self.g.nodes if n.kind == "buffer"), buffers):
             if node.name in self.p.buffer_updates:  # as eager's in-place update of the buffer
@@ -222,6 +231,10 @@ class _TaskRunner:
         axes = self.p.grid.names if flat else self.p.split_axes
         if self.p.grid.size(axes) == 1 or self.spec.local_collectives:
             return x
+        if self.spec.exchange is not None:
+            ex = self.spec.exchange
+            return ex.wait(ex.issue("all_reduce", x, self.p.grid.group(axes, self.spec.rank),
+                                    self.spec.rank, op))
         return _C.wait_tensor(_C.all_reduce(x, op, self.spec.group_names[axes]))
 
     def whole(self, name: str) -> torch.Tensor | None:
@@ -299,7 +312,7 @@ class _TaskRunner:
         else:
             pack, unpack = PACKING[task.kind]
             sent = pack(x, task, n)
-            with fx_traceback.annotate({"task": task.id, "standin": True}):
+            with self.annotate({"task": task.id, "standin": True}):
                 result = self.collective(task, sent)
             self.pending[task.id] = lambda: self.accumulate(
                 out_key, unpack(self.wait(result), task, n), root, flat)
@@ -331,9 +344,11 @@ class _TaskRunner:
                                              for key, p in zip(task.outputs, parts)]
             return
         flat = torch.cat([p.reshape(-1) for p in parts])
-        with fx_traceback.annotate({"task": task.id, "standin": True}):
+        with self.annotate({"task": task.id, "standin": True}):
             if self.spec.local_collectives:
                 flat = stand_in("all_reduce", flat, 1, 0)
+            elif self.spec.exchange is not None:
+                flat = self.collective(task, flat)
             else:  # in place: the buffer is the step's own (the functional one would copy it)
                 flat = _C.all_reduce_(flat, "sum", self.group_name(task))
 
@@ -363,7 +378,7 @@ class _TaskRunner:
         else:
             flat = torch.cat([m.reshape(n, -1) for m in moved], dim=1).reshape(-1)
         sizes = [m.numel() if gather else m.numel() // n for m in moved]
-        with fx_traceback.annotate({"task": task.id, "standin": True}):
+        with self.annotate({"task": task.id, "standin": True}):
             result = self.collective(task, flat)
 
         def finish():
@@ -392,6 +407,8 @@ class _TaskRunner:
         group = self.members(task)
         if self.spec.local_collectives:
             return stand_in(task.kind, x, len(group), group.index(self.spec.rank))
+        if self.spec.exchange is not None:
+            return self.spec.exchange.issue(task.kind, x, group, self.spec.rank)
         return issue(task.kind, x, len(group), self.group_name(task))
 
     def wait(self, x: torch.Tensor) -> torch.Tensor:
@@ -400,7 +417,9 @@ class _TaskRunner:
         real collectives, counts the unpacking and not the time spent waiting for the peers."""
         if self.spec.local_collectives:
             return x
-        with fx_traceback.annotate({"standin": True}):
+        if self.spec.exchange is not None:
+            return self.spec.exchange.wait(x)
+        with self.annotate({"standin": True}):
             return _C.wait_tensor(x)
 
 
