@@ -31,7 +31,7 @@ from pathlib import Path
 
 from experiments import outputs
 from experiments.paper_figures import FIGURES
-from experiments.paper_plots import write
+from experiments.paper_plots import table, write
 from hidup.cli import Parser, command_logs
 from hidup.models import get_model
 from hidup.planning.costs import ProfileError
@@ -70,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "proven best plan for plain SPMD, this long per search (default 0: "
                          "the beam alone, as the committed figures were made unless their "
                          "command says otherwise)")
+    ap.add_argument("--table", action="store_true",
+                    help="print the figure's table alone (Markdown, as docs/paper_evaluation.md "
+                         "shows it) and write no files")
     ap.add_argument("--out", type=Path, default=outputs.default_out("paper"),
                     help="folder for FIGURE.csv and FIGURE.png (default out/paper, git-ignored; "
                          "experiments/results/paper holds the figures in docs/: refresh them "
@@ -109,10 +112,14 @@ def main(argv=None) -> int:
         except (ValueError, ProfileError, RuntimeError) as exc:
             print(f"{PROG} {name}: {exc}", file=sys.stderr)
             return 2
+        if args.table:
+            print(table(fig))
+            continue
         args.out.mkdir(parents=True, exist_ok=True)  # only once there is a figure to write
         write(fig, args.out)
     log.info("done in %.0f s", time.perf_counter() - started)
-    print(outputs.note(args.out, "paper"))
+    if not args.table:
+        print(outputs.note(args.out, "paper"))
     return 0
 
 

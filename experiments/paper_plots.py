@@ -21,14 +21,16 @@ def write(fig: Figure, out: Path) -> None:
             writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
     PLOTS[fig.name](fig, out / f"{fig.name}.png")
     print(f"\n## {fig.title}\n")
-    shown = fig.rows if fig.name != "convergence" else fig.rows[:: max(1, len(fig.rows) // 10)]
-    print("| " + " | ".join(fig.columns) + " |")
-    print("|" + " --- |" * len(fig.columns))
-    for row in shown:
-        print("| " + " | ".join(cell(row[c]) for c in fig.columns) + " |")
-    for note in fig.notes:
-        print(f"\n{note}")
+    print(table(fig))
     print(f"\nwrote {out / fig.name}.csv and {out / fig.name}.png")
+
+
+def table(fig: Figure) -> str:
+    """The figure's table in Markdown (a tenth of convergence's rows), then its notes."""
+    shown = fig.rows if fig.name != "convergence" else fig.rows[:: max(1, len(fig.rows) // 10)]
+    lines = ["| " + " | ".join(fig.columns) + " |", "|" + " --- |" * len(fig.columns)]
+    lines += ["| " + " | ".join(cell(row[c]) for c in fig.columns) + " |" for row in shown]
+    return "\n".join(lines + [f"\n{note}" for note in fig.notes])
 
 
 

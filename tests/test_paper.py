@@ -35,6 +35,16 @@ def test_every_figure_writes_its_csv_png_and_table(quick, name):
     assert f"wrote {out / name}.csv" in printed
 
 
+def test_table_prints_the_figures_table_alone_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    """--table: the figure's Markdown table on stdout (what a docs block holds), no file."""
+    monkeypatch.chdir(tmp_path)
+    assert paper.main(["breakdown", "--quick", "--table"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| model | cluster | system |") and lines[1].startswith("| ---")
+    assert len(lines) == 2 + 9 and all(line.startswith("| ") for line in lines)
+    assert not any(tmp_path.iterdir())
+
+
 def test_breakdown_is_what_the_simulated_timeline_shows(quick):
     """The expert-parallel row of the one-machine breakdown, against its own simulated timeline:
     computation is the compute stream's busy time, communication the collectives' summed time,
