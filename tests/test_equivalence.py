@@ -90,24 +90,38 @@ def mode_of(strategy_name: str, world: int = 2) -> str:
     return "untraced" if strategy_name.startswith("random") or world > 2 else "graph"
 
 
+def planned(cases, world: int, make_strategy, build, example):
+    """(case, model, graph, strategy) of each case (model NAME, strategy NAME, k) whose
+    `make_strategy(graph, NAME, world, k)` is not None: the model `build(NAME)` gives (the same
+    weights each time: its graph, of `example(NAME)`, is captured once)."""
+    graphs = {}
+    for name, strategy_name, k in cases:
+        model = build(name)
+        if name not in graphs:
+            graphs[name] = capture(model, example(name))
+        strategy = make_strategy(graphs[name], strategy_name, world, k)
+        if strategy is not None:
+            yield (name, strategy_name, k), model, graphs[name], strategy
+
+
+def zoo_planned(cases, world: int, make_strategy):
+    """planned() of the zoo's models made for `world` GPUs."""
+    return planned(cases, world, make_strategy,
+                   lambda name: build_model(get_model(name, gpus=world)),
+                   lambda name: batch_of(get_model(name, gpus=world), seed=0))
+
+
 def distributed_grads(rank, world, cases, make_strategy=one_d_strategy, mesh=False):
     """{case: (loss, whole gradients, the strategy as text)} after one step of each case whose
     `make_strategy(graph, name, world, k)` is not None (in the mode `mode_of` gives it; a 2-D
     `mesh` plan's on 2 ranks' terms)."""
-    out, graphs = {}, {}
-    for name, strategy_name, k in cases:
-        spec = get_model(name, gpus=world)
-        model = build_model(spec)  # the same weights each time: its graph is captured once
-        if name not in graphs:
-            graphs[name] = capture(model, batch_of(spec, seed=0))
-        graph = graphs[name]
-        strategy = make_strategy(graph, strategy_name, world, k)
-        if strategy is None:
-            continue
-        out[(name, strategy_name, k)] = one_step(model, graph, strategy, world, k, name,
-                                                 batch_of(spec),
-                                                 BUCKETS.get(strategy_name, BUCKET_BYTES),
-                                                 mode_of(strategy_name, 2 if mesh else world))
+    out = {}
+    for case, model, graph, strategy in zoo_planned(cases, world, make_strategy):
+        name, strategy_name, k = case
+        out[case] = one_step(model, graph, strategy, world, k, name,
+                             batch_of(get_model(name, gpus=world)),
+                             BUCKETS.get(strategy_name, BUCKET_BYTES),
+                             mode_of(strategy_name, 2 if mesh else world))
     return out
 
 
@@ -148,19 +162,13 @@ def local_step(model, graph, strategy, world: int, k: int, name: str, batch,
 def local_grads(world: int, cases, make_strategy=one_d_strategy) -> list[dict]:
     """What run_ranks(world, distributed_grads, cases, make_strategy) gives, each case's step
     run by local_step: per rank, {case: (loss, whole gradients, the strategy as text)}."""
-    out, graphs = [{} for _ in range(world)], {}
-    for name, strategy_name, k in cases:
-        spec = get_model(name, gpus=world)
-        model = build_model(spec)
-        if name not in graphs:
-            graphs[name] = capture(model, batch_of(spec, seed=0))
-        strategy = make_strategy(graphs[name], strategy_name, world, k)
-        if strategy is None:
-            continue
-        for rank, result in enumerate(local_step(model, graphs[name], strategy, world, k, name,
-                                                 batch_of(spec),
+    out = [{} for _ in range(world)]
+    for case, model, graph, strategy in zoo_planned(cases, world, make_strategy):
+        name, strategy_name, k = case
+        for rank, result in enumerate(local_step(model, graph, strategy, world, k, name,
+                                                 batch_of(get_model(name, gpus=world)),
                                                  BUCKETS.get(strategy_name, BUCKET_BYTES))):
-            out[rank][(name, strategy_name, k)] = result
+            out[rank][case] = result
     return out
 
 

@@ -29,32 +29,31 @@ def drawn(graph, world: int, seed: int):
     return random_strategy(graph, world, random.Random(seed), divide=world * k), k
 
 
-def random_runs(world, name, seeds):
-    """{seed: (strategy text, loss, whole gradients)} after one untraced step of each seed's
-    strategy, its ranks on threads of this process (local_step; rank 0's loss)."""
+def runs(world, name, seeds, step):
+    """{seed: (strategy text, loss, whole gradients)} after one step of each seed's strategy,
+    `step(model, graph, strategy, world, k, name, batch)` giving (loss, gradients, text)."""
     spec = get_model(name, gpus=world)
     graph = capture(build_model(spec), batch_of(spec, seed=0))
     out = {}
     for seed in seeds:
         strategy, k = drawn(graph, world, seed)
-        loss, grads, text = local_step(build_model(spec), graph, strategy, world, k, name,
-                                       batch_of(spec))[0]
+        loss, grads, text = step(build_model(spec), graph, strategy, world, k, name,
+                                 batch_of(spec))
         out[seed] = (text, loss, grads)
     return out
 
 
+def random_runs(world, name, seeds):
+    """runs() of the untraced step, its ranks on threads of this process (local_step; rank 0's
+    loss)."""
+    return runs(world, name, seeds, lambda *args: local_step(*args)[0])
+
+
 def traced_runs(rank, world, name, seeds):
-    """{("graph", seed): (strategy text, loss, whole gradients)} of the traced step of each
-    seed's strategy on gloo ranks (graph mode, what users run)."""
-    spec = get_model(name, gpus=world)
-    graph = capture(build_model(spec), batch_of(spec, seed=0))
-    out = {}
-    for seed in seeds:
-        strategy, k = drawn(graph, world, seed)
-        loss, grads, text = one_step(build_model(spec), graph, strategy, world, k, name,
-                                     batch_of(spec), mode="graph")
-        out[("graph", seed)] = (text, loss, grads)
-    return out
+    """{("graph", seed): ...} of runs() of the traced step on gloo ranks (graph mode, what users
+    run)."""
+    return {("graph", seed): result for seed, result in
+            runs(world, name, seeds, lambda *args: one_step(*args, mode="graph")).items()}
 
 
 # a new draw on every run; HIDUP_TEST_SEED=N draws the same strategies again

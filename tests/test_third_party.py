@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 from conftest import run_ranks
-from test_equivalence import local_step, mode_of, one_step, rel_err
+from test_equivalence import local_step, mode_of, one_step, planned, rel_err
 
 from hidup.graph.capture import capture
 from hidup.graph.placement import R, Shard
@@ -59,33 +59,27 @@ def run_cases(world: int, cases) -> list[dict]:
     case: the traced ones on gloo ranks (third_party_grads), the others on threads."""
     real = [c for c in cases if traced(*c[:2], world, c[2])]
     out = run_ranks(world, third_party_grads, real) if real else [{} for _ in range(world)]
-    graphs = {}
-    for name, how, k in cases:
-        if (name, how, k) in real:
-            continue
-        model = build(name)
-        if name not in graphs:
-            graphs[name] = capture(model, batch(name, seed=0))
-        strategy = strategy_of(graphs[name], how, world, k)
-        for rank, result in enumerate(local_step(model, graphs[name], strategy, world, k, name,
-                                                 batch(name), buffers_out=True)):
-            out[rank][(name, how, k)] = result
+    rest = [c for c in cases if c not in real]
+    for case, model, graph, strategy in planned(rest, world, strategy_of, build, _example):
+        for rank, result in enumerate(local_step(model, graph, strategy, world, case[2],
+                                                 case[0], batch(case[0]), buffers_out=True)):
+            out[rank][case] = result
     return out
+
+
+def _example(name: str):
+    return batch(name, seed=0)
 
 
 def third_party_grads(rank, world, cases):
     """{case: (loss, whole gradients, strategy text, buffers)} after one traced step of each
     case (the executor writes forward's buffer updates into the model's own buffers, as eager
     does)."""
-    out, graphs = {}, {}
-    for name, how, k in cases:
-        model = build(name)  # the same weights each time: its graph is captured once
-        if name not in graphs:
-            graphs[name] = capture(model, batch(name, seed=0))
-        graph = graphs[name]
-        strategy = strategy_of(graph, how, world, k)
-        result = one_step(model, graph, strategy, world, k, name, batch(name), mode="graph")
-        out[(name, how, k)] = result + ({n: b.clone() for n, b in model.named_buffers()},)
+    out = {}
+    for case, model, graph, strategy in planned(cases, world, strategy_of, build, _example):
+        result = one_step(model, graph, strategy, world, case[2], case[0], batch(case[0]),
+                          mode="graph")
+        out[case] = result + ({n: b.clone() for n, b in model.named_buffers()},)
     return out
 
 

@@ -178,7 +178,8 @@ class Search(Pricing, Beam):
         """The programme, for the progress line: its mesh and micro-batches."""
         mesh = self.options.mesh
         mesh = f"{self.world} GPUs" if mesh is None else \
-            f"the {'x'.join(map(str, mesh.shape))} mesh, data parallel over {', '.join(self.options.dp)}"
+            f"the {'x'.join(map(str, mesh.shape))} mesh, data parallel over " \
+            f"{', '.join(self.options.dp)}"
         return f"search on {mesh}, k={self.k}: op"
 
     def extend(self, states, node: Node) -> dict[tuple, list[_Label]]:

@@ -60,8 +60,8 @@ def search(graph: Graph, world: int, profile: Profile, options: SearchOptions = 
     count). The programme prices every plan with k micro-batches and with one and keeps what is
     best either way, so that a search for Duplex finds the plans a plain search finds. On a 2-D
     `options.mesh` it runs data parallel over its machines, over its GPUs (_axes; on a 3-D mesh
-    with each axis split over in turn) and over every rank (1-D), and ranks them all (of a programme whose best is priced over BEHIND times
-    another's, that best plan). The integer programme is not run data parallel over the GPUs. Every
+    with each axis split over in turn) and over every rank (1-D), and ranks them all (of a
+    programme whose best is priced over BEHIND times another's, that best plan). The integer programme is not run data parallel over the GPUs. Every
     plan is priced and held to `memory` with `optimizer`'s update and state. With `exact` > 0
     seconds the k = 1 programme's best plan on each mesh is also sought by the integer
     programme (hidup.planning.exact), proven optimal for that cost model unless the time runs
@@ -126,11 +126,10 @@ def _rank_finals(ranking: Ranking, runs, least: float, proofs: list | None) -> N
     """Rank each programme's final plans (of a programme priced far over the least, its best
     only), and with `exact` its integer programme's plan (its proof added to `proofs`; None:
     not sought)."""
-    options = ranking.options
+    options, mesh = ranking.options, ranking.options.mesh
     timed = options.objective == "time"
     # the programme priced best first, so that the fastest ranked is known early (HOPELESS)
     for axes, dp, finals in sorted(runs, key=lambda run: run[2][0].best):
-        mesh = options.mesh
         # the placements across the machines: no integer programme
         over_gpus = bool(axes) and not mesh.outside(axes)
         mesh_tag = _tag(mesh, axes)

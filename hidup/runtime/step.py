@@ -222,13 +222,14 @@ class _TaskRunner:
         ctx = ops.LocalContext(rank, world, task.in_shapes, task.out_shape,
                                node.out.shape, tuple(m.shape for m in node.in_metas(self.g)),
                                root, self.spec.device_type, self.whole,
-                               lambda x, op: self.reduce_inside(x, op, flat))
+                               lambda x, op: self.reduce_inside(x, op, task.option))
         return ops.local_callable(node, option, ctx)
 
-    def reduce_inside(self, x: torch.Tensor, op: str, flat: bool) -> torch.Tensor:
-        """x all-reduced by `op` over the ranks an op's placements split over, for an op that
-        reduces inside itself (LocalContext.reduce; the Program's Compute.reduces)."""
-        axes = self.p.grid.names if flat else self.p.split_axes
+    def reduce_inside(self, x: torch.Tensor, op: str, option: ShardingOption) -> torch.Tensor:
+        """x all-reduced by `op` over the ranks an op's `option` splits over (Program.op_axes),
+        for an op that reduces inside itself (LocalContext.reduce; the Program's
+        Compute.reduces)."""
+        axes = self.p.op_axes(option)
         if self.p.grid.size(axes) == 1 or self.spec.local_collectives:
             return x
         if self.spec.exchange is not None:
