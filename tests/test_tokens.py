@@ -104,3 +104,51 @@ def test_what_a_region_keeps_is_its_rows_share():
     rows = sum(math.prod(s) for s, r in zip(region.shapes, region.rowwise) if r)
     assert weights > 0 and lowering.local_share(node, 1000, halves) == 500  # not
     assert 1000 * (weights + rows / 2) // (weights + rows) > 500  # what all inputs would give
+
+
+def test_a_router_built_on_the_meta_device_is_found():
+    """A `transformers` Mixtral built under torch.device("meta") (a full-size model planned with
+    no weights) counts its experts' rows with a histogram of integer expert ids, as on a GPU,
+    and makes its index tensors with device=meta: the check runs the region on the CPU all the
+    same (the histogram on a float copy, factories where the rows are), so each layer's router
+    is one node, as on a model built on the CPU."""
+    transformers = pytest.importorskip("transformers")
+    from experiments.third_party import WithLoss
+
+    config = transformers.MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, use_cache=False)
+    with torch.device("meta"):
+        model = WithLoss(transformers.MixtralForCausalLM(config), ("input_ids", "labels"))
+    ids = torch.zeros(3, 16, dtype=torch.long, device="meta")  # 96 (token, expert) pairs:
+    #   no weight dim (128, the fused gate and up projection's, would not be scaled)
+    graph = capture(model, (ids, ids))
+    assert len([n for n in graph.ops if n.op == TOKENS]) == 2
+    assert not [n for n in graph.ops if "sort" in n.op or "histc" in n.op]
+
+
+def test_the_checks_grouped_matmul_is_the_ops_and_gives_no_weight_an_unasked_gradient():
+    """The check runs a grouped matmul expert by expert (hidup.graph.tokens._grouped_rows): the
+    op's values, also for a broadcast probe weight (one number per expert), and no gradient
+    made for a weight that does not ask for one (the op's own backward makes the whole weight's:
+    gigabytes of zeros for a full-size model's experts)."""
+    from hidup.graph.flops import GROUPED_MM
+    from hidup.graph.tokens import _grouped_rows
+
+    class Node:
+        op = GROUPED_MM[0]
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(10, 6, generator=gen, requires_grad=True)
+    offs = torch.tensor([3, 3, 8], dtype=torch.int32)  # expert 1 has no rows; rows 8, 9 none
+    for weight in (torch.randn(3, 6, 5, generator=gen),
+                   torch.randn(3, 1, 1, generator=gen).expand(3, 6, 5)):
+        want = torch.zeros(10, 5)
+        for e, (a, b) in enumerate(([0, 3], [3, 3], [3, 8])):
+            want[a:b] = x[a:b] @ weight[e].contiguous()
+        got = _grouped_rows(Node(), [x, weight, offs], {})
+        assert torch.allclose(got, want, atol=1e-6)
+        [grad] = torch.autograd.grad(got.sum(), [x])
+        assert torch.allclose(grad, torch.autograd.grad(want.sum(), [x])[0], atol=1e-6)
+    assert weight.grad is None

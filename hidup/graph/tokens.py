@@ -96,14 +96,16 @@ class Region:
         values = dict(zip(self.inputs, tensors))
         split = {t: x.shape[0] for t, x, e, s in zip(self.inputs, tensors, self.experts,
                                                      self.shapes) if e and x.shape[0] < s[0]}
+        device = tensors[0].device
         for node in self.nodes:
             ins = [values[t] for t in node.inputs]
             out = run(node, ins, split) if run is not None else None
             if out is None:
                 args, kwargs = (node.args, node.kwargs) if fraction == 1 else \
                     (self.scale(node.args, fraction), self.scale(node.kwargs, fraction))
-                out = node.target(*fill(args, ins), **fill(kwargs, ins))
-                out = out[node.out_index] if node.out_index is not None else out
+                if "device" in kwargs:  # a factory makes its tensor where the region runs
+                    kwargs = {**kwargs, "device": device}  # (not where the model was captured)
+                out = _call(node, fill(args, ins), fill(kwargs, ins))
             values[node.name] = out
         return values[self.nodes[-1].name]
 
@@ -112,6 +114,19 @@ class Region:
 
     def __str__(self) -> str:
         return f"{len(self.nodes)} ops ({', '.join(dict.fromkeys(n.op for n in self.nodes))})"
+
+
+def _call(node: Node, args, kwargs):
+    """The node's op on these arguments. A histogram of integers (what a router counts its
+    experts' rows with on a GPU) is counted on a float copy where the tensor's device has no
+    integer kernel (the CPU's), and given back in the integer dtype: the same counts."""
+    x = args[0] if args else None
+    if node.op == "aten.histc.default" and isinstance(x, torch.Tensor) and \
+            not x.dtype.is_floating_point and x.device.type == "cpu":
+        args = (x.float(), *args[1:])
+        return node.target(*args, **kwargs).to(x.dtype)
+    out = node.target(*args, **kwargs)
+    return out[node.out_index] if node.out_index is not None else out
 
 
 def run_region(region: Region, *tensors):
@@ -224,9 +239,9 @@ def _check(graph: Graph, region: Region) -> Region | None:
              for x, r in zip(probe, region.rowwise)]  # a large weight is read by a matmul
     try:
         with torch.no_grad():
-            part = region(*half)
+            part = region(*half, run=_grouped_rows)
         probe = [x.detach().requires_grad_(a) for x, a in zip(probe, asked)]
-        full = region(*probe)
+        full = region(*probe, run=_grouped_rows)
         floats = [x for x in probe if x.requires_grad]
         reached = torch.autograd.grad(full.float().sum(), floats, allow_unused=True) \
             if full.requires_grad and floats else [None] * len(floats)
@@ -245,6 +260,27 @@ def _check(graph: Graph, region: Region) -> Region | None:
     alike = torch.allclose(first, part.double(), rtol=1e-3,
                            atol=1e-4 * float(first.abs().max()) if first.numel() else 0.0)
     return replace(region, differentiable=differentiable) if alike else None
+
+
+def _grouped_rows(node: Node, ins, split):
+    """A grouped matmul of the check, expert by expert, as the op's schema defines it (the rows
+    that offs gives each expert times its weight, zero after the last); None for other nodes
+    (they run themselves). The op's own backward would make the whole weight's gradient even
+    where the check does not ask for it (for a full-size model's experts, gigabytes of zeros),
+    and a product by a broadcast probe weight (`_random`: one number per expert) would copy the
+    whole weight; such a product is the rows' sums times that number."""
+    if node.op not in GROUPED_MM or len(ins) != 3 or ins[0].dim() != 2 or ins[1].dim() != 3:
+        return None
+    x, weight, offs = ins
+    ends = [0, *offs.tolist()]
+    spans = list(enumerate(zip(ends, ends[1:])))
+    if weight.stride()[1:] == (0, 0):
+        rows = [(x[a:b].sum(1, keepdim=True) * weight[e, :1, :1]).expand(-1, weight.shape[2])
+                for e, (a, b) in spans]
+    else:
+        rows = [x[a:b] @ weight[e] for e, (a, b) in spans]
+    rows.append(x.new_zeros(x.shape[0] - ends[-1], weight.shape[2]))
+    return torch.cat(rows)
 
 
 def _random(meta: TensorMeta, gen, fraction: float | None) -> torch.Tensor:
