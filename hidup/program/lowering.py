@@ -97,6 +97,7 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
         self.pending: dict[str, list[int]] = {}  # value key -> collectives that write it
         self.waited: set[int] = set()  # collectives already waited for
         self.uses = {n.name: [] for n in graph.nodes}  # tensor -> [(consumer, position, placement)]
+        self._converted: dict[tuple[str, bool], tuple[Placement, ...]] = {}  # converted()
         for node in graph.ops:
             for i, (t, p) in enumerate(zip(node.inputs, strategy.options[node.name].inputs)):
                 self.uses[t].append((node, i, p))
@@ -176,12 +177,17 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
         g = R if isinstance(p, Partial) else Partial() if "P" in self.r_kinds.get(t, ()) else R
         return flat(g) if is_flat(p) else g
 
-    def converted(self, t: str, differentiated: bool = False) -> list[Placement]:
+    def converted(self, t: str, differentiated: bool = False) -> tuple[Placement, ...]:
         """Placements that consumers (with `differentiated`: those whose backward runs) need t
-        in, other than its home (each needs a conversion)."""
-        home = self.home(t)
-        return list(dict.fromkeys(p for node, _, p in self.uses[t] if p != home and (
-            not differentiated or node is not None and node.name in self.has_grad)))
+        in, other than its home (each needs a conversion); once per tensor (asked per
+        micro-batch and per reader)."""
+        key = t, differentiated
+        if key not in self._converted:
+            home = self.home(t)
+            self._converted[key] = tuple(dict.fromkeys(
+                p for node, _, p in self.uses[t] if p != home and (
+                    not differentiated or node is not None and node.name in self.has_grad)))
+        return self._converted[key]
 
     # -- emitting tasks -----------------------------------------------------------------------
     def emit_convert(self, kind, t, src, dst, phase, m, in_key, out_key, shape, nbytes,
@@ -264,7 +270,7 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
         keys = self.in_keys(node, m)
         for key in keys:
             self.wait_for(key)
-        ins, out, flops, nbytes, partial = self.kernel(node)
+        ins, out, flops, nbytes, partial, _ = self.kernel(node)
         reads, keeps = self.saves(node, keys, ins)
         self.add(Compute(
             len(self.tasks), node.name, node.op, "fwd", m, flops, nbytes, ins, out, tuple(keys),
@@ -331,9 +337,9 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
 
     def kernel(self, node) -> tuple:
         """The node's forward kernel, the same for every micro-batch: (input shapes, output
-        shape, FLOPs, bytes moved, whether its output is a partial sum over micro-batches).
-        Kept with the graph for each option, world and split: the search lowers dozens of
-        strategies that share most of their options."""
+        shape, FLOPs, bytes moved, whether its output is a partial sum over micro-batches, the
+        inputs' bytes). Kept with the graph for each option, world and split: the search lowers
+        dozens of strategies that share most of their options."""
         if node.name not in self._kernels:
             opt, mb_opt = self.s.options[node.name], self.mbs_split.options[node.name]
             key = node.name, opt, mb_opt, self.world, self.parts
@@ -346,7 +352,7 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
                              for t, p, q in zip(node.inputs, opt.inputs, mb_in))
                 shared[key] = (ins, out, forward_flops(node.op, ins, out, node.args),
                                nbytes + self.nbytes(node.name, opt.output),
-                               isinstance(mb_opt.output, Partial))
+                               isinstance(mb_opt.output, Partial), nbytes)
             self._kernels[node.name] = shared[key]
         return self._kernels[node.name]
 
@@ -414,10 +420,9 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
                 #   a whole
                 #   contribution to a Partial sum: one rank adds it
                 root.append(key)
-        ins, out, fwd, nbytes, partial = self.kernel(node)  # the backward reads what the
-        nbytes += sum(self.nbytes(t, p, q) for t, p, q in  # forward
-                      zip(node.inputs, opt.inputs, mb_opt.inputs))
-        self.add(Compute(  # did and writes its inputs' gradients
+        ins, out, fwd, nbytes, partial, read = self.kernel(node)  # the backward reads what
+        nbytes += read  # the forward did and writes its inputs' gradients
+        self.add(Compute(
             len(self.tasks), node.name, node.op, "bwd", m,
             backward_flops(node.op, fwd, ins, out, node.args),
             nbytes, ins, out, (grad_in,) + fwd_keys, tuple(outs), opt, partial, tuple(root),

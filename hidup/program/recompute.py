@@ -102,7 +102,7 @@ class Recomputation:
                      for t, p, key in zip(node.inputs, opt.inputs, self.in_keys(node, m)))
         for key in keys:
             self.wait_for(key)
-        ins, out, flops, nbytes, partial = self.kernel(node)
+        ins, out, flops, nbytes, partial, _ = self.kernel(node)
         reads, keeps = self.saves(node, keys, ins)
         self.add(Compute(len(self.tasks), node.name, node.op, RECOMPUTE, m, flops, nbytes, ins,
                          out, keys, (vkey(node.name, opt.output, m),), opt, partial,
