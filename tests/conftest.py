@@ -1,8 +1,6 @@
 """Shared fixtures: tiny models captured once, and a runner for functions on N gloo ranks."""
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import faulthandler
 import os
 import socket
@@ -69,48 +67,6 @@ def run_ranks(world: int, fn, *args) -> list:
         mp.start_processes(_worker, args=(world, store, fn, args, out_dir), nprocs=world,
                            join=True, start_method="forkserver")
         return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
-
-
-# Tests marked `alone` time something real (kernels, collectives, an emulated cluster's runs,
-# a run's bounded wait): under pytest-xdist (the README's `-n 2`) each runs while no other test
-# does. Every test holds a shared lock on ROOM while it runs, an `alone` one the exclusive lock;
-# a GATE, held exclusively by an `alone` test from before it waits for the room, keeps further
-# tests from entering meanwhile, so that it does not wait for ever.
-@contextlib.contextmanager
-def _locked(path: str, mode: int):
-    with open(path, "a") as f:
-        fcntl.flock(f, mode)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-@contextlib.contextmanager
-def alone(gate: str, room: str):
-    """Run while no test holds the room (the gate taken first: no test enters meanwhile)."""
-    with _locked(gate, fcntl.LOCK_EX), _locked(room, fcntl.LOCK_EX):
-        yield
-
-
-@contextlib.contextmanager
-def together(gate: str, room: str):
-    """Run beside other such tests, but not while an `alone` one waits or runs."""
-    with contextlib.ExitStack() as stack:
-        with _locked(gate, fcntl.LOCK_SH):
-            stack.enter_context(_locked(room, fcntl.LOCK_SH))
-        yield
-
-
-@pytest.fixture(autouse=True)
-def _alone_or_together(request, tmp_path_factory):
-    if "PYTEST_XDIST_WORKER" not in os.environ:  # one process runs every test: each is alone
-        yield
-        return
-    run = tmp_path_factory.getbasetemp().parent  # the run's, shared by its workers
-    gate, room = str(run / "tests.gate"), str(run / "tests.room")
-    with (alone if request.node.get_closest_marker("alone") else together)(gate, room):
-        yield
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,6 @@ from experiments.accuracy_rows import Row, read_rows
 from experiments.accuracy_runs import probed, speed_probe_ms
 
 
-@pytest.mark.alone
 @pytest.mark.skipif(not (os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")),
                     reason="needs root and iproute2 (network namespaces)")
 def test_quick_accuracy_run_writes_its_table_and_plot(tmp_path, capsys):

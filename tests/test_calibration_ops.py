@@ -27,8 +27,6 @@ from simulator import simulate
 
 from conftest import run_ranks
 
-pytestmark = pytest.mark.alone  # kernels timed: each test while no other runs (conftest.py)
-
 
 def program(model: str, strategy: str, world: int, k: int):
     spec = get_model(model, gpus=world)

@@ -143,7 +143,6 @@ def test_residuals_are_relative_and_readable():
     assert str(r) == "all_gather: 3 points, rms error 8.2%, max 10.0%"
 
 
-@pytest.mark.alone
 def test_a_collective_point_is_the_mean_of_its_runs_at_the_slowest_rank():
     """A step pays every slow run of a collective, so its point is the mean (a median would
     price this one at 1.5 ms); each run counts at the slowest rank of the group."""
@@ -227,7 +226,6 @@ def test_without_torchrun_one_line_says_how_to_start_it(tmp_path):
     assert not (tmp_path / "p.json").exists()
 
 
-@pytest.mark.alone
 @pytest.mark.slow
 def test_two_gloo_ranks_under_torchrun_write_a_profile(tmp_path):
     out = tmp_path / "x.json"
@@ -273,7 +271,6 @@ def test_two_gloo_ranks_under_torchrun_write_a_profile(tmp_path):
     assert not list(tmp_path.glob(".x.*"))  # no temporary file left behind
 
 
-@pytest.mark.alone
 @pytest.mark.slow
 def test_one_rank_measures_kernels_on_a_base_profile(tmp_path):
     """One rank (one GPU, say): the device's roofline is measured, the collectives and

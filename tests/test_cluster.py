@@ -58,7 +58,6 @@ def test_without_root_it_stops_with_a_clear_message(monkeypatch, capsys, tmp_pat
     assert "needs root" in capsys.readouterr().err
 
 
-@pytest.mark.alone
 @needs_root
 def test_ranks_meet_across_hosts_and_everything_is_deleted(tmp_path):
     script = tmp_path / "meet.py"
@@ -107,7 +106,6 @@ def test_kernel_defaults_keep_delayed_acks_and_status_says_which(capsys, tmp_pat
     assert not [ns for ns in namespaces() if ns.startswith("hidup-t8-")]
 
 
-@pytest.mark.alone
 @needs_root
 def test_a_failing_rank_ends_the_run_in_bounded_time(tmp_path):
     script = tmp_path / "fail.py"

@@ -125,7 +125,6 @@ def test_a_damaged_or_foreign_checkpoint_is_refused_in_one_line(tmp_path, capsys
     assert "--checkpoint-every and --resume need --checkpoint FOLDER" in capsys.readouterr().err
 
 
-@pytest.mark.alone
 @needs_root
 def test_a_host_cut_off_stops_the_run_in_bounded_time_and_its_checkpoint_resumes(tmp_path):
     from hidup.emulation.netns import emulated
@@ -158,7 +157,6 @@ def test_a_host_cut_off_stops_the_run_in_bounded_time_and_its_checkpoint_resumes
         assert json.loads(again.stdout[0].strip().splitlines()[-1])["resumed_after"] == kept
 
 
-@pytest.mark.alone
 def test_soak_500_duplex_steps_keep_memory_flat_and_losses_finite():
     """500 steps of gpt:tiny, megatron with Duplex, on 2 ranks: no hang (a time limit), every
     loss finite, rank 0's resident memory flat after warm-up (within 8 MiB from step 50 on)."""
@@ -174,7 +172,6 @@ def test_soak_500_duplex_steps_keep_memory_flat_and_losses_finite():
     assert growth < 8.0, rss[::50]
 
 
-@pytest.mark.alone
 @needs_root
 def test_a_rank_killed_mid_run_ends_its_peer_with_an_error_in_bounded_time(tmp_path):
     """Host 1's rank is SIGKILLed mid-run: host 0's rank must stop with the one-line error well

@@ -12,7 +12,6 @@ from experiments.trace_overlap import load_events, overlaps
 from hidup.train import main
 
 
-@pytest.mark.alone
 @pytest.mark.slow
 def test_duplex_run_trace_shows_communication_under_other_micro_batch(tmp_path):
     trace = tmp_path / "duplex.json"
