@@ -262,3 +262,22 @@ def test_a_mesh_priced_far_over_the_other_has_only_its_best_plan_lowered(monkeyp
         by_count.setdefault(r.name, {})[r.k] = r.step_time
     pairs = [times for times in by_count.values() if len(times) == 2]
     assert len(pairs) > 10 and all(times[2] >= times[1] / 2 for times in pairs)
+
+
+def test_storage_over_the_dp_axes_that_cannot_be_is_refused_naming_the_axes(tiny_graphs):
+    """On a 2 x 2 x 2 mesh, hsdp+tp stores parameters sharded along `outer`: a dim that its
+    piece does not have, or that the piece is split on already, is refused in words of the
+    mesh's axes (not of 2-D's machines)."""
+    _, _, graph = tiny_graphs["gpt:tiny"]
+    strategy = fixed_strategy("hsdp+tp", graph, 8, Mesh.grid(2, 2, 2))
+    assert strategy.across_axes == ("outer",)
+    bias = "p_blocks_0_q_bias"  # (32,), split over the gpus axis: a piece of 16
+    assert bias not in strategy.across and str(strategy.home(bias)) == "S(0)"
+    with pytest.raises(LoweringError, match=r"parameter p_blocks_0_q_bias cannot be stored "
+                                            r"sharded along outer: dim 1 of its piece \[16\] "
+                                            r"\(as split inside each machine\) does not split "
+                                            r"into 2; keep it whole there"):
+        lower(graph, replace(strategy, across={**strategy.across, bias: 1}), 8)
+    with pytest.raises(LoweringError, match=r"sharded along outer: it is split on dim 0 inside "
+                                            r"each machine already"):
+        lower(graph, replace(strategy, across={**strategy.across, bias: 0}), 8)

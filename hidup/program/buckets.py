@@ -10,6 +10,7 @@ import math
 from hidup.graph.placement import Partial, Placement, R, Shard, flat, is_flat
 from hidup.program.tasks import (FIRST_BUCKET_BYTES, Compute, Convert, LoweringError, Wait,
                                  gkey, stored_key, vkey)
+from hidup.strategy.mesh import axes_words
 
 GATHER_BUCKETS = 8  # a step's gathers are split into about this many buckets or more
 
@@ -57,23 +58,25 @@ class GradientBuckets:
         """Storage over the dp axes needs a mesh, a parameter, a dim of its row's piece that
         those axes divide, and a gradient whole in a row (summed over the dp axes)."""
         params, n = {p.name for p in self.g.params}, self.mesh.size(self.s.across_axes)
+        row = axes_words(self.row_axes)  # where its piece is split: 'inside each machine'
         for t, d in self.across.items():
             shape = self.shape(t, self.home(t)) if t in params else ()
             why = "the mesh is 1-D" if self.dp_parts == 1 else \
                 "it is not a parameter" if t not in params else \
-                f"dim {d} of its machine's piece {list(shape)} does not split into " \
+                f"dim {d} of its piece {list(shape)} (as split {row}) does not split into " \
                 f"{n}" if d >= len(shape) or shape[d] % n else \
-                f"its machine's ranks split dim {d} already (a checkpoint's DTensor would " \
-                f"read the two splits in the other order)" if self.home(t) == Shard(d) else \
-                "its gradient is a partial sum inside a machine" if isinstance(
+                f"it is split on dim {d} {row} already (a checkpoint's DTensor would read the " \
+                f"two splits in the other order)" if self.home(t) == Shard(d) else \
+                f"its gradient is a partial sum {row}" if isinstance(
                     self.gplace(t, self.home(t)), Partial) else ""
             if why:
                 raise LoweringError(f"strategy {self.s.name}: parameter {t} cannot be stored "
-                                    f"sharded across the machines: {why}; keep it whole there")
+                                    f"sharded {axes_words(self.s.across_axes)}: {why}; keep "
+                                    f"it whole there")
 
     def stored_shape(self, t: str) -> tuple[int, ...]:
-        """The shape of parameter t's stored shard on a rank (of its machine's piece, stored
-        across the machines: that piece's part)."""
+        """The shape of parameter t's stored shard on a rank (its row's piece, or stored sharded
+        over the dp axes too, that piece's part)."""
         shape = list(self.shape(t, self.home(t)))
         if t in self.across:
             shape[self.across[t]] //= self.mesh.size(self.s.across_axes)

@@ -268,8 +268,8 @@ def vkey(t: str, p: Placement, mb: int | None) -> str:
 
 
 def stored_key(t: str, p: Placement, across: bool) -> str:
-    """The key of parameter t's stored shard: its machine's piece (home p), or, stored sharded
-    across the machines too, this machine's part of that piece."""
+    """The key of parameter t's stored shard: its row's piece (home p), or, stored sharded over
+    the dp axes too (`across`), this rank's part of that piece."""
     return f"{t}@{p}|across/*" if across else vkey(t, p, None)
 
 
