@@ -56,36 +56,64 @@ class Pricer:
 
     def price(self, strategy: Strategy, k: int, whole: bool = False) -> Priced:
         """The plan's estimate and memory with k micro-batches: extrapolated from short copies
-        where the graph has `min_ops` ops or more and one run of repeated layers longer than
-        KEPT that the plan treats alike, and the short lowerings' ops are under `share` of the
-        graph's; else (or `whole`) from the whole Program. Two such segments (the first layers
-        recomputed, the rest not) are lowered whole: their times add up, their peak does not (on
-        Llama 8B, fsdp with the first five layers recomputed, k = 2: 121.8 GiB extrapolated,
-        136.8 lowered whole). LoweringError or ValueError where it does not lower."""
+        where the graph has `min_ops` ops or more and runs of repeated layers longer than KEPT
+        that the plan treats alike, and the short lowerings' ops are under `share` of the
+        graph's; else (or `whole`) from the whole Program. LoweringError or ValueError where it
+        does not lower.
+
+        One such segment: the base and one layer more. Several (the first layers recomputed,
+        the rest not): the base and, for each segment, one layer more in it. The times add up
+        per segment; the peak does not (on Llama 8B, fsdp with the first five layers
+        recomputed, k = 2: 116.3 GiB extrapolated so, 136.6 lowered whole: the peak is reached
+        in another part of the step). So each copy's memory is taken per region (a segment's
+        first or last layer, or another layer, in each phase: _regions) and each region's peak
+        extrapolated: within a segment of layers alike, a layer further in holds what the one
+        before it held plus the same again, so a region's peak is at its first or last layer,
+        and the step's is the largest region's."""
         graph = self.graph
         segments = () if whole or len(graph.ops) < self.min_ops else \
             segments_of(graph, strategy)
         long = [s for s in segments if len(s) > KEPT]
-        if len(long) != 1:
+        cuts = [len(s) - KEPT for s in long]
+        per_layer = [len(layer_ops(graph)[s[0]]) for s in long]
+        short_ops = len(graph.ops) - sum(c * n for c, n in zip(cuts, per_layer))
+        if not long or (1 + len(long)) * short_ops + sum(per_layer) >= \
+                self.share * len(graph.ops):  # the short lowerings' ops
             return self._lowered(graph, strategy, k, False)
-        segment = long[0]
-        cut = len(segment) - KEPT
-        per_layer = len(layer_ops(graph)[segment[0]])
-        if 2 * (len(graph.ops) - cut * per_layer) + per_layer >= self.share * len(graph.ops):
-            return self._lowered(graph, strategy, k, False)  # the two short lowerings' ops
         base = {s: min(len(s), KEPT) for s in segments}
-        first = self._short(strategy, base, k)
-        more = self._short(strategy, {**base, segment: KEPT + 1}, k)
-        step = [f + cut * (m - f) for f, m in zip(_vector(first), _vector(more))]
-        memory = [f + cut * (m - f) for f, m in zip(_memory_vector(first.memory),
-                                                    _memory_vector(more.memory))]
-        return Priced(Estimate(*step), MemoryReport(*(round(x) for x in memory), None), True)
+        first = self._short(strategy, base, k, long)
+        more = [self._short(strategy, {**base, s: KEPT + 1}, k, long) for s in long]
 
-    def _lowered(self, graph: Graph, strategy: Strategy, k: int, short: bool) -> Priced:
+        def line(f: float, ms) -> float:
+            return f + sum(c * (m - f) for c, m in zip(cuts, ms))
+
+        step = [line(f, ms) for f, *ms in zip(_vector(first), *map(_vector, more))]
+        if len(long) == 1:
+            memory = [line(f, ms) for f, *ms in zip(_memory_vector(first.memory),
+                                                     *(_memory_vector(m.memory) for m in more))]
+            return Priced(Estimate(*step), MemoryReport(*(round(x) for x in memory), None),
+                          True)
+        fixed = [round(line(f, ms)) for f, *ms in zip(_fixed_vector(first.memory),
+                                                       *(_fixed_vector(m.memory) for m in more))]
+        regions = [r for r in first.memory.by_region
+                   if all(r in m.memory.by_region for m in more)]
+        peaks = [[line(first.memory.by_region[r][j], [m.memory.by_region[r][j] for m in more])
+                  for r in regions] for j in range(3)]  # live, activations, gradients
+        live, activations, gradients = (round(max(p)) for p in peaks)
+        return Priced(Estimate(*step), MemoryReport(*fixed, gradients, activations,
+                                                    sum(fixed) + live, None), True)
+
+    def _lowered(self, graph: Graph, strategy: Strategy, k: int, short: bool,
+                 roles: dict | None = None) -> Priced:
         program = lower(graph, strategy, self.world, k, optimizer=self.optimizer)
-        return Priced(estimate(program, self.profile, self.mode), peak_memory(program), short)
+        regions = None if roles is None else _regions(graph, program, roles)
+        return Priced(estimate(program, self.profile, self.mode),
+                      peak_memory(program, regions=regions), short)
 
-    def _short(self, strategy: Strategy, kept: dict, k: int) -> Priced:
+    def _short(self, strategy: Strategy, kept: dict, k: int, long) -> Priced:
+        """The plan on the model cut to `kept` layers of each segment (its copy's figures kept
+        by what it computes and, where there are several `long` segments, by the roles of its
+        layers in them: its memory per region)."""
         short = _shortened(self.graph, kept)
         names = short._index
         across = {p: d for p, d in strategy.across.items() if p in names}
@@ -96,10 +124,35 @@ class Pricer:
                        across=across, across_axes=strategy.across_axes if across else (),
                        recompute=strategy.recompute & set(layers(short)),
                        selective=strategy.selective & set(layers(short)))
-        key = (k, _computes(short, plan))
+        roles = {layer: (i, "first" if j == 0 else "last" if j == kept[s] - 1 else "inside")
+                 for i, s in enumerate(long) for j, layer in enumerate(s[:kept[s]])} \
+            if len(long) > 1 else None  # (one segment's peak extrapolates whole)
+        key = (k, _computes(short, plan),  # and the roles in layer order (not the layers'
+               roles and tuple(roles.get(layer) for layer in layers(short)))  # names)
         if key not in self._kept:
-            self._kept[key] = self._lowered(short, plan, k, False)
+            self._kept[key] = self._lowered(short, plan, k, False, roles)
         return self._kept[key]
+
+
+def _regions(graph: Graph, program, roles: dict) -> list[tuple]:
+    """Each task's region: its phase, and the role of the layer of the op or tensor it works on
+    (`roles`: a long segment's first or last layer, or one inside it) or, for a layer of no
+    long segment (or none), that layer with the last role before it (the ops before the
+    segments and those after them are regions apart: the loss's and the embedding's backward);
+    a task on no node of the graph (a bucket of gradients, a wait) is in the region of the task
+    before it."""
+    out, where, phase, role = [], None, "", None
+    for task in program.tasks:
+        name = getattr(task, "node", None) or getattr(task, "tensor", None)
+        if name is not None and name in graph._index:
+            layer = graph.node(name).layer
+            if layer in roles:
+                where = role = roles[layer]
+            else:
+                where = (layer, role)
+        phase = getattr(task, "phase", phase)
+        out.append((phase, where))
+    return out
 
 
 def _computes(graph: Graph, plan: Strategy) -> tuple:
@@ -154,3 +207,7 @@ def _vector(priced: Priced) -> list[float]:
 
 def _memory_vector(m: MemoryReport) -> list[float]:
     return [m.params, m.inputs, m.optimizer, m.grads_peak, m.activations_peak, m.peak]
+
+
+def _fixed_vector(m: MemoryReport) -> list[float]:
+    return [m.params, m.inputs, m.optimizer]

@@ -37,7 +37,7 @@ view's last use.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import accumulate
 from operator import add, sub
@@ -62,6 +62,9 @@ class MemoryReport:
     activations_peak: int
     peak: int  # the most bytes live at once, everything together
     peak_task_id: int | None  # the task during which `peak` is live; None for an empty Program
+    # where peak_memory was given each task's region: per region, the most bytes live during
+    # one of its tasks beyond the constant parts, and the most activation and gradient bytes
+    by_region: dict | None = field(default=None, compare=False, repr=False)
 
     def __str__(self) -> str:
         at = "" if self.peak_task_id is None else f" at #{self.peak_task_id}"
@@ -74,11 +77,12 @@ def _fmt(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
 
 
-def peak_memory(program: Program, optimizer_bytes_per_param: int | None = None
-                ) -> MemoryReport:
+def peak_memory(program: Program, optimizer_bytes_per_param: int | None = None,
+                regions=None) -> MemoryReport:
     """The peak bytes one rank holds while the executor runs `program`'s tasks in order, with
     `program.optimizer`'s state (or `optimizer_bytes_per_param` bytes per local parameter
-    element, where given)."""
+    element, where given); with `regions` (each task's region, a key), also the peaks of each
+    region (MemoryReport.by_region)."""
     tasks = program.tasks
     numel, first, last = _scan(program)
     end = len(tasks) - 1
@@ -100,7 +104,7 @@ def peak_memory(program: Program, optimizer_bytes_per_param: int | None = None
                                        else optimizer_bytes_per_param)
         elif not key.startswith(_KEPT):
             inputs += numel[key] * size(key, False)
-    return _sweep(tasks, numel, first, last, size, params, inputs, optimizer)
+    return _sweep(tasks, numel, first, last, size, params, inputs, optimizer, regions)
 
 
 class _Sizes:
@@ -300,7 +304,8 @@ def _converted_numel(t: Convert, n: int, world: int, k: int) -> int:
     return n  # all_reduce, all_to_all, alias
 
 
-def _sweep(tasks, numel, first, last, size, params, inputs, optimizer) -> MemoryReport:
+def _sweep(tasks, numel, first, last, size, params, inputs, optimizer, regions=None
+           ) -> MemoryReport:
     """Allocate at first write, measure during the task, free after its last use: running sums,
     activations and gradients (keys first written by a backward task) apart, each key counted
     at `size(key, is_gradient)` bytes per element."""
@@ -324,5 +329,11 @@ def _sweep(tasks, numel, first, last, size, params, inputs, optimizer) -> Memory
         return MemoryReport(params, inputs, optimizer, 0, 0, const, None)
     total = list(map(add, *during))
     i = max(range(n), key=total.__getitem__)
+    by_region = None
+    if regions is not None:
+        by_region = {}
+        for key, live, act, grad in zip(regions, total, during[_ACT], during[_GRAD]):
+            was = by_region.get(key, (0, 0, 0))
+            by_region[key] = (max(was[0], live), max(was[1], act), max(was[2], grad))
     return MemoryReport(params, inputs, optimizer, max(during[_GRAD]), max(during[_ACT]),
-                        const + total[i], tasks[i].id)
+                        const + total[i], tasks[i].id, by_region)
