@@ -6,11 +6,13 @@ adds to a short copy each add the same tasks to the Program: the same kernels, c
 held bytes. So the plan is lowered on the model cut to KEPT layers of each segment (the base)
 and, for the one segment longer than that, with one layer more (its slope), and each figure of
 the whole model is the base's plus the slope times the cut layers: two short lowerings instead
-of one of every layer, each kept for plans whose short copies are the same. Used for graphs of
-`min_ops` ops or more (smaller ones lower in well under a second: SearchOptions.extrapolate),
-where the short lowerings hold fewer ops than the whole graph, and for one long segment only
-(Pricer.price says why). The ranking confirms its best plan on the whole graph
-(hidup.planning.ranking.Ranking.confirm): the figures a user reads are never extrapolated."""
+of one of every layer, each kept for plans whose short copies are the same. With several long
+segments (the first layers recomputed), a copy with one layer more per segment, and the peak
+memory taken per region of the step (Pricer.price says why). Used for graphs of `min_ops` ops
+or more (smaller ones lower in well under a second: SearchOptions.extrapolate), where the short
+lowerings hold fewer ops than the whole graph. The ranking confirms its best plan on the whole
+graph (hidup.planning.ranking.Ranking.confirm): the figures a user reads are never
+extrapolated."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
