@@ -207,9 +207,10 @@ def _vector(priced: Priced) -> list[float]:
     return [e.step_time, e.computation, e.communication]
 
 
-def _memory_vector(m: MemoryReport) -> list[float]:
-    return [m.params, m.inputs, m.optimizer, m.grads_peak, m.activations_peak, m.peak]
-
-
 def _fixed_vector(m: MemoryReport) -> list[float]:
+    """The parts of the memory held all step (their sum is under every peak)."""
     return [m.params, m.inputs, m.optimizer]
+
+
+def _memory_vector(m: MemoryReport) -> list[float]:
+    return _fixed_vector(m) + [m.grads_peak, m.activations_peak, m.peak]

@@ -61,11 +61,12 @@ def search(graph: Graph, world: int, profile: Profile, options: SearchOptions = 
     best either way, so that a search for Duplex finds the plans a plain search finds. On a 2-D
     `options.mesh` it runs data parallel over its machines, over its GPUs (_axes; on a 3-D mesh
     with each axis split over in turn) and over every rank (1-D), and ranks them all (of a
-    programme whose best is priced over BEHIND times another's, that best plan). The integer programme is not run data parallel over the GPUs. Every
-    plan is priced and held to `memory` with `optimizer`'s update and state. With `exact` > 0
-    seconds the k = 1 programme's best plan on each mesh is also sought by the integer
-    programme (hidup.planning.exact), proven optimal for that cost model unless the time runs
-    out, and ranked as exact#0 (exact-2d#0); the beam can miss it (experiments.search_exactness)."""
+    programme whose best is priced over BEHIND times another's, that best plan). The integer
+    programme is not run data parallel over the GPUs. Every plan is priced and held to
+    `memory` with `optimizer`'s update and state. With `exact` > 0 seconds the k = 1
+    programme's best plan on each mesh is also sought by the integer programme
+    (hidup.planning.exact), proven optimal for that cost model unless the time runs out, and
+    ranked as exact#0 (exact-2d#0); the beam can miss it (experiments.search_exactness)."""
     with no_gc():  # it makes a million small objects, none in a cycle: the collector's
         # passes over them (and over the labels alive while plans are lowered) cost a tenth
         return _search(graph, world, profile, options, baselines or {})
