@@ -5,6 +5,7 @@ import faulthandler
 import os
 import socket
 import tempfile
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -49,20 +50,38 @@ def _worker(rank, world, store, fn, args, out_dir):
         dist.destroy_process_group()
 
 
-# The ranks are forked from a server process that has imported torch and HiDup once (the
-# 'forkserver' start method, its preload set before the server starts): a rank starts in a
-# fraction of a second instead of importing them anew as a spawned process does (seconds, times
-# every rank of every test on two cores). The server itself starts no thread, so a fork of it
-# is as clean as a spawned process.
+# The ranks are forked from a server process that has imported torch and HiDup once and captured
+# a model (the 'forkserver' start method, its preload set before the server starts;
+# tests/rank_preload.py): a rank starts in a fraction of a second instead of importing them anew
+# as a spawned process does, and its first capture does not import torch.export's ~700 modules
+# again (seconds, times every rank of every test on two cores). The server itself starts no
+# thread, so a fork of it is as clean as a spawned process.
 _PRELOAD = ["torch", "torch.distributed", "hidup", "hidup.api", "hidup.runtime.execute",
-            "hidup.planning.search"]
+            "hidup.planning.search", "rank_preload"]
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+@contextmanager
+def _tests_importable():
+    """tests/ on PYTHONPATH while the server may start: Python 3.11's forkserver does not take
+    the parent's sys.path (it ignores the sys_path it is given), and silently skips a preload
+    it cannot import."""
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_TESTS, before) if p)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 def run_ranks(world: int, fn, *args) -> list:
     """Run `fn(rank, world, *args)` on `world` gloo ranks (processes forked from a server that
     has imported torch and HiDup); return each result."""
     mp.set_forkserver_preload(_PRELOAD)
-    with tempfile.TemporaryDirectory() as out_dir:
+    with tempfile.TemporaryDirectory() as out_dir, _tests_importable():
         store = os.path.join(out_dir, "store")
         mp.start_processes(_worker, args=(world, store, fn, args, out_dir), nprocs=world,
                            join=True, start_method="forkserver")
