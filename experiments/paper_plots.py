@@ -26,10 +26,26 @@ def write(fig: Figure, out: Path) -> None:
 
 
 def table(fig: Figure) -> str:
-    """The figure's table in Markdown (a tenth of convergence's rows), then its notes."""
+    """The figure's table in Markdown (a tenth of convergence's rows; search time as layers x
+    GPUs), then its notes."""
+    if fig.name == "search-time":
+        return _search_time_table(fig)
     shown = fig.rows if fig.name != "convergence" else fig.rows[:: max(1, len(fig.rows) // 10)]
     lines = ["| " + " | ".join(fig.columns) + " |", "|" + " --- |" * len(fig.columns)]
     lines += ["| " + " | ".join(cell(row[c]) for c in fig.columns) + " |" for row in shown]
+    return "\n".join(lines + [f"\n{note}" for note in fig.notes])
+
+
+def _search_time_table(fig: Figure) -> str:
+    """Search seconds, a row per layer count and a column per GPU count (with its mesh)."""
+    gpus = list(dict.fromkeys((r["gpus"], r["mesh"]) for r in fig.rows))
+    seconds = {(r["layers"], r["gpus"]): r["seconds"] for r in fig.rows}
+    lines = ["| layers | " + " | ".join(f"{g} GPUs ({mesh})" for g, mesh in gpus) + " |",
+             "|" + " --- |" * (len(gpus) + 1)]
+    for layers in dict.fromkeys(r["layers"] for r in fig.rows):
+        lines.append(f"| {layers} | " + " | ".join(
+            f"{seconds[layers, g]:.2f} s" if (layers, g) in seconds else "" for g, _ in gpus)
+            + " |")
     return "\n".join(lines + [f"\n{note}" for note in fig.notes])
 
 
