@@ -68,22 +68,25 @@ def compare(model: str, gpus: int, profile, memory: float) -> dict:
     return row
 
 
+NAMES = ("ddp", "megatron", "expert", "min-comm", "dp-megatron", "dp-expert")
+
+
 def table(rows) -> list[str]:
-    names = ["ddp", "megatron", "expert", "min-comm", "dp-megatron", "dp-expert"]
-    head = f"{'model':<20}{'GPUs':>5}{'HiDup':>10}" + "".join(f"{n:>12}" for n in names)
-    lines = [head + f"{'speedup':>9}{'vs +Duplex':>11}{'DP err':>8}  chosen"]
+    """The rows as a Markdown table (what docs/paper_evaluation.md shows), then its legend."""
+    lines = ["| model | GPUs | HiDup | " + " | ".join(NAMES) +
+             " | speedup | vs +Duplex | DP err | chosen |", "|" + " --- |" * (len(NAMES) + 7)]
     for r in rows:
-        plain = [r[n]["k1_ms"] for n in names if r.get(n) and r[n]["k1_ms"]]
-        duplexed = [r[n]["k2_ms"] for n in names if r.get(n) and r[n]["k2_ms"]]
-        cells = "".join(f"{r[n]['k1_ms']:>12.1f}" if r.get(n) and r[n]["k1_ms"] else f"{'-':>12}"
-                        for n in names)
-        lines.append(f"{r['model']:<20}{r['gpus']:>5}{r['hidup_ms']:>10.1f}{cells}"
-                     f"{min(plain) / r['hidup_ms']:>8.2f}x{min(duplexed) / r['hidup_ms']:>10.2f}x"
-                     f"{r['dp_estimate_ms'] / r['hidup_ms'] - 1:>+8.1%}  {r['chosen']}")
-    lines.append("times: simulated step (ms); baselines as their systems run (k=1); speedup: the "
-                 "best baseline over HiDup; vs +Duplex: the best baseline given Duplex (k=2); "
-                 "DP err: the dynamic programme's own estimate of its plan against the simulator; "
-                 "dp-: a 2-D mesh, data parallel across machines, the named strategy inside")
+        plain = [r[n]["k1_ms"] for n in NAMES if r.get(n) and r[n]["k1_ms"]]
+        duplexed = [r[n]["k2_ms"] for n in NAMES if r.get(n) and r[n]["k2_ms"]]
+        cells = [f"{r[n]['k1_ms']:.1f}" if r.get(n) and r[n]["k1_ms"] else "-" for n in NAMES]
+        lines.append(f"| {r['model']} | {r['gpus']} | {r['hidup_ms']:.1f} | {' | '.join(cells)} "
+                     f"| {min(plain) / r['hidup_ms']:.2f}× | {min(duplexed) / r['hidup_ms']:.2f}× "
+                     f"| {r['dp_estimate_ms'] / r['hidup_ms'] - 1:+.1%} | {r['chosen']} |")
+    lines += ["", "times: simulated step (ms); baselines as their systems run (k=1); speedup: the "
+                  "best baseline over HiDup; vs +Duplex: the best baseline given Duplex (k=2); "
+                  "DP err: the dynamic programme's own estimate of its plan against the "
+                  "simulator; dp-: a 2-D mesh, data parallel across machines, the named strategy "
+                  "inside"]
     return lines
 
 
