@@ -10,7 +10,6 @@ import torch
 from hidup.graph.capture import capture
 
 
-
 class _TwoLayers(torch.nn.Module):
     def __init__(self):
         super().__init__()
