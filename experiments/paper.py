@@ -56,7 +56,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          f"--quick: {', '.join(QUICK_MODELS)}); breakdown and robustness take "
                          f"the first")
     ap.add_argument("--gpus", type=int, nargs="+", default=None,
-                    help="GPU counts for scaling (default 8 16 32 64) and one-machine (1 2 4 8)")
+                    help="GPU counts for scaling (default 8 16 32 64), one-machine (1 2 4 8) and "
+                         "search-time (4 16 64 256 1024)")
+    ap.add_argument("--layers", type=int, nargs="+", default=None,
+                    help="search-time: layer counts (default 2 8 16 32 48; --quick 2 4)")
     ap.add_argument("--steps", type=int, default=None,
                     help="convergence: training steps per run (default 300, --quick 20)")
     ap.add_argument("--data", type=Path, default=DATA,
@@ -92,6 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"--gpus {bad}: GPU counts must be powers of two (1, 2, 4, ...)")
         if args.figure in ("one-machine", "all") and max(args.gpus) > 8:
             ap.error(f"--gpus {max(args.gpus)}: one machine has 8 GPUs (for one-machine and all)")
+    if args.layers is not None and min(args.layers) < 1:
+        ap.error(f"--layers {args.layers}: layer counts must be 1 or more")
     if args.steps is not None and args.steps < 1:
         ap.error(f"--steps must be at least 1, got {args.steps}")
     if not (math.isfinite(args.lr) and args.lr > 0):

@@ -252,8 +252,8 @@ def search_time(args) -> Figure:
                  "captured graph", ["model", "layers", "gpus", "mesh", "ops", "seconds"])
     profile = load_profile("v100-8x8-10gbps")
     model = "bert-sgmoe:tiny" if args.quick else "bert-sgmoe:paper"
-    for layers in [2, 4] if args.quick else [2, 8, 16, 32, 48]:
-        for gpus in [4, 16] if args.quick else [4, 16, 64, 256, 1024]:
+    for layers in args.layers or ([2, 4] if args.quick else [2, 8, 16, 32, 48]):
+        for gpus in args.gpus or ([4, 16] if args.quick else [4, 16, 64, 256, 1024]):
             machines, per = profile.mesh(gpus)
             seconds = []
             for _ in range(repeats):  # this VM's speed drifts: one search is a noisy figure

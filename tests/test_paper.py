@@ -6,6 +6,7 @@ import contextlib
 import csv
 import io
 import json
+import re
 
 import pytest
 
@@ -43,6 +44,14 @@ def test_table_prints_the_figures_table_alone_and_writes_nothing(tmp_path, capsy
     assert lines[0].startswith("| model | cluster | system |") and lines[1].startswith("| ---")
     assert len(lines) == 2 + 9 and all(line.startswith("| ") for line in lines)
     assert not any(tmp_path.iterdir())
+
+
+def test_search_time_table_is_layers_by_gpus_for_the_counts_asked(capsys):
+    """search-time --table: a row per --layers, a column per --gpus (its mesh), seconds."""
+    assert paper.main(["search-time", "--quick", "--layers", "2", "--gpus", "4", "--table"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == ["| layers | 4 GPUs (1x4) |", "| --- | --- |"]
+    assert len(lines) == 3 and re.fullmatch(r"\| 2 \| \d+\.\d\d s \|", lines[2]), lines
 
 
 def test_breakdown_is_what_the_simulated_timeline_shows(quick):
@@ -103,6 +112,7 @@ def test_bad_flags_stop_with_one_line(capsys):
                           (["one-machine", "--gpus", "16"], "one machine has 8 GPUs"),
                           (["scaling", "--models", "nope:tiny"], "unknown model 'nope'"),
                           (["convergence", "--steps", "0"], "--steps must be at least 1"),
+                          (["search-time", "--layers", "0"], "layer counts must be 1 or more"),
                           (["figure-13"], "invalid choice")):
         with pytest.raises(SystemExit) as stop:
             paper.main(argv)
