@@ -28,27 +28,26 @@ def write(fig: Figure, out: Path) -> None:
 def table(fig: Figure) -> str:
     """The figure's table in Markdown (a tenth of convergence's rows; search time as layers x
     GPUs), then its notes."""
-    if fig.name == "search-time":
-        return _search_time_table(fig)
-    shown = fig.rows if fig.name != "convergence" else fig.rows[:: max(1, len(fig.rows) // 10)]
-    lines = ["| " + " | ".join(fig.columns) + " |", "|" + " --- |" * len(fig.columns)]
-    lines += ["| " + " | ".join(cell(row[c]) for c in fig.columns) + " |" for row in shown]
+    lines = _search_time_rows(fig) if fig.name == "search-time" else _rows(fig)
     return "\n".join(lines + [f"\n{note}" for note in fig.notes])
 
 
-def _search_time_table(fig: Figure) -> str:
+def _rows(fig: Figure) -> list[str]:
+    """A row per row of the figure, a column per column."""
+    shown = fig.rows if fig.name != "convergence" else fig.rows[:: max(1, len(fig.rows) // 10)]
+    lines = ["| " + " | ".join(fig.columns) + " |", "|" + " --- |" * len(fig.columns)]
+    return lines + ["| " + " | ".join(cell(row[c]) for c in fig.columns) + " |" for row in shown]
+
+
+def _search_time_rows(fig: Figure) -> list[str]:
     """Search seconds, a row per layer count and a column per GPU count (with its mesh)."""
     gpus = list(dict.fromkeys((r["gpus"], r["mesh"]) for r in fig.rows))
     seconds = {(r["layers"], r["gpus"]): r["seconds"] for r in fig.rows}
     lines = ["| layers | " + " | ".join(f"{g} GPUs ({mesh})" for g, mesh in gpus) + " |",
              "|" + " --- |" * (len(gpus) + 1)]
-    for layers in dict.fromkeys(r["layers"] for r in fig.rows):
-        lines.append(f"| {layers} | " + " | ".join(
-            f"{seconds[layers, g]:.2f} s" if (layers, g) in seconds else "" for g, _ in gpus)
-            + " |")
-    return "\n".join(lines + [f"\n{note}" for note in fig.notes])
-
-
+    return lines + [f"| {layers} | " + " | ".join(
+        f"{seconds[layers, g]:.2f} s" if (layers, g) in seconds else "" for g, _ in gpus) + " |"
+        for layers in dict.fromkeys(r["layers"] for r in fig.rows)]
 
 
 def _per_model(fig: Figure, path: Path, x: str, systems_: list[str], xlabel: str,
