@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from calibration.derive import parse_rate, with_inter_link
+from hidup.cli import number
 from hidup.models import capture_model, get_model
 from hidup.planning.planfile import save_plan
 from hidup.planning.profile_file import load_profile
@@ -61,9 +62,8 @@ class Figure:
 
 
 def cell(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
+    """A table's cell: a float to 4 significant digits, written out in full above 9999."""
+    return number(v) if isinstance(v, float) else str(v)
 
 
 # -- the systems ---------------------------------------------------------------------------------

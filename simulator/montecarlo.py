@@ -8,6 +8,7 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from hidup.cli import number
 from hidup.planning.costs import LinkCost, Profile
 from hidup.program import Program
 from simulator.engine import simulate
@@ -23,8 +24,8 @@ class Interval:
     samples: int
 
     def __str__(self) -> str:
-        return (f"{self.mean * 1e3:.4g} ms ({self.level:.0%} interval {self.low * 1e3:.4g} - "
-                f"{self.high * 1e3:.4g} ms, {self.samples} samples)")
+        return (f"{number(self.mean * 1e3)} ms ({self.level:.0%} interval "
+                f"{number(self.low * 1e3)} - {number(self.high * 1e3)} ms, {self.samples} samples)")
 
 
 def scale_times(profile: Profile, factor: Callable[[str], float]) -> Profile:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hidup.cli import number
 from hidup.program import Compute, Convert
 from simulator.intervals import covered, union
 
@@ -49,9 +50,9 @@ class Result:
     def __str__(self) -> str:
         ms = {k: getattr(self, k) * 1e3 for k in ("step_time", "computation", "communication",
                                                   "exposed_communication")}
-        return (f"step {ms['step_time']:.4g} ms: computation {ms['computation']:.4g} ms, "
-                f"communication {ms['communication']:.4g} ms, overlap {self.overlap_ratio:.1%}, "
-                f"exposed {ms['exposed_communication']:.4g} ms")
+        return (f"step {number(ms['step_time'])} ms: computation {number(ms['computation'])} ms, "
+                f"communication {number(ms['communication'])} ms, overlap "
+                f"{self.overlap_ratio:.1%}, exposed {number(ms['exposed_communication'])} ms")
 
 
 def step_result(records: list[list[Record]]) -> Result:

@@ -54,6 +54,15 @@ def test_search_time_table_is_layers_by_gpus_for_the_counts_asked(capsys):
     assert len(lines) == 3 and re.fullmatch(r"\| 2 \| \d+\.\d\d s \|", lines[2]), lines
 
 
+def test_table_cells_are_plain_numbers():
+    """A float to 4 significant digits, written out in full above 9999 (a step of 17320.4 ms is
+    never 1.732e+04); other cells as they are."""
+    from experiments.paper_figures import cell
+
+    assert [cell(17320.4), cell(949.123), cell(1.5e-7), cell("ddp k=1"), cell(3)] == \
+        ["17320", "949.1", "1.5e-07", "ddp k=1", "3"]
+
+
 def test_breakdown_is_what_the_simulated_timeline_shows(quick):
     """The expert-parallel row of the one-machine breakdown, against its own simulated timeline:
     computation is the compute stream's busy time, communication the collectives' summed time,
