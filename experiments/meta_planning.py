@@ -1,12 +1,14 @@
-"""Planning full-size models built on the meta device (no weights allocated): a Llama-3-8B-shaped
-and a Mixtral-8x7B-shaped `transformers` model on 64 GPUs of `v100-8x8-10gbps`. Prints, per
+"""Planning full-size models built on the meta device (no weights allocated): `transformers` models
+of the published shapes of Llama 3 8B, Mixtral 8x7B, Gemma 2 9B (42 layers) and Qwen3-30B-A3B (48
+layers of 128 experts), by default on 64 GPUs of `v100-8x8-10gbps`. Prints, per
 model, the time to build it, to capture it (torch.export), the whole `hidup.plan` (capture, and
 the search on the 8 x 8 mesh and over every GPU with the fixed strategies ranked beside it), the
 planning process's peak memory, the plan (or why none fits) and its predicted step and peak
 memory per GPU (plain SGD, as planned). Each model is planned in a process of its own, so that
 the peak memory is its own.
 
-    python -m experiments.meta_planning [--models llama3-8b,mixtral-8x7b] [--gpus 64]
+    python -m experiments.meta_planning [--models llama3-8b,mixtral-8x7b,gemma2-9b,qwen3-moe-30b]
+                                        [--gpus 64] [--batch 128] [--seq 512] [--cluster C]
 
 `transformers` is a test dependency (the dev extra): `pip install -e ".[dev]"`.
 """
@@ -29,6 +31,16 @@ MODELS = {
         vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
         num_experts_per_tok=2, max_position_embeddings=32768, use_cache=False)),
+    "gemma2-9b": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=256, max_position_embeddings=8192,
+        sliding_window=4096, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0, use_cache=False)),
+    "qwen3-moe-30b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+        max_position_embeddings=40960, use_cache=False)),
 }
 
 

@@ -1,32 +1,32 @@
 """A plan's step time and peak memory, from short copies of a model with repeated layers.
 
-A transformer stack is N copies of one block (hidup.graph.repeats). Where a plan treats each
-layer of a run alike (the same options, storage and recomputation: a *segment*), the layers it
-adds to a short copy each add the same tasks to the Program: the same kernels, collectives and
-held bytes. So the plan is lowered on the model cut to KEPT layers of each segment (the base)
-and, for the one segment longer than that, with one layer more (its slope), and each figure of
-the whole model is the base's plus the slope times the cut layers: two short lowerings instead
-of one of every layer, each kept for plans whose short copies are the same. With several long
-segments (the first layers recomputed), a copy with one layer more per segment, and the peak
-memory taken per region of the step (Pricer.price says why). Used for graphs of `min_ops` ops
-or more (smaller ones lower in well under a second: SearchOptions.extrapolate), where the short
-lowerings hold fewer ops than the whole graph. The ranking confirms its best plan on the whole
-graph (hidup.planning.ranking.Ranking.confirm): the figures a user reads are never
-extrapolated."""
+A transformer stack is N copies of one block (hidup.graph.repeats: a block is one layer, or a
+few consecutive ones where kinds of layer alternate). Where a plan treats each block of a run
+alike (the same options, storage and recomputation: a *segment*), the blocks it adds to a short
+copy each add the same tasks to the Program: the same kernels, collectives and held bytes. So
+the plan is lowered on the model cut to KEPT blocks of each segment (the base) and, for the one
+segment longer than that, with one block more (its slope), and each figure of the whole model
+is the base's plus the slope times the cut blocks: two short lowerings instead of one of every
+layer, each kept for plans whose short copies are the same. With several long segments (the
+first layers recomputed), a copy with one block more per segment, and the peak memory taken per
+region of the step (Pricer.price says why). Used for graphs of `min_ops` ops or more (smaller
+ones lower in well under a second: SearchOptions.extrapolate), where the short lowerings hold
+fewer ops than the whole graph. The ranking confirms its best plan on the whole graph
+(hidup.planning.ranking.Ranking.confirm): the figures a user reads are never extrapolated."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
 from hidup.graph.nodes import Graph
-from hidup.graph.repeats import layer_ops, layer_params, layer_runs, shortened
+from hidup.graph.repeats import block_ops, block_params, layer_runs, shortened
 from hidup.planning.costs import Profile
 from hidup.planning.estimate import Estimate, estimate
 from hidup.planning.memory import MemoryReport, peak_memory
 from hidup.program.lowering import lower
 from hidup.strategy import Strategy, layers
 
-KEPT = 2  # layers of each segment in the base (the first sees the stretch before the segment,
-#   the last the stretch after it; the slope's extra layer sits between layers alike)
+KEPT = 2  # blocks of each segment in the base (the first sees the stretch before the segment,
+#   the last the stretch after it; the slope's extra block sits between blocks alike)
 SHARE = 1.0  # extrapolated only where the short lowerings' ops are under this share of the graph's
 
 
@@ -77,7 +77,7 @@ class Pricer:
             segments_of(graph, strategy)
         long = [s for s in segments if len(s) > KEPT]
         cuts = [len(s) - KEPT for s in long]
-        per_layer = [len(layer_ops(graph)[s[0]]) for s in long]
+        per_layer = [len(block_ops(graph, s[0])) for s in long]  # a block's ops
         short_ops = len(graph.ops) - sum(c * n for c, n in zip(cuts, per_layer))
         if not long or (1 + len(long)) * short_ops + sum(per_layer) >= \
                 self.share * len(graph.ops):  # the short lowerings' ops
@@ -127,7 +127,8 @@ class Pricer:
                        recompute=strategy.recompute & set(layers(short)),
                        selective=strategy.selective & set(layers(short)))
         roles = {layer: (i, "first" if j == 0 else "last" if j == kept[s] - 1 else "inside")
-                 for i, s in enumerate(long) for j, layer in enumerate(s[:kept[s]])} \
+                 for i, s in enumerate(long) for j, block in enumerate(s[:kept[s]])
+                 for layer in block} \
             if len(long) > 1 else None  # (one segment's peak extrapolates whole)
         key = (k, _computes(short, plan),  # and the roles in layer order (not the layers'
                roles and tuple(roles.get(layer) for layer in layers(short)))  # names)
@@ -167,30 +168,29 @@ def _computes(graph: Graph, plan: Strategy) -> tuple:
             plan.mesh, plan.dp, plan.across_axes)
 
 
-def segments_of(graph: Graph, strategy: Strategy) -> tuple[tuple[str, ...], ...]:
-    """The graph's runs of repeated layers (hidup.graph.repeats.layer_runs) cut where the plan
-    treats a layer unlike the one before it: each segment's layers alike."""
+def segments_of(graph: Graph, strategy: Strategy) -> tuple[tuple[tuple[str, ...], ...], ...]:
+    """The graph's runs of repeated blocks of layers (hidup.graph.repeats.layer_runs) cut where
+    the plan treats a block unlike the one before it: each segment's blocks alike."""
     found = []
     for run in layer_runs(graph):
-        segment, before = [run[0]], _layer_plan(graph, strategy, run[0])
-        for layer in run[1:]:
-            plan = _layer_plan(graph, strategy, layer)
+        segment, before = [run[0]], _block_plan(graph, strategy, run[0])
+        for block in run[1:]:
+            plan = _block_plan(graph, strategy, block)
             if plan == before:
-                segment.append(layer)
+                segment.append(block)
             else:
                 found.append(tuple(segment))
-                segment, before = [layer], plan
+                segment, before = [block], plan
         found.append(tuple(segment))
     return tuple(s for s in found if len(s) > 1)
 
 
-def _layer_plan(graph: Graph, strategy: Strategy, layer: str) -> tuple:
-    """What the plan does with one layer, alike for layers it treats alike."""
-    params = layer_params(graph, layer)
-    return (tuple(strategy.options[n.name] for n in layer_ops(graph)[layer]),
+def _block_plan(graph: Graph, strategy: Strategy, block: tuple[str, ...]) -> tuple:
+    """What the plan does with one block of layers, alike for blocks it treats alike."""
+    return (tuple(strategy.options[n.name] for n in block_ops(graph, block)),
             tuple((strategy.placements.get(p), p in strategy.reshard, strategy.across.get(p))
-                  for p in params),
-            layer in strategy.recompute, layer in strategy.selective)
+                  for p in block_params(graph, block)),
+            tuple((layer in strategy.recompute, layer in strategy.selective) for layer in block))
 
 
 def _shortened(graph: Graph, kept: dict) -> Graph:
