@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import build_model, read_by
 from torch import nn
+from torch.nn import functional as F
 
 from hidup.graph.capture import capture
 from hidup.models import capture_model, get_model
@@ -87,6 +88,30 @@ def test_random_ops_are_kept_not_recomputed():
         again = {t.node for t in program.tasks if isinstance(t, Compute)
                  and t.phase == "recompute"}
         assert len(again & {n.name for n in dropouts}) == 2 * (1 - kept)
+
+
+def test_attention_without_dropout_is_recomputed():
+    """Attention whose call leaves dropout_p out (its default, 0: how a captured graph writes
+    dropout 0) draws no random numbers: a recomputed layer runs it again; with dropout it is
+    kept."""
+    class Attention(nn.Module):
+        def __init__(self, p):
+            super().__init__()
+            self.qkv, self.p = nn.Linear(8, 24), p
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)
+            return x + F.scaled_dot_product_attention(q, k, v, dropout_p=self.p).squeeze(1)
+
+    for p, kept in ((0.0, 0), (0.5, 1)):
+        model = nn.Sequential(Attention(p), Attention(p))
+        graph = capture(_Loss(model), (torch.randn(2, 4, 8),))
+        attention = [n for n in graph.ops if "scaled_dot_product" in n.op]
+        assert len(attention) == 2 and sum(map(nondeterministic, attention)) == 2 * kept
+        program = lower(graph, recomputing(graph, data_parallel(graph, 1), layers(graph)), 1)
+        again = {t.node for t in program.tasks if isinstance(t, Compute)
+                 and t.phase == "recompute"}
+        assert len(again & {n.name for n in attention}) == 2 * (1 - kept)
 
 
 class _Loss(nn.Module):

@@ -249,11 +249,10 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
                     self.convert_for_consumers(
                         node.name, m, self.whole(node.name) if node.name in gathered else None)
         self.loss_keys: list[str] = []
-        per_mb = [n for n in self.g.ops if n.name not in self.once or n.name in self.after_join]
-        for node in self.g.ops:  # computed once per step, from parameters only
-            if node.name in self.once and node.name not in self.after_join:
-                self.forward_node(node, None)
-        self.interleave(per_mb, self.forward_node, self.in_keys, self.inputs_ready)
+        # an op computed once per step (from parameters only, or after a join) runs where the
+        # first micro-batch to reach it needs it: a weight's gathered copy is made where its
+        # layer runs, not for every layer at the start
+        self.interleave(self.g.ops, self.forward_node, self.in_keys, self.inputs_ready)
         self.updates = {}  # buffer -> the key of its new value: whole on every rank, joined
         for buffer, t in self.g.updates:  # where the micro-batches hold parts of it
             self.updates[buffer] = self.read_key(t, R, R, 0)
@@ -382,18 +381,17 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
             self.add(Compute(len(self.tasks), loss, "hidup.ones", "bwd", m, 0.0, 0.0, (), shape,
                              (), (gkey(loss, self.home(loss), m),)))
         nodes = [n for n in reversed(self.g.ops) if n.name in self.has_grad]
-        per_mb = [n for n in nodes if n.name not in self.once or n.name in self.after_join]
         reduced = {p.name for p in self.g.params if p.name in self.has_grad
                    and isinstance(self.gplace(p.name, self.home(p.name)), Partial)}
         # a parameter's gradient is reduced once every micro-batch has added to it: no micro-batch
-        # runs far ahead past nodes that add to one, so reductions start early, under the backward
-        self.interleave(per_mb, self.backward_node,
+        # runs far ahead past nodes that add to one, so reductions start early, under the
+        # backward; an op computed once per step runs its backward as soon as every micro-batch
+        # has added to its gradient (the micro-batches switch until then), so that gradient is
+        # not held to the end of the step
+        self.interleave(nodes, self.backward_node,
                         lambda n, m: [self.out_grad(n.name, m)],
                         lambda n, m: not self.expected.get(gkey(n.name, self.home(n.name), m)),
-                        {n.name for n in per_mb if reduced & set(n.inputs)})
-        for node in nodes:  # once per step, after every micro-batch's contribution
-            if node.name in self.once and node.name not in self.after_join:
-                self.backward_node(node, None)
+                        {n.name for n in nodes if reduced & set(n.inputs)})
         return self.final
 
     def backward_node(self, node, m) -> None:

@@ -24,11 +24,15 @@ RECOMPUTE = "recompute"  # the phase of a recomputed forward task and of its con
 def nondeterministic(node: Node) -> bool:
     """Does the op draw random numbers (dropout)? Run again, it would draw others. An op that
     may (its schema is tagged so) but whose dropout probability is 0 or whose `train` is False
-    (eval-mode dropout, attention without dropout) draws none."""
+    (eval-mode dropout, attention without dropout) draws none; an argument the call leaves out
+    has its schema's default (attention's dropout_p: 0, which a captured graph does not
+    write)."""
     if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
         return False
     schema = getattr(node.target, "_schema", None)
-    given = dict(zip((a.name for a in schema.arguments), node.args)) if schema else {}
+    arguments = schema.arguments if schema else ()
+    given = {a.name: a.default_value for a in arguments if a.has_default_value()}
+    given.update(zip((a.name for a in arguments), node.args))
     given.update(node.kwargs)
     chance = [given[name] for name in ("p", "dropout_p") if name in given]
     return not (given.get("train") is False or chance and all(
