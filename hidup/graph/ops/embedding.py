@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from hidup.graph.ops.registry import default_local, register, register_local
+from hidup.graph.ops.registry import arg, default_local, register, register_local
 from hidup.graph.placement import P, R, Shard, ShardingOption
 
 aten = torch.ops.aten
@@ -15,8 +15,10 @@ def embedding(node, ins):
     opts = [ShardingOption((R, R), R)]
     opts += [ShardingOption((R, Shard(d)), Shard(d)) for d in range(len(idx)) if idx[d] > 1]
     opts.append(ShardingOption((Shard(1), R), Shard(len(idx))))  # hidden dim
-    if weight[0] > 1:
-        opts.append(ShardingOption((Shard(0), R), P))  # vocabulary: rows outside the shard give 0
+    if weight[0] > 1 and not arg(node, 3, "scale_grad_by_freq", False):
+        # vocabulary: rows outside the shard give 0 (not where a row's gradient is scaled by
+        # how often the whole batch reads it)
+        opts.append(ShardingOption((Shard(0), R), P))
     return opts
 
 
@@ -26,12 +28,14 @@ def local_embedding(node, option, ctx):
         return default_local(node, option, ctx)
     rows = ctx.in_shapes[0][0]
     start = ctx.rank * rows
+    padding = arg(node, 2, "padding_idx", -1)  # the row whose gradient stays zero: this rank's
+    padding = padding - start if start <= padding < start + rows else -1  # if in its shard
 
     def run(t):
         weight, idx = t
         local = idx - start
         inside = (local >= 0) & (local < rows)
-        out = aten.embedding.default(weight, torch.where(inside, local, 0))
+        out = aten.embedding.default(weight, torch.where(inside, local, 0), padding)
         return out * inside.unsqueeze(-1).to(out.dtype)
 
     return run
