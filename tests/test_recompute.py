@@ -80,14 +80,8 @@ def test_random_ops_are_kept_not_recomputed():
             return x + self.drop(torch.relu(self.fc(x)))
 
     for p, kept in ((0.1, 1), (0.0, 0)):
-        model = nn.Sequential(Block(p), Block(p))
-        graph = capture(_Loss(model), (torch.randn(4, 8),))
-        dropouts = [n for n in graph.ops if "dropout" in n.op]
-        assert len(dropouts) == 2 and sum(map(nondeterministic, dropouts)) == 2 * kept
-        program = lower(graph, recomputing(graph, data_parallel(graph, 1), layers(graph)), 1)
-        again = {t.node for t in program.tasks if isinstance(t, Compute)
-                 and t.phase == "recompute"}
-        assert len(again & {n.name for n in dropouts}) == 2 * (1 - kept)
+        assert _random_and_recomputed(Block, p, torch.randn(4, 8), "dropout") == \
+            (2 * kept, 2 * (1 - kept))
 
 
 def test_attention_without_dropout_is_recomputed():
@@ -104,14 +98,19 @@ def test_attention_without_dropout_is_recomputed():
             return x + F.scaled_dot_product_attention(q, k, v, dropout_p=self.p).squeeze(1)
 
     for p, kept in ((0.0, 0), (0.5, 1)):
-        model = nn.Sequential(Attention(p), Attention(p))
-        graph = capture(_Loss(model), (torch.randn(2, 4, 8),))
-        attention = [n for n in graph.ops if "scaled_dot_product" in n.op]
-        assert len(attention) == 2 and sum(map(nondeterministic, attention)) == 2 * kept
-        program = lower(graph, recomputing(graph, data_parallel(graph, 1), layers(graph)), 1)
-        again = {t.node for t in program.tasks if isinstance(t, Compute)
-                 and t.phase == "recompute"}
-        assert len(again & {n.name for n in attention}) == 2 * (1 - kept)
+        assert _random_and_recomputed(Attention, p, torch.randn(2, 4, 8),
+                                      "scaled_dot_product") == (2 * kept, 2 * (1 - kept))
+
+
+def _random_and_recomputed(block, p, example, op: str) -> tuple[int, int]:
+    """Two `block(p)` in a row, every layer recomputed: of their two `op` nodes, how many draw
+    random numbers, and how many the Program runs again in the backward."""
+    graph = capture(_Loss(nn.Sequential(block(p), block(p))), (example,))
+    nodes = [n for n in graph.ops if op in n.op]
+    assert len(nodes) == 2
+    program = lower(graph, recomputing(graph, data_parallel(graph, 1), layers(graph)), 1)
+    again = {t.node for t in program.tasks if isinstance(t, Compute) and t.phase == "recompute"}
+    return sum(map(nondeterministic, nodes)), len(again & {n.name for n in nodes})
 
 
 class _Loss(nn.Module):
