@@ -86,10 +86,10 @@ def local_tasks(prog) -> list:
 
 
 def inner_reductions(prog, profile) -> float:
-    """Seconds of the all-reduces kernels run inside themselves (Compute.reduces: megatron's
+    """Seconds of the collectives kernels run inside themselves (Compute.inner: megatron's
     vocabulary-parallel loss), which hold the compute stream beside the kernels' own time."""
-    return sum(profile.collective_time("all_reduce", b, prog.group(0))
-               for t in prog.tasks if isinstance(t, Compute) for b in t.reduces)
+    return sum(profile.collective_time(kind, b, prog.group(0))
+               for t in prog.tasks if isinstance(t, Compute) for kind, b in t.inner)
 
 
 def test_measured_kernels_change_the_prediction_and_estimate_still_equals_the_simulator():

@@ -20,8 +20,9 @@ FUNCTIONAL = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor"
 
 def program_order(program) -> list[str]:
     """The functional collectives the Program's tasks issue and wait for, in its order: its
-    collectives and waits, and the all-reduces a kernel runs inside itself (Compute.reduces:
-    a vocabulary-parallel loss), each waited for at once."""
+    collectives and waits, and the all-reduces a kernel runs inside itself (Compute.inner:
+    a vocabulary-parallel loss), each waited for at once (routed experts' all-to-alls run
+    inside their op, hidup::experts_a2a, not as nodes of the graph)."""
     order = []
     for t in program.tasks:
         if isinstance(t, Wait):
@@ -29,7 +30,8 @@ def program_order(program) -> list[str]:
         elif isinstance(t, Convert) and t.collective:
             order.append(FUNCTIONAL[t.kind])
         elif isinstance(t, Compute):
-            order += ["all_reduce", "wait_tensor"] * len(t.reduces)
+            order += [x for kind, _ in t.inner if kind == "all_reduce"
+                      for x in (FUNCTIONAL[kind], "wait_tensor")]
     return order
 
 

@@ -336,7 +336,9 @@ def test_vocabulary_parallel_cross_entropy_over_ranks_is_the_whole_loss(world, r
                     (logits, target))  # (a model returns a scalar loss)
     node = next(n for n in graph.ops if n.op == "aten.cross_entropy_loss.default")
     option = parse_option("(S(1), R) -> P(sum)")
-    assert ops.inner_reductions(node, option, ((6, 8 // world), (6,))) == (24, 24)
+    assert ops.inner_collectives(node, option, ((6, 8 // world), (6,))) == \
+        (("all_reduce", 24),) * 2
+    assert ops.inner_collectives(node, option, ((6, 8 // world), (6,)), backward=True) == ()
     barrier, posted = threading.Barrier(world), [None] * world
 
     def reduce_over_threads(rank):

@@ -114,7 +114,7 @@ def test_sequence_parallelism_splits_the_stretches_between_regions(tiny_graphs):
     loss = next(t for t in lower(graph, s, 2, k=1).tasks if isinstance(t, Compute)
                 and t.node == "cross_entropy_loss" and t.phase == "fwd")
     rows = graph.node(graph.node("cross_entropy_loss").inputs[1]).out.numel
-    assert loss.reduces == (4 * rows, 4 * rows)
+    assert loss.inner == (("all_reduce", 4 * rows),) * 2
 
 
 def test_sequence_parallelism_holds_less_than_megatron():

@@ -9,12 +9,15 @@ import torch
 from conftest import run_ranks
 from test_equivalence import local_step, mode_of, one_step, planned, rel_err
 
+from hidup.graph import ops
 from hidup.graph.capture import capture
-from hidup.graph.placement import R, Shard
+from hidup.graph.ops.gating import exchanges
+from hidup.graph.placement import R, Shard, plain_option
 from hidup.planning.profile_file import load_profile
 from hidup.planning.programme import SearchOptions
 from hidup.planning.search import search
 from hidup.strategy import conversion, fixed_strategy, microbatch_split, random_strategy
+from hidup.strategy.mesh import Mesh
 from hidup.runtime.layout import mb_join, mb_part, shard_of
 
 pytest.importorskip("transformers")
@@ -47,11 +50,14 @@ def strategy_of(graph, how: str, world: int, k: int):
 
 def traced(name: str, how: str, world: int, k: int) -> bool:
     """The searched plan runs traced as users run it under Duplex on 2 gloo ranks (the eight
-    first families); the rest untraced on threads (local_grads: the same tasks as Python;
-    test_random_strategies holds the two modes to the same result bit for bit, and
-    test_equivalence traces every fixed plan). Tracing is 70% of a gloo rank's time: every k = 2
-    plan traced took 70 s on 2 ranks, against 35 s for the searched one only."""
-    return how == "search" and k > 1 and name in MODELS and mode_of(how, world) == "graph"
+    first families), and so does expert (its routed rows go through the process group's
+    all-to-all inside hidup::experts_a2a, where the threads exchange them in memory); the rest
+    untraced on threads (local_grads: the same tasks as Python; test_random_strategies holds
+    the two modes to the same result bit for bit, and test_equivalence traces every fixed
+    plan). Tracing is 70% of a gloo rank's time: every k = 2 plan traced took 70 s on 2 ranks,
+    against 35 s for the searched one only."""
+    return how in ("search", "expert") and k > 1 and name in MODELS and \
+        mode_of(how, world) == "graph"
 
 
 def run_cases(world: int, cases) -> list[dict]:
@@ -134,6 +140,28 @@ def test_more_families_match_eager_under_plans_that_split(part):
     check(run_cases(2, cases), cases)
 
 
+# routed experts on a 2 x 2 mesh: data parallel across the machines and expert inside each
+# (dp-expert), and Megatron inside each machine with the experts over all 4 GPUs (tp+ep); the
+# routers' rows sent to their experts' GPUs by all-to-all either way
+MESH_MOE = [("mixtral", "dp-expert", 2), ("mixtral", "tp+ep", 1), ("qwen3_moe", "tp+ep", 2)]
+
+
+def test_routed_experts_on_a_2x2_mesh_match_eager():
+    out = [{} for _ in range(4)]
+    for case in MESH_MOE:
+        name, how, k = case
+        model = build(name)
+        graph = capture(model, _example(name))
+        strategy = fixed_strategy(how, graph, 4, Mesh.grid(2, 2))
+        routers = [n for n in graph.ops if n.op == "hidup.tokens"]
+        assert routers and all(exchanges(n, plain_option(strategy.options[n.name]))
+                               for n in routers), case
+        for rank, result in enumerate(local_step(model, graph, strategy, 4, k, name,
+                                                 batch(name), buffers_out=True)):
+            out[rank][case] = result
+    check(out, MESH_MOE)
+
+
 def test_more_families_plans_split_their_ops():
     """The plans of the families above split ops (not a replicated run under a plan's name):
     on Qwen2-MoE, ddp, fsdp, expert and the search most ops (the batch), megatron some (the
@@ -154,14 +182,15 @@ def test_a_histogram_over_as_many_experts_as_rows_is_no_row_count():
     """Qwen3-MoE's routers count each expert's rows with a histogram of 128 bins, its expert
     count; the tiny batch has 128 tokens too. Its bins are a weight's dim, not a row count: each
     router is one per-token region (run on part of the rows, the histogram keeps its 128 bins),
-    whose experts expert parallelism splits."""
+    whose experts expert parallelism splits, each rank's rows sent to their experts' ranks."""
     graph = capture(build("qwen3_moe"), batch("qwen3_moe"))
     regions = [n for n in graph.ops if n.op == "hidup.tokens"]
     assert len(regions) == 2
     [region] = {repr(n.args[0]) for n in regions}  # the two layers' regions alike
     assert "aten.histc.default[128]" in region
     expert = fixed_strategy("expert", graph, 2)
-    assert all(str(expert.options[n.name]).endswith("S(0), S(0)) -> P(sum)") for n in regions)
+    assert all(str(expert.options[n.name]) == "(S(0), S(0), S(0), S(0), S(0)) -> S(0)"
+               for n in regions)
 
 
 def test_tied_weights_train_as_one_tensor():
@@ -223,11 +252,16 @@ def test_microbatch_parts_join_into_the_shard():
 def test_expert_strategy_splits_grouped_matmul_experts():
     """Mixtral's experts (3-d weights read by the grouped matmuls of its router's per-token
     region) are split by the expert strategy over ranks that divide their count, each rank
-    computing its experts' rows (a Partial sum), and refused in one line otherwise."""
+    sending its tokens' rows to their experts' ranks by all-to-all (the rows stay split, as
+    data parallelism splits them), and refused in one line otherwise. The search's space
+    holds the other expert option too: every row on every rank, each rank computing its
+    experts' rows (a Partial sum)."""
     graph = capture(build("mixtral"), batch("mixtral"))
     strategy = fixed_strategy("expert", graph, 2)
     routers = [n for n in graph.ops if n.op == "hidup.tokens"]
     assert len(routers) == 2 and all(
-        str(strategy.options[n.name]) == "(R, R, R, S(0), S(0)) -> P(sum)" for n in routers)
+        str(strategy.options[n.name]) == "(S(0), S(0), S(0), S(0), S(0)) -> S(0)"
+        for n in routers)
+    assert "(R, R, R, S(0), S(0)) -> P(sum)" in map(str, ops.node_options(graph, routers[0]))
     with pytest.raises(ValueError, match="4 experts do not split over 8 ranks"):
         fixed_strategy("expert", graph, 8)

@@ -63,12 +63,13 @@ class Region:
         i = self.rowwise.index(True)
         return in_shapes[i][0] / self.shapes[i][0]
 
-    def share(self, in_shapes) -> float:
+    def share(self, in_shapes, sent: bool = False) -> float:
         """The part of its captured work that inputs of these shapes make: its rows' part, and
         where the experts' weights are split, the part of the experts (each rank computes its
-        experts' rows only)."""
+        experts' rows only) but where its rows are `sent` to their experts' ranks (each rank
+        computes, on average, as many rows as it sends: hidup.graph.ops.dispatch)."""
         experts = [shape[0] / s[0] for shape, s, e in zip(in_shapes, self.shapes, self.experts)
-                   if e]
+                   if e and not sent]
         return self.fraction(in_shapes) * min(experts, default=1.0)
 
     def scale(self, args, fraction: float):
@@ -79,6 +80,11 @@ class Region:
         counts = self.row_counts
         return pytree.tree_map(
             lambda a: round(a * fraction) if type(a) is int and a in counts else a, args)
+
+    @cached_property
+    def shape_of(self) -> dict[str, tuple[int, ...]]:
+        """The captured shape of each value it reads or makes, by name."""
+        return {**dict(zip(self.inputs, self.shapes)), **{n.name: n.out.shape for n in self.nodes}}
 
     @cached_property
     def row_counts(self) -> frozenset[int]:

@@ -43,10 +43,10 @@ def kernel_times(program: Program, profile, mode: str = "graph") -> dict[int, fl
             flops = sum(t.flops for t in group)
             times.update({t.id: 0.0 for t in group})
             times[group[-1].id] = profile.kernel_time(flops, _group_bytes(group, program))
-    for t in program.tasks:  # all-reduces inside a kernel (Compute.reduces) hold its stream
-        if isinstance(t, Compute) and t.reduces and t.id not in gone:
+    for t in program.tasks:  # collectives inside a kernel (Compute.inner) hold its stream
+        if isinstance(t, Compute) and t.inner and t.id not in gone:
             group = program.group(0, program.op_axes(t.option))
-            times[t.id] += sum(profile.collective_time("all_reduce", b, group) for b in t.reduces)
+            times[t.id] += sum(profile.collective_time(kind, b, group) for kind, b in t.inner)
     return times
 
 

@@ -149,8 +149,9 @@ class Pricing:
         compute = self.profile.kernel_time(fwd, nbytes) + \
             self.profile.kernel_time(backward_flops(node.op, fwd, ins, out, node.args),
                                      2 * nbytes) + \
-            sum(self.scope_time("all_reduce", b, is_flat(opt.output))
-                for b in ops.inner_reductions(node, plain_option(opt), tuple(ins)))
+            sum(self.scope_time(kind, b, is_flat(opt.output))
+                for backward in (False, True)
+                for kind, b in ops.inner_collectives(node, plain_option(opt), tuple(ins), backward))
         if self.mbs.home(node.name) == R:
             compute /= self.k  # runs once per step
         grads = 0.0

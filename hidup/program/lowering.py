@@ -23,6 +23,7 @@ from hidup.graph.flops import backward_flops, forward_flops
 from hidup.graph.placement import (Partial, Placement, R, Replicate, Shard, flat, is_flat,
                                    plain, plain_option)
 from hidup.graph.saved import backward_saves
+from hidup.graph.ops.gating import exchanges
 from hidup.graph.tokens import TOKENS
 
 from hidup.strategy import Mesh, Strategy, microbatch_split
@@ -275,7 +276,7 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
             len(self.tasks), node.name, node.op, "fwd", m, flops, nbytes, ins, out, tuple(keys),
             (vkey(node.name, opt.output, m),), opt, partial, reads=reads, keeps=keeps,
             alias=self.aliases(node), scratch=self.scratch(node, ins, backward=False),
-            reduces=ops.inner_reductions(node, plain_option(opt), ins)))
+            inner=ops.inner_collectives(node, plain_option(opt), ins)))
         self.convert_for_consumers(node.name, m)
         if node.name == self.g.loss:
             self.loss_keys.append(self._report_loss(m))
@@ -314,7 +315,8 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
         if not nbytes:
             return 0
         if node.op == TOKENS:
-            return int(nbytes * node.args[0].share(ins))
+            sent = exchanges(node, plain_option(self.s.options[node.name]))
+            return int(nbytes * node.args[0].share(ins, sent))
         whole = sum(m.numel for m in node.in_metas(self.g))
         return nbytes * sum(map(math.prod, ins)) // max(1, whole)
 
@@ -424,7 +426,8 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
             len(self.tasks), node.name, node.op, "bwd", m,
             backward_flops(node.op, fwd, ins, out, node.args),
             nbytes, ins, out, (grad_in,) + fwd_keys, tuple(outs), opt, partial, tuple(root),
-            again=node.name in self.again, scratch=self.scratch(node, ins, backward=True)))
+            again=node.name in self.again, scratch=self.scratch(node, ins, backward=True),
+            inner=ops.inner_collectives(node, plain_option(opt), ins, backward=True)))
         for t, p, q, mm in done:
             if self.mb_converted(t, q):
                 self.mb_contributed(t, p, q, mm)

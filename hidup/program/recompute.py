@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from hidup.graph import ops
 from hidup.graph.capture import Node
+from hidup.graph.placement import plain_option
 from hidup.graph.saved import backward_reads
 from hidup.program.tasks import Compute, vkey
 
@@ -111,7 +113,8 @@ class Recomputation:
         self.add(Compute(len(self.tasks), node.name, node.op, RECOMPUTE, m, flops, nbytes, ins,
                          out, keys, (vkey(node.name, opt.output, m),), opt, partial,
                          reads=reads, keeps=keeps, alias=self.aliases(node),
-                         scratch=self.scratch(node, ins, backward=False)))
+                         scratch=self.scratch(node, ins, backward=False),
+                         inner=ops.inner_collectives(node, plain_option(opt), ins)))
         inside = {p for consumer, i, p in self.uses[node.name]
                   if consumer is not None and self.layer_of.get(consumer.name) == layer
                   and not self.mb_converted(node.name,  # a join's reader reads the kept join

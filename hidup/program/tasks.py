@@ -106,9 +106,10 @@ class Compute:
     # local bytes it holds only while it runs, beyond what it writes and keeps: a composite
     # op's intermediates (hidup.graph.saved.Saves.scratch)
     scratch: int = 0
-    # a forward's: bytes of each all-reduce it runs inside itself, blocking, over the ranks its
-    # option splits over (Program.group; hidup.graph.ops.inner_reductions)
-    reduces: tuple[int, ...] = ()
+    # (kind, bytes) of each collective it runs inside itself, blocking, over the ranks its
+    # option splits over (Program.op_axes; hidup.graph.ops.inner_collectives): a
+    # vocabulary-parallel loss's all-reduces, routed experts' all-to-alls
+    inner: tuple[tuple[str, int], ...] = ()
 
     def __str__(self) -> str:
         mb = "*" if self.mb is None else self.mb

@@ -42,14 +42,16 @@ class Exchange:
         self._results: dict[tuple, list[torch.Tensor]] = {}
         self.failed: BaseException | None = None
 
-    def issue(self, kind: str, x: torch.Tensor, group: tuple[int, ...], rank: int,
-              op: str = "sum") -> tuple:
-        """Put `rank`'s value of one collective; its handle for `wait`."""
+    def issue(self, kind: str, x: torch.Tensor | list[torch.Tensor], group: tuple[int, ...],
+              rank: int, op: str = "sum") -> tuple:
+        """Put `rank`'s value of one collective (for 'all_to_all_v', its chunk for each rank of
+        the group, in order, any sizes); its handle for `wait`."""
         with self._lock:
             n = self._issued.get((group, rank), 0)
             self._issued[(group, rank)] = n + 1
             values = self._values.setdefault((group, n), {})
-            values[rank] = x.detach().clone()
+            values[rank] = [c.detach().clone() for c in x] if isinstance(x, list) else \
+                x.detach().clone()
             if len(values) == len(group):
                 self._results[(group, n)] = _combine(kind, [values[r] for r in group], op)
                 del self._values[(group, n)]
@@ -91,7 +93,16 @@ def _combine(kind: str, xs: list[torch.Tensor], op: str) -> list[torch.Tensor]:
         return [c.clone() for c in torch.stack(xs).sum(0).chunk(n)]
     if kind == "all_to_all":
         return [torch.cat([x.chunk(n)[i] for x in xs]) for i in range(n)]
+    if kind == "all_to_all_v":  # each rank's list of chunks, one per rank: the i-th rank's from each
+        return [[x[i] for x in xs] for i in range(n)]
     raise ValueError(f"unknown collective {kind!r}")
+
+
+def exchange_rows(exchange: Exchange, chunks: list[torch.Tensor], rows: list[int], *,
+                  group: tuple[int, ...], rank: int) -> list[torch.Tensor]:
+    """hidup.graph.ops.dispatch's exchange over the ranks `group` on threads: chunk i to the
+    group's i-th rank; what came from each (rows: their sizes, known from the counts)."""
+    return exchange.wait(exchange.issue("all_to_all_v", chunks, group, rank))
 
 
 @dataclass(frozen=True)

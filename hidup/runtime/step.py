@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -21,6 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from hidup.graph import ops
 from hidup.graph.capture import Graph
+from hidup.graph.ops import dispatch
 from hidup.graph.placement import (Partial, R, Shard, ShardingOption, is_flat, option_is_flat,
                                    plain_option)
 from hidup.strategy import Strategy, microbatch_split
@@ -28,6 +30,7 @@ from hidup.program.tasks import (MB_CONVERSIONS, Compute, Convert, Program, Wait
                                  vkey)
 from hidup.runtime.collectives import PACKING, issue, stand_in
 from hidup.runtime.layout import mb_join, mb_part, shard_of
+from hidup.runtime.local_world import exchange_rows
 from hidup.runtime.passes import simplify
 from hidup.runtime.values import Values
 
@@ -222,13 +225,30 @@ class _TaskRunner:
         ctx = ops.LocalContext(rank, world, task.in_shapes, task.out_shape,
                                node.out.shape, tuple(m.shape for m in node.in_metas(self.g)),
                                root, self.spec.device_type, self.whole,
-                               lambda x, op: self.reduce_inside(x, op, task.option))
+                               lambda x, op: self.reduce_inside(x, op, task.option),
+                               self.group_inside(task.option))
         return ops.local_callable(node, option, ctx)
+
+    def group_inside(self, option: ShardingOption) -> str:
+        """The name of the group an op's `option` splits over (Program.op_axes), for an op that
+        exchanges inside itself (LocalContext.group; hidup.graph.ops.dispatch): a process
+        group's, the local world's threads', or calibration's stand-in; '' for one rank."""
+        axes = self.p.op_axes(option)
+        if self.p.grid.size(axes) == 1:
+            return ""
+        if self.spec.local_collectives:
+            return dispatch.STAND_IN
+        if self.spec.exchange is not None:
+            members = self.p.grid.group(axes, self.spec.rank)
+            return dispatch.register_group(
+                f"hidup:local:{id(self.spec.exchange)}:{members}:{self.spec.rank}",
+                self.spec.exchange, partial(exchange_rows, group=members, rank=self.spec.rank))
+        return self.spec.group_names[axes]
 
     def reduce_inside(self, x: torch.Tensor, op: str, option: ShardingOption) -> torch.Tensor:
         """x all-reduced by `op` over the ranks an op's `option` splits over (Program.op_axes),
         for an op that reduces inside itself (LocalContext.reduce; the Program's
-        Compute.reduces)."""
+        Compute.inner)."""
         axes = self.p.op_axes(option)
         if self.p.grid.size(axes) == 1 or self.spec.local_collectives:
             return x

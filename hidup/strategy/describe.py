@@ -7,6 +7,7 @@ from collections import Counter
 from hidup.graph import ops
 from hidup.graph.capture import Graph, Node
 from hidup.graph.placement import R, Shard, ShardingOption, option_is_flat, plain_option
+from hidup.graph.tokens import TOKENS
 from hidup.strategy.base import Strategy
 from hidup.strategy.mesh import axes_words
 from hidup.strategy.microbatch import microbatch_split
@@ -14,7 +15,7 @@ from hidup.strategy.recompute import describe_recompute
 
 
 KEY_OPS = ("linear", "einsum", "embedding", "conv", "scaled_dot_product_attention",
-           "grouped_mm")
+           "grouped_mm", "hidup.tokens")  # (the last: a router's per-token region, its experts)
 STYLES = ("data parallel", "tensor parallel", "expert parallel", "split otherwise", "replicated")
 
 
@@ -23,6 +24,9 @@ def op_style(graph: Graph, node: Node, option: ShardingOption) -> str:
     experts split across the ranks: 3-d weights), 'tensor parallel' (other split weights), 'data
     parallel' (whole weights, the batch dim split), 'split otherwise', or 'replicated'."""
     option = plain_option(option)
+    if node.op == TOKENS and any(e and p != R for e, p in zip(node.args[0].experts,
+                                                              option.inputs)):
+        return "expert parallel"  # (its experts' weights may be views of the parameters)
     split_weights = [graph.node(t) for t, p in zip(node.inputs, option.inputs)
                      if graph.node(t).kind == "param" and p != R]
     if split_weights:
@@ -37,9 +41,9 @@ def op_style(graph: Graph, node: Node, option: ShardingOption) -> str:
 
 
 def summarize(graph: Graph, strategy: Strategy, flat: bool = False) -> dict[str, int]:
-    """How many of the key ops (linear, einsum, embedding, convolution, attention) each style
-    (op_style) runs, in STYLES order, the styles used only; with `flat`, of the ops that run
-    over every rank of a 2-D mesh (flat options), else of the others."""
+    """How many of the key ops (linear, einsum, embedding, convolution, attention, routed
+    experts) each style (op_style) runs, in STYLES order, the styles used only; with `flat`, of
+    the ops that run over every rank of a 2-D mesh (flat options), else of the others."""
     counts = {style: 0 for style in STYLES}
     for node in graph.ops:
         if any(key in node.op for key in KEY_OPS) and \

@@ -186,10 +186,16 @@ def tensor_and_expert(graph: Graph, mesh: Mesh) -> Strategy:
     except where expert parallelism over every GPU differs from data parallelism (the experts,
     their dispatch and return): those ops run expert's options over the mesh flattened
     (hidup.graph.placement's flat placements), so each GPU holds experts / GPUs of them,
-    reached by all-to-all over the world."""
+    reached by all-to-all over the world. So do the ops after them that Megatron would read
+    them in as Partial sums (a router's output, where Megatron splits its experts inside each
+    machine), which expert's leave complete."""
     tp = fixed_strategy("dp-megatron", graph, mesh.world, mesh)
     ep, dp = expert_parallel(graph, mesh.world), data_parallel(graph, mesh.world)
     region = {n for n in ep.options if ep.options[n] != dp.options[n]}
+    for node in graph.ops:  # (in topological order: the region grows forward)
+        if any(t in region and isinstance(p, Partial)
+               for t, p in zip(node.inputs, tp.options[node.name].inputs)):
+            region.add(node.name)
     read = {t for n in region for t in graph.node(n).inputs}
     placements = {t: flat(ep.placements[t]) if t in read and graph.node(t).kind == "param"
                   else p for t, p in tp.placements.items()}

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from hidup.graph.flops import GROUPED_MM
+from hidup.graph.ops import dispatch
 from hidup.graph.ops.grouped import experts_mm
 from hidup.graph.ops.pointwise import pointwise_options
-from hidup.graph.ops.registry import arg, register, register_local
+from hidup.graph.ops.registry import arg, register, register_inner, register_local
 from hidup.graph.placement import P, R, Shard, ShardingOption
 
 aten = torch.ops.aten
@@ -56,25 +57,58 @@ def clamp(node, ins):
 def per_token_region(node, ins):
     """A per-token region (hidup.graph.tokens) runs on any part of the rows: replicated, or its
     row-wise inputs and its output split on the rows (dim 0), its weights whole; and where it
-    runs experts, on every row with the experts split over the ranks (expert parallel: each
-    rank computes its experts' rows, a Partial sum)."""
+    runs experts, split over the ranks (expert parallel) in two ways: on every row, each rank
+    computing its experts' rows (a Partial sum), or on each rank's own rows, sent to their
+    experts' ranks and back by all-to-all (`exchanges`; hidup.graph.ops.dispatch)."""
     region = node.args[0]
     rows = tuple(Shard(0) if r else R for r in region.rowwise)
     opts = [ShardingOption((R,) * len(ins), R), ShardingOption(rows, Shard(0))]
     if any(region.experts):
         opts.append(ShardingOption(tuple(Shard(0) if e else R for e in region.experts), P))
+        opts.append(ShardingOption(tuple(Shard(0) if e or r else R
+                                         for e, r in zip(region.experts, region.rowwise)),
+                                   Shard(0)))
     return opts
+
+
+def exchanges(node, option) -> bool:
+    """Does a per-token region's option send its rows to their experts' ranks (its experts and
+    its rows split)?"""
+    return node.op == "hidup.tokens" and option.output == Shard(0) and any(
+        e and p == Shard(0) for e, p in zip(node.args[0].experts, option.inputs))
 
 
 @register_local("hidup.tokens")
 def local_region(node, option, ctx):
     """The region on this rank's inputs; where its experts' weights are split, each grouped
-    matmul computes this rank's experts' rows only, the others zero (a Partial sum)."""
-    region = node.args[0]
+    matmul computes this rank's experts' rows only, the others zero (a Partial sum), or, where
+    the rows are split too, sends them to their experts' ranks (ctx.group) and back."""
+    region, sent = node.args[0], exchanges(node, option)
 
     def run(inner, ins, split):
         if inner.op in GROUPED_MM and inner.inputs[1] in split:
+            if sent:
+                return dispatch.experts_a2a(ins[0], ins[1], ins[2], ctx.group)
             return experts_mm(ins[0], ins[1], ins[2], ctx.rank * split[inner.inputs[1]])
         return None
 
     return lambda tensors: region(*tensors, run=run)
+
+
+@register_inner("hidup.tokens")
+def region_collectives(node, option, in_shapes, backward):
+    """The all-to-alls of a region whose rows are sent to their experts' ranks: each grouped
+    matmul's (hidup.graph.ops.dispatch.collectives), on its rows' part of the captured ones."""
+    if not exchanges(node, option):
+        return ()
+    region = node.args[0]
+    fraction, shapes = region.fraction(in_shapes), region.shape_of
+    split = {t for t, e in zip(region.inputs, region.experts) if e}
+    out = []
+    for inner in region.nodes:
+        if inner.op in GROUPED_MM and inner.inputs[1] in split:
+            rows, width = shapes[inner.inputs[0]]
+            out += dispatch.collectives(round(rows * fraction), width, inner.out.shape[-1],
+                                        inner.out.itemsize, shapes[inner.inputs[2]][0],
+                                        backward)
+    return tuple(out)

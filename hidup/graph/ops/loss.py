@@ -12,7 +12,7 @@ import torch
 
 from hidup.graph.nodes import Ref, fill
 from hidup.graph.ops.registry import (arg, default_local, register, register_local,
-                                      register_reductions)
+                                      register_inner)
 from hidup.graph.placement import P, R, Shard, ShardingOption
 
 aten = torch.ops.aten
@@ -55,12 +55,12 @@ def _vocabulary_split(node, option) -> bool:
     return node.op in map(str, CLASS_LOSSES) and option.inputs[0] == Shard(1)
 
 
-@register_reductions(CLASS_LOSSES)
-def class_loss_reductions(node, option, in_shapes):
+@register_inner(CLASS_LOSSES)
+def class_loss_collectives(node, option, in_shapes, backward):
     """The split cross-entropy's two all-reduces of one float32 per row (maximum, then sum)."""
-    if not _vocabulary_split(node, option) or node.op != str(CLASS_LOSSES[0]):
+    if backward or not _vocabulary_split(node, option) or node.op != str(CLASS_LOSSES[0]):
         return ()
-    return (4 * math.prod(in_shapes[1]),) * 2
+    return (("all_reduce", 4 * math.prod(in_shapes[1])),) * 2
 
 
 @register(POINT_LOSSES)

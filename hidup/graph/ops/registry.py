@@ -13,7 +13,7 @@ from hidup.graph.placement import R, ShardingOption
 RuleFn = Callable[[Node, tuple[TensorMeta, ...]], list[ShardingOption]]
 _RULES: dict[str, RuleFn] = {}
 _LOCALS: dict[str, Callable] = {}
-_REDUCTIONS: dict[str, Callable] = {}
+_INNER: dict[str, Callable] = {}
 
 
 def _keys(ops) -> list[str]:
@@ -42,24 +42,26 @@ def register_local(ops):
     return deco
 
 
-def register_reductions(ops):
-    """Decorator: `fn(node, option, local_in_shapes) -> (bytes, ...)` gives the all-reduces an
-    op of `ops` runs inside itself under `option` (LocalContext.reduce), for the Program."""
+def register_inner(ops):
+    """Decorator: `fn(node, option, local_in_shapes, backward) -> ((kind, bytes), ...)` gives the
+    collectives an op of `ops` runs inside itself, blocking, under `option`, in its forward or
+    its backward (LocalContext.reduce, LocalContext.group), for the Program."""
 
     def deco(fn):
         for key in _keys(ops):
-            _REDUCTIONS[key] = fn
+            _INNER[key] = fn
         return fn
 
     return deco
 
 
-def inner_reductions(node: Node, option: ShardingOption,
-                     in_shapes: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
-    """Bytes of each all-reduce the node runs inside itself under `option` on inputs of these
-    local shapes, over the ranks its placements split over (none for most ops)."""
-    fn = _REDUCTIONS.get(node.op)
-    return () if fn is None else tuple(fn(node, option, in_shapes))
+def inner_collectives(node: Node, option: ShardingOption, in_shapes: tuple[tuple[int, ...], ...],
+                      backward: bool = False) -> tuple[tuple[str, int], ...]:
+    """(kind, bytes) of each collective the node runs inside itself under `option` on inputs of
+    these local shapes, in its forward or its backward, over the ranks its placements split over
+    (none for most ops; bytes as a Convert's: the whole tensor on one rank)."""
+    fn = _INNER.get(node.op)
+    return () if fn is None else tuple(fn(node, option, in_shapes, backward))
 
 
 def has_rule(op: str) -> bool:
@@ -124,9 +126,12 @@ class LocalContext:
     # where it depends on parameters: how a loss counts the targets it keeps over the batch
     whole: Callable[[str], object] | None = None
     # reduce(x, op): x all-reduced ('sum' or 'max') over the ranks the option splits over, for
-    # an op that reduces inside itself (a vocabulary-parallel loss; inner_reductions says so
+    # an op that reduces inside itself (a vocabulary-parallel loss; inner_collectives says so
     # to the Program); the identity where the op runs on one rank
     reduce: Callable[[torch.Tensor, str], torch.Tensor] = lambda x, op: x
+    # the name of the group of ranks the option splits over, for an op that exchanges inside
+    # itself (hidup.graph.ops.dispatch: routed experts' rows by all-to-all)
+    group: str = ""
 
 
 def default_local(node: Node, option: ShardingOption, ctx: LocalContext):

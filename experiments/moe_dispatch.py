@@ -1,0 +1,114 @@
+"""Routed experts both ways, predicted: a `transformers` MoE (by default the published shape of
+Qwen3-30B-A3B: 48 layers of 128 experts, 8 per token) built on the meta device, under `expert`
+(data parallel, the experts split over the GPUs, each token's routed rows sent to its experts'
+GPUs and back by all-to-all) and under the same plan with every router reading all the batch's
+rows on every GPU, each GPU computing its experts' rows, a Partial sum reduced after the router
+(the other expert-parallel option of a router's region). Prints, per way, the predicted step,
+what one GPU sends and receives per step by collective, and the predicted peak memory per GPU
+(at the profile's precision, SGD, every layer recomputed unless --recompute says otherwise;
+plain SPMD, or Duplex with --micro-batches).
+
+    python -m experiments.moe_dispatch [--model qwen3-moe-30b] [--gpus 8] [--batch 16]
+                                       [--seq 8192] [--cluster h100-8x-ib-bf16]
+
+`transformers` is a test dependency (the dev extra): `pip install -e ".[dev]"`."""
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from dataclasses import replace
+
+from hidup.cli import number
+from hidup.graph.placement import P, R, Shard, ShardingOption
+from hidup.graph.tokens import TOKENS
+from hidup.program.tasks import Compute, Convert
+
+
+def gathered(graph, strategy):
+    """`strategy` with each router whose rows it splits reading every row instead, its experts
+    still split: each GPU computes its experts' rows of the whole batch, a Partial sum."""
+    options = dict(strategy.options)
+    for node in graph.ops:
+        if node.op == TOKENS and any(node.args[0].experts):
+            region = node.args[0]
+            options[node.name] = ShardingOption(
+                tuple(Shard(0) if e else R for e in region.experts), P)
+    return replace(strategy, name="expert, rows gathered", options=options)
+
+
+def traffic(program) -> Counter:
+    """Bytes of each collective kind one rank takes part in per step (its whole tensor's, as a
+    Convert counts them), the collectives inside ops included."""
+    out = Counter()
+    for t in program.tasks:
+        if isinstance(t, Convert) and t.collective:
+            out[t.kind] += t.bytes
+        elif isinstance(t, Compute):
+            for kind, nbytes in t.inner:
+                out[kind] += nbytes
+    return out
+
+
+def main(argv=None) -> int:
+    from experiments.meta_planning import MODELS
+
+    p = argparse.ArgumentParser(prog="python -m experiments.moe_dispatch",
+                                description=" ".join(__doc__.split("\n\n")[0].split()))
+    moe = [m for m in MODELS if "moe" in m or "mixtral" in m]
+    p.add_argument("--model", default="qwen3-moe-30b", choices=moe,
+                   help="the model shape (default qwen3-moe-30b)")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs (default 8: one machine)")
+    p.add_argument("--batch", type=int, default=16, help="global batch, sequences (default 16)")
+    p.add_argument("--seq", type=int, default=8192, help="sequence length (default 8192)")
+    p.add_argument("--cluster", default="h100-8x-ib-bf16",
+                   help="cluster profile (default h100-8x-ib-bf16)")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="Duplex's micro-batches per GPU (default 1: plain SPMD)")
+    p.add_argument("--recompute", default="all", metavar="none|all|N|selective",
+                   help="layers recomputed in the backward, as simulator.predict's --recompute "
+                        "(default all)")
+    args = p.parse_args(argv)
+    import torch
+    import transformers
+
+    from experiments.third_party import WithLoss
+    from hidup.graph.capture import capture
+    from hidup.graph.dtypes import run_dtypes
+    from hidup.planning.estimate import estimate
+    from hidup.planning.memory import peak_memory
+    from hidup.planning.profile_file import load_profile
+    from hidup.program import lower
+    from hidup.strategy import fixed_strategy, parse_recompute
+    from hidup.strategy.recompute import recomputing, selective_part
+
+    config, model_class, settings = MODELS[args.model]
+    with torch.device("meta"):
+        model = WithLoss(getattr(transformers, model_class)(
+            getattr(transformers, config)(**settings)), ("input_ids", "labels"))
+    ids = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
+    profile = load_profile(args.cluster)
+    graph = capture(model, (ids, ids))
+    try:
+        expert = fixed_strategy("expert", graph, args.gpus)
+    except ValueError as exc:
+        p.error(str(exc))
+    try:
+        chosen = parse_recompute(args.recompute, graph)
+    except ValueError as exc:
+        p.error(str(exc))
+    expert = recomputing(graph, expert, chosen, selective_part(args.recompute)[0])
+    graph = run_dtypes(graph, profile.precision, profile.device)
+    print(f"{args.model} on {args.gpus} GPUs of {args.cluster}, {args.batch} x {args.seq} tokens, "
+          f"k = {args.micro_batches}, recomputed: {args.recompute}, SGD; per GPU:")
+    for strategy in (expert, gathered(graph, expert)):
+        program = lower(graph, strategy, args.gpus, args.micro_batches, optimizer="sgd")
+        step = estimate(program, profile).step_time * 1e3
+        moved = ", ".join(f"{kind} {number(b / 2**30)} GiB"
+                          for kind, b in sorted(traffic(program).items()))
+        print(f"  {strategy.name}: step {number(step)} ms, peak "
+              f"{number(peak_memory(program).peak / 2**30)} GiB; {moved}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
