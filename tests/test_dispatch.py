@@ -2,12 +2,13 @@
 back give each rank the products and gradients that the whole batch's grouped matmul gives its
 rows and experts."""
 import threading
+from functools import partial
 
 import pytest
 import torch
 
 from hidup.graph.ops import dispatch
-from hidup.runtime.local_world import Exchange, exchange_rows
+from hidup.runtime.local_world import Exchange
 
 
 def sorted_rows(gen, rows: int, experts: int, dim: int):
@@ -41,8 +42,7 @@ def test_rows_sent_to_their_experts_give_the_whole_grouped_matmul(world):
     def rank_main(rank):
         try:
             name = dispatch.register_group(f"test:{world}:{rank}", exchange,
-                                           lambda ex, c, r: exchange_rows(ex, c, r, group=group,
-                                                                          rank=rank))
+                                           partial(Exchange.rows, group=group, rank=rank))
             x = data[rank][0].clone().requires_grad_()
             w = weight[rank * local:(rank + 1) * local].clone().requires_grad_()
             out = dispatch.experts_a2a(x, w, data[rank][1], name)

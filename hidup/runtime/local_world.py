@@ -58,6 +58,13 @@ class Exchange:
                 self._lock.notify_all()
         return group, n, group.index(rank)
 
+    def rows(self, chunks: list[torch.Tensor], rows: list[int], *, group: tuple[int, ...],
+             rank: int) -> list[torch.Tensor]:
+        """hidup.graph.ops.dispatch's exchange over the ranks `group`: chunk i (any number of
+        rows) to the group's i-th rank; what came from each (`rows`: their sizes, which the
+        counts sent before told)."""
+        return self.wait(self.issue("all_to_all_v", chunks, group, rank))
+
     def wait(self, handle: tuple) -> torch.Tensor:
         """This rank's result of the collective `handle` names, once every rank has put its
         value."""
@@ -96,13 +103,6 @@ def _combine(kind: str, xs: list[torch.Tensor], op: str) -> list[torch.Tensor]:
     if kind == "all_to_all_v":  # each rank's list of chunks, one per rank: the i-th rank's from each
         return [[x[i] for x in xs] for i in range(n)]
     raise ValueError(f"unknown collective {kind!r}")
-
-
-def exchange_rows(exchange: Exchange, chunks: list[torch.Tensor], rows: list[int], *,
-                  group: tuple[int, ...], rank: int) -> list[torch.Tensor]:
-    """hidup.graph.ops.dispatch's exchange over the ranks `group` on threads: chunk i to the
-    group's i-th rank; what came from each (rows: their sizes, known from the counts)."""
-    return exchange.wait(exchange.issue("all_to_all_v", chunks, group, rank))
 
 
 @dataclass(frozen=True)

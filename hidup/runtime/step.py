@@ -22,7 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from hidup.graph import ops
 from hidup.graph.capture import Graph
-from hidup.graph.ops import dispatch
+from hidup.graph.ops.dispatch import STAND_IN, register_group
 from hidup.graph.placement import (Partial, R, Shard, ShardingOption, is_flat, option_is_flat,
                                    plain_option)
 from hidup.strategy import Strategy, microbatch_split
@@ -30,7 +30,6 @@ from hidup.program.tasks import (MB_CONVERSIONS, Compute, Convert, Program, Wait
                                  vkey)
 from hidup.runtime.collectives import PACKING, issue, stand_in
 from hidup.runtime.layout import mb_join, mb_part, shard_of
-from hidup.runtime.local_world import exchange_rows
 from hidup.runtime.passes import simplify
 from hidup.runtime.values import Values
 
@@ -237,12 +236,13 @@ class _TaskRunner:
         if self.p.grid.size(axes) == 1:
             return ""
         if self.spec.local_collectives:
-            return dispatch.STAND_IN
+            return STAND_IN
         if self.spec.exchange is not None:
             members = self.p.grid.group(axes, self.spec.rank)
-            return dispatch.register_group(
+            return register_group(
                 f"hidup:local:{id(self.spec.exchange)}:{members}:{self.spec.rank}",
-                self.spec.exchange, partial(exchange_rows, group=members, rank=self.spec.rank))
+                self.spec.exchange, partial(type(self.spec.exchange).rows, group=members,
+                                            rank=self.spec.rank))
         return self.spec.group_names[axes]
 
     def reduce_inside(self, x: torch.Tensor, op: str, option: ShardingOption) -> torch.Tensor:

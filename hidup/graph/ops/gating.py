@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from hidup.graph.flops import GROUPED_MM
-from hidup.graph.ops import dispatch
+from hidup.graph.ops.dispatch import collectives, experts_a2a
 from hidup.graph.ops.grouped import experts_mm
 from hidup.graph.ops.pointwise import pointwise_options
 from hidup.graph.ops.registry import arg, register, register_inner, register_local
@@ -88,7 +88,7 @@ def local_region(node, option, ctx):
     def run(inner, ins, split):
         if inner.op in GROUPED_MM and inner.inputs[1] in split:
             if sent:
-                return dispatch.experts_a2a(ins[0], ins[1], ins[2], ctx.group)
+                return experts_a2a(ins[0], ins[1], ins[2], ctx.group)
             return experts_mm(ins[0], ins[1], ins[2], ctx.rank * split[inner.inputs[1]])
         return None
 
@@ -108,7 +108,7 @@ def region_collectives(node, option, in_shapes, backward):
     for inner in region.nodes:
         if inner.op in GROUPED_MM and inner.inputs[1] in split:
             rows, width = shapes[inner.inputs[0]]
-            out += dispatch.collectives(round(rows * fraction), width, inner.out.shape[-1],
+            out += collectives(round(rows * fraction), width, inner.out.shape[-1],
                                         inner.out.itemsize, shapes[inner.inputs[2]][0],
                                         backward)
     return tuple(out)
