@@ -19,6 +19,7 @@ from collections import Counter
 from dataclasses import replace
 
 from hidup.cli import number
+from hidup.graph import ops
 from hidup.graph.placement import P, R, Shard, ShardingOption
 from hidup.graph.tokens import TOKENS
 from hidup.program.tasks import Compute, Convert
@@ -26,13 +27,21 @@ from hidup.program.tasks import Compute, Convert
 
 def gathered(graph, strategy):
     """`strategy` with each router whose rows it splits reading every row instead, its experts
-    still split: each GPU computes its experts' rows of the whole batch, a Partial sum."""
-    options = dict(strategy.options)
+    still split: each GPU computes its experts' rows of the whole batch, a Partial sum, which
+    the ops after it that can (a sum over each token's experts) carry on as a Partial sum
+    before it is reduced (the plan the search would make of that option)."""
+    options, partial = dict(strategy.options), set()
     for node in graph.ops:
         if node.op == TOKENS and any(node.args[0].experts):
-            region = node.args[0]
             options[node.name] = ShardingOption(
-                tuple(Shard(0) if e else R for e in region.experts), P)
+                tuple(Shard(0) if e else R for e in node.args[0].experts), P)
+            partial.add(node.name)
+        elif any(t in partial for t in node.inputs):
+            carried = ShardingOption(tuple(P if t in partial else p for t, p in
+                                           zip(node.inputs, options[node.name].inputs)), P)
+            if carried in ops.node_options(graph, node):
+                options[node.name] = carried
+                partial.add(node.name)
     return replace(strategy, name="expert, rows gathered", options=options)
 
 

@@ -32,9 +32,11 @@ def library_op(op: str) -> bool:
         op in GROUPED_MM or op == "aten.einsum.default"
 
 
-def forward_flops(op: str, in_shapes, out_shape, args=()) -> float:
+def forward_flops(op: str, in_shapes, out_shape, args=(), sent: bool = False) -> float:
+    """An op's forward FLOPs on inputs of these (local) shapes; `sent`: a per-token region's
+    rows sent to their experts' ranks (hidup.graph.ops.gating.exchanges)."""
     if op == "hidup.tokens":  # a per-token region (hidup.graph.tokens): its ops' on these rows
-        return args[0].flops * args[0].fraction(in_shapes)
+        return args[0].flops_on(in_shapes, sent)
     out = math.prod(out_shape)
     if op in _MATMUL:
         k = in_shapes[0][-1] if op != "aten.addmm.default" else in_shapes[1][-1]

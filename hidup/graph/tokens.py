@@ -63,14 +63,32 @@ class Region:
         i = self.rowwise.index(True)
         return in_shapes[i][0] / self.shapes[i][0]
 
+    def experts_held(self, in_shapes, sent: bool = False) -> float:
+        """The part of its experts' work that inputs of these shapes give a rank for its rows:
+        the part of the experts they hold (each rank computes its experts' rows only), but 1
+        where its rows are `sent` to their experts' ranks (each rank computes, on average, as
+        many rows as it sends: hidup.graph.ops.dispatch)."""
+        if sent:
+            return 1.0
+        return min((shape[0] / s[0] for shape, s, e in zip(in_shapes, self.shapes, self.experts)
+                    if e), default=1.0)
+
+    def flops_on(self, in_shapes, sent: bool = False) -> float:
+        """Its ops' FLOPs on inputs of these shapes: its rows' part of the captured ones, of its
+        experts' grouped matmuls only the part the rank computes (experts_held)."""
+        held = self.experts_held(in_shapes, sent)
+        return self.fraction(in_shapes) * (self.flops - self.expert_flops * (1.0 - held))
+
+    @cached_property
+    def expert_flops(self) -> float:
+        """The captured FLOPs of its grouped matmuls that read its experts' weights."""
+        split = {t for t, e in zip(self.inputs, self.experts) if e}
+        return sum(n.flops for n in self.nodes if n.op in GROUPED_MM and n.inputs[1] in split)
+
     def share(self, in_shapes, sent: bool = False) -> float:
-        """The part of its captured work that inputs of these shapes make: its rows' part, and
-        where the experts' weights are split, the part of the experts (each rank computes its
-        experts' rows only) but where its rows are `sent` to their experts' ranks (each rank
-        computes, on average, as many rows as it sends: hidup.graph.ops.dispatch)."""
-        experts = [shape[0] / s[0] for shape, s, e in zip(in_shapes, self.shapes, self.experts)
-                   if e and not sent]
-        return self.fraction(in_shapes) * min(experts, default=1.0)
+        """The part of its captured work that inputs of these shapes make (what it keeps for its
+        backward): its rows' part, times the part of its experts' work (experts_held)."""
+        return self.fraction(in_shapes) * self.experts_held(in_shapes, sent)
 
     def scale(self, args, fraction: float):
         """Integer arguments equal to a row count (the rows times m) scaled by `fraction`, but

@@ -25,6 +25,7 @@ from typing import NamedTuple
 from hidup.graph import ops
 from hidup.graph.capture import Node
 from hidup.graph.flops import backward_flops, forward_flops
+from hidup.graph.ops.gating import exchanges
 from hidup.graph.placement import Placement, R, Replicate, Shard, ShardingOption, flat, \
     is_flat, plain, plain_option
 from hidup.strategy import conversion
@@ -144,7 +145,7 @@ class Pricing:
     def _node_cost(self, node: Node, opt: ShardingOption) -> _NodeCost:
         ins = [self.shape(t, p) for t, p in zip(node.inputs, opt.inputs)]
         out = self.shape(node.name, opt.output)
-        fwd = forward_flops(node.op, ins, out, node.args)
+        fwd = forward_flops(node.op, ins, out, node.args, exchanges(node, plain_option(opt)))
         nbytes = sum(math.prod(s) for s in ins + [out]) * node.out.itemsize
         compute = self.profile.kernel_time(fwd, nbytes) + \
             self.profile.kernel_time(backward_flops(node.op, fwd, ins, out, node.args),

@@ -351,7 +351,8 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
                 out = self.shape(node.name, opt.output)
                 nbytes = sum(self.nbytes(t, p, q)
                              for t, p, q in zip(node.inputs, opt.inputs, mb_in))
-                shared[key] = (ins, out, forward_flops(node.op, ins, out, node.args),
+                shared[key] = (ins, out, forward_flops(node.op, ins, out, node.args,
+                                                       exchanges(node, plain_option(opt))),
                                nbytes + self.nbytes(node.name, opt.output),
                                isinstance(mb_opt.output, Partial), nbytes)
             self._kernels[node.name] = shared[key]
