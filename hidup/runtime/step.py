@@ -225,7 +225,7 @@ class _TaskRunner:
                                node.out.shape, tuple(m.shape for m in node.in_metas(self.g)),
                                root, self.spec.device_type, self.whole,
                                lambda x, op: self.reduce_inside(x, op, task.option),
-                               self.group_inside(task.option))
+                               self.group_inside(task.option) if task.inner else "")
         return ops.local_callable(node, option, ctx)
 
     def group_inside(self, option: ShardingOption) -> str:
