@@ -44,13 +44,27 @@ MODELS = {
 }
 
 
-def plan_one(name: str, gpus: int, batch: int, seq: int, cluster: str) -> dict:
-    """Build `name` on the meta device and plan it; the timings and the outcome."""
+def meta_model(name: str, batch: int, seq: int):
+    """The model of MODELS[name] built on the meta device (the loss out of `forward`), and a
+    batch of `batch` x `seq` token ids and labels for it, on the meta device too."""
     import torch
     import transformers
 
-    import hidup
     from experiments.third_party import WithLoss
+
+    config, model_class, settings = MODELS[name]
+    with torch.device("meta"):
+        model = WithLoss(getattr(transformers, model_class)(
+            getattr(transformers, config)(**settings)), ("input_ids", "labels"))
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    return model, (ids, ids)
+
+
+def plan_one(name: str, gpus: int, batch: int, seq: int, cluster: str) -> dict:
+    """Build `name` on the meta device and plan it; the timings and the outcome."""
+    import transformers  # noqa: F401 (imported before the build is timed)
+
+    import hidup
     from hidup.graph.capture import capture
     from hidup.graph.dtypes import run_dtypes
     from hidup.planning.estimate import estimate
@@ -58,12 +72,8 @@ def plan_one(name: str, gpus: int, batch: int, seq: int, cluster: str) -> dict:
     from hidup.planning.profile_file import load_profile
     from hidup.program import lower
 
-    config, model_class, settings = MODELS[name]
     start = time.perf_counter()
-    with torch.device("meta"):
-        model = WithLoss(getattr(transformers, model_class)(
-            getattr(transformers, config)(**settings)), ("input_ids", "labels"))
-    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    model, (ids, _) = meta_model(name, batch, seq)
     row = {"model": name, "params (B)": sum(p.numel() for p in model.parameters()) / 1e9,
            "build s": time.perf_counter() - start}
     start = time.perf_counter()

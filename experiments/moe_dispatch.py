@@ -160,10 +160,7 @@ def main(argv=None) -> int:
         return launch("experiments.moe_dispatch", ["--rank-run", *(argv or sys.argv[1:])], 2,
                       PROG)
     args.batch = args.batch or 16
-    import torch
-    import transformers
-
-    from experiments.third_party import WithLoss
+    from experiments.meta_planning import meta_model
     from hidup.graph.capture import capture
     from hidup.graph.dtypes import run_dtypes
     from hidup.planning.estimate import estimate
@@ -173,13 +170,9 @@ def main(argv=None) -> int:
     from hidup.strategy import fixed_strategy, parse_recompute
     from hidup.strategy.recompute import recomputing, selective_part
 
-    config, model_class, settings = MODELS[args.model]
-    with torch.device("meta"):
-        model = WithLoss(getattr(transformers, model_class)(
-            getattr(transformers, config)(**settings)), ("input_ids", "labels"))
-    ids = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
+    model, batch = meta_model(args.model, args.batch, args.seq)
     profile = load_profile(args.cluster)
-    graph = capture(model, (ids, ids))
+    graph = capture(model, batch)
     try:
         expert = fixed_strategy("expert", graph, args.gpus)
     except ValueError as exc:

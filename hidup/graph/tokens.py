@@ -80,10 +80,15 @@ class Region:
         return self.fraction(in_shapes) * (self.flops - self.expert_flops * (1.0 - held))
 
     @cached_property
+    def expert_matmuls(self) -> tuple[Node, ...]:
+        """Its grouped matmuls that read its experts' weights (the inputs `experts` marks)."""
+        weights = {t for t, e in zip(self.inputs, self.experts) if e}
+        return tuple(n for n in self.nodes if n.op in GROUPED_MM and n.inputs[1] in weights)
+
+    @cached_property
     def expert_flops(self) -> float:
-        """The captured FLOPs of its grouped matmuls that read its experts' weights."""
-        split = {t for t, e in zip(self.inputs, self.experts) if e}
-        return sum(n.flops for n in self.nodes if n.op in GROUPED_MM and n.inputs[1] in split)
+        """The captured FLOPs of its experts' grouped matmuls."""
+        return sum(n.flops for n in self.expert_matmuls)
 
     def share(self, in_shapes, sent: bool = False) -> float:
         """The part of its captured work that inputs of these shapes make (what it keeps for its

@@ -24,6 +24,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from hidup.graph.ops.grouped import differentiable
+
 # chunks[i] goes to the group's i-th rank; `rows[i]`: how many rows come from its i-th rank;
 # returns what came from each rank, in group order
 Exchange = Callable[[list[torch.Tensor], list[int]], list[torch.Tensor]]
@@ -152,18 +154,7 @@ def _(input, weight, offs, group, grad):  # the strides the real op gives, which
     return input.new_empty(input.shape), torch.empty_like(weight)  # bakes into its views
 
 
-def _backward(ctx, grad):
-    input, weight, offs = ctx.saved_tensors
-    grad_input, grad_weight = experts_a2a_backward(input, weight, offs, ctx.group, grad)
-    return grad_input, grad_weight, None, None
-
-
-def _setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:3])
-    ctx.group = inputs[3]
-
-
-experts_a2a.register_autograd(_backward, setup_context=_setup)
+differentiable(experts_a2a, experts_a2a_backward)
 
 
 def collectives(rows: int, width_in: int, width_out: int, itemsize: int, experts: int,

@@ -103,12 +103,9 @@ def region_collectives(node, option, in_shapes, backward):
         return ()
     region = node.args[0]
     fraction, shapes = region.fraction(in_shapes), region.shape_of
-    split = {t for t, e in zip(region.inputs, region.experts) if e}
     out = []
-    for inner in region.nodes:
-        if inner.op in GROUPED_MM and inner.inputs[1] in split:
-            rows, width = shapes[inner.inputs[0]]
-            out += collectives(round(rows * fraction), width, inner.out.shape[-1],
-                                        inner.out.itemsize, shapes[inner.inputs[2]][0],
-                                        backward)
+    for inner in region.expert_matmuls:
+        rows, width = shapes[inner.inputs[0]]
+        out += collectives(round(rows * fraction), width, inner.out.shape[-1],
+                           inner.out.itemsize, shapes[inner.inputs[2]][0], backward)
     return tuple(out)

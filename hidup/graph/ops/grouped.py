@@ -56,18 +56,24 @@ def _(input, weight, offs, first, grad):
     return torch.empty_like(input), torch.empty_like(weight)
 
 
-def _backward(ctx, grad):
-    input, weight, offs = ctx.saved_tensors
-    grad_input, grad_weight = experts_mm_backward(input, weight, offs, ctx.first, grad)
-    return grad_input, grad_weight, None, None
+def differentiable(op, backward_op) -> None:
+    """Register the autograd of an experts' op `op(input, weight, offs, extra)` (extra: not a
+    tensor) whose gradients `backward_op(input, weight, offs, extra, grad)` gives: (the input's,
+    the weight's)."""
+
+    def backward(ctx, grad):
+        input, weight, offs = ctx.saved_tensors
+        grad_input, grad_weight = backward_op(input, weight, offs, ctx.extra, grad)
+        return grad_input, grad_weight, None, None
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:3])
+        ctx.extra = inputs[3]
+
+    op.register_autograd(backward, setup_context=setup)
 
 
-def _setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:3])
-    ctx.first = inputs[3]
-
-
-experts_mm.register_autograd(_backward, setup_context=_setup)
+differentiable(experts_mm, experts_mm_backward)
 
 
 @register(GROUPED_MM)
