@@ -26,7 +26,7 @@ from hidup.planning.profile_file import load_profile
 from hidup.planning.select import DUPLEX_K, SEARCH, Goal, select_plan
 from hidup.strategy import (ACROSS, FIXED, Mesh, NoMicroBatches, Strategy, parse_recompute,
                             recomputing, selective_part)
-from hidup.program import HOST_MODES, OPTIMIZERS, lower
+from hidup.program import BUCKET_BYTES, HOST_MODES, OPTIMIZERS, Program, lower
 from hidup.program.tasks import LoweringError
 from simulator.montecarlo import expected_step, step_time_interval
 from simulator.report import Comparison, Prediction
@@ -64,20 +64,31 @@ def _setup(model: str, cluster: str, gpus: int, batch: int | None):
 
 
 def simulate(graph: Graph, plan: Strategy, profile: Profile, gpus: int, k: int,
-             options: SimOptions = SimOptions(), name: str = "model") -> Prediction:
+             options: SimOptions = SimOptions(), name: str = "model",
+             lowered: dict[int, Program] | None = None) -> Prediction:
     """Lower `plan` for k=1 and for k micro-batches and simulate both (`name`: the model's, as
     reported). Where the batch does not split into k micro-batches on each rank, Duplex is not
-    simulated: the Prediction has k = 1 and says why in its notes."""
+    simulated: the Prediction has k = 1 and says why in its notes. `lowered`: Programs of the
+    plan already lowered, by micro-batch count (Selection.programs), used where they were
+    lowered as this run would lower them (its precision, optimizer and buckets)."""
     results, intervals, memory = [], [], []
     bucket = int(options.bucket_mb * 2 ** 20)
-    graph = run_dtypes(graph, options.precision or profile.precision, profile.device)
-    programs = [lower(graph, plan, gpus, 1, name, bucket_bytes=bucket,
-                      optimizer=options.optimizer)]
+    precision = options.precision or profile.precision
+    graph = run_dtypes(graph, precision, profile.device)
+
+    def program(count: int) -> Program:
+        done = (lowered or {}).get(count)
+        if done is not None and bucket == BUCKET_BYTES and done.optimizer == options.optimizer \
+                and done.precision == precision and done.world == gpus:
+            return replace(done, model=name, strategy=plan.name)
+        return lower(graph, plan, gpus, count, name, bucket_bytes=bucket,
+                     optimizer=options.optimizer)
+
+    programs = [program(1)]
     notes = ()
     if k > 1:
         try:
-            programs.append(lower(graph, plan, gpus, k, name, bucket_bytes=bucket,
-                                  optimizer=options.optimizer))
+            programs.append(program(k))
         except (LoweringError, NoMicroBatches) as exc:  # the batch does not split so
             notes, k = (f"no Duplex with {k} micro-batches: {exc}",), 1
     for program in programs:
@@ -146,7 +157,8 @@ def compare(model: str, cluster: str, goal: Goal, batch: int | None = None,
     quiet = replace(options, samples=0)  # the interval of the chosen plan only
     names = list(chosen.candidates)
     predictions = [simulate(graph, s, chosen.profile, goal.gpus, chosen.duplex_k,
-                            options if name == chosen.strategy.name else quiet, spec.name)
+                            options if name == chosen.strategy.name else quiet, spec.name,
+                            chosen.programs.get(name))
                    for name, s in chosen.candidates.items()]
     found = chosen.search
     return Comparison(tuple(predictions), names.index(chosen.strategy.name), chosen.k,

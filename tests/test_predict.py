@@ -195,3 +195,25 @@ def test_the_columns_add_up_to_the_step_with_the_host_shown(capsys):
         assert r["idle_ms"] > r["computation_ms"]  # host-bound: the idle fills the step
     assert main(["--model", "gpt:small", "--cluster", "h100-bf16", "--gpus", "1"]) == 0
     assert "Duplex would take" in (text := capsys.readouterr().out) and "ms idle)" in text, text
+
+
+def test_the_comparison_simulates_the_searchs_programs_as_lowered_again(monkeypatch):
+    """compare simulates each candidate from the Program the search lowered where it ranked it
+    (Selection.programs), lowering only the others: the same tasks, and the same prediction,
+    as lowering it again."""
+    import simulator.predict as predict_module
+    from simulator.predict import SimOptions, compare, simulate
+    from hidup.planning.select import Goal
+
+    lowered = []
+    real_lower = predict_module.lower
+    monkeypatch.setattr(predict_module, "lower",
+                        lambda *a, **kw: lowered.append(a[1].name) or real_lower(*a, **kw))
+    out = compare("gpt:tiny", "v100-1x4-nvlink", Goal(2))
+    chosen = out.predictions[out.chosen]
+    assert len(lowered) < 2 * len(out.predictions)  # the ranked ones are not lowered again
+    graph = chosen.graph
+    for p in out.predictions:
+        again = simulate(graph, p.strategy, p.profile, 2, p.k, SimOptions(), p.model)
+        assert (again.spmd.step_time, again.duplex.step_time, again.memory) == \
+            (p.spmd.step_time, p.duplex.step_time, p.memory), p.strategy.name

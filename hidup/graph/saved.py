@@ -49,9 +49,14 @@ def backward_reads(graph: Graph, node: Node) -> tuple[bool, ...]:
     return backward_saves(graph, node).reads
 
 
+_PROBED: dict[tuple, Saves] = {}  # backward_saves' probes of ATen ops, by what they depend on
+
+
 def backward_saves(graph: Graph, node: Node) -> Saves:
-    """What autograd keeps of `node`'s forward. Cached per op, arguments and input shapes and
-    dtypes (the layers repeat)."""
+    """What autograd keeps of `node`'s forward. Cached per op, arguments, input shapes and
+    dtypes, autocast and device (the layers repeat), for an ATen op for the whole process: a
+    search's short copies of a model (hidup.planning.extrapolate) and other graphs of the same
+    ops ask again."""
     by_node = graph.__dict__.setdefault("_backward_saves_of", {})
     if node.name not in by_node:
         metas = node.in_metas(graph)
@@ -63,7 +68,9 @@ def backward_saves(graph: Graph, node: Node) -> Saves:
         device = probe_device(None if graph.run is None else graph.run.device_type)
         key = node.op, repr(node.args), repr(node.kwargs), node.out_index, \
             tuple((m.shape, m.dtype) for m in metas), dtypes, grads, autocast, device
-        cache = graph.__dict__.setdefault("_backward_saves", {})
+        # an ATen op's arguments print whole; another's (a region's) may not: kept per graph
+        cache = _PROBED if node.op.startswith("aten.") else \
+            graph.__dict__.setdefault("_backward_saves", {})
         if key not in cache:
             cache[key] = _probe(node, metas, dtypes, grads, autocast, device)
         by_node[node.name] = cache[key]

@@ -23,6 +23,7 @@ from hidup.planning.costs import Profile
 from hidup.planning.estimate import Estimate, estimate
 from hidup.planning.memory import MemoryReport, peak_memory
 from hidup.program.lowering import lower
+from hidup.program.tasks import Program
 from hidup.strategy import Strategy, layers
 
 KEPT = 2  # blocks of each segment in the base (the first sees the stretch before the segment,
@@ -37,6 +38,7 @@ class Priced:
     estimate: Estimate
     memory: MemoryReport
     extrapolated: bool  # from short copies of the model (False: the whole Program, lowered)
+    program: Program | None = None  # the model's whole Program, where it was lowered whole
 
 
 @dataclass
@@ -110,7 +112,8 @@ class Pricer:
         program = lower(graph, strategy, self.world, k, optimizer=self.optimizer)
         regions = None if roles is None else _regions(graph, program, roles)
         return Priced(estimate(program, self.profile, self.mode),
-                      peak_memory(program, regions=regions), short)
+                      peak_memory(program, regions=regions), short,
+                      program if graph is self.graph else None)
 
     def _short(self, strategy: Strategy, kept: dict, k: int, long) -> Priced:
         """The plan on the model cut to `kept` layers of each segment (its copy's figures kept

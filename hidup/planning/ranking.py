@@ -20,7 +20,7 @@ from hidup.planning.planfile import check
 from hidup.planning.programme import Search, SearchOptions
 from hidup.strategy import (Strategy, first_layers, layers, recomputing, sharded_storage,
                             stored_across)
-from hidup.program.tasks import LoweringError
+from hidup.program.tasks import LoweringError, Program
 
 log = logging.getLogger(__name__)
 # On a 2-D mesh the search ranks the plans of the mesh's programme and of the 1-D one; where
@@ -100,6 +100,10 @@ class Ranking:
         self.estimated: dict[tuple, float] = {}
         self.pricer = Pricer(graph, world, profile, options.optimizer, options.mode,
                              options.extrapolate)
+        # (plan key, k) -> the whole Program of a plan ranked or of a hand configuration
+        # (add_hand, fitting or not), where it was lowered whole: what a caller simulating
+        # them would lower again (simulator.predict.compare)
+        self.programs: dict[tuple, Program] = {}
 
     @property
     def fastest(self) -> float:
@@ -161,11 +165,12 @@ class Ranking:
         return tried
 
     def add(self, strategy: Strategy, name: str, dp_cost: float, counts: list[int] | None = None,
-            seen: bool = True) -> dict[int, bool | str]:
+            seen: bool = True, hand: bool = False) -> dict[int, bool | str]:
         """Estimate the plan with each micro-batch count of `counts` (default: 1 and k) not
         tried yet (`seen`: remember it, so that a plan reached twice is lowered once); return
         whether it fits, per count (DEFERRED: it does not, but its parameters and state do, so
-        recompute_deferred tries it with layers recomputed)."""
+        recompute_deferred tries it with layers recomputed). A `hand` configuration's whole
+        Programs are kept (`programs`) whether it fits or not."""
         if self.options.recompute is not None:
             strategy = recomputing(self.graph, strategy, self.options.recompute,
                                    self.options.selective)
@@ -181,6 +186,8 @@ class Ranking:
             except (LoweringError, ValueError) as exc:
                 log.info("plan %s with k=%d cannot be lowered: %s", name, kk, exc)
                 continue
+            if hand and priced.program is not None:
+                self.programs[plan_key(strategy), kk] = priced.program
             memory = priced.memory
             if memory.peak > self.memory:
                 self.least = min(self.least, memory.peak)
@@ -222,6 +229,8 @@ class Ranking:
         self.ranked.append(Ranked(est.step_time, name, strategy, dp_cost, est, kk,
                                   priced.extrapolated, priced.memory.peak))
         self.estimated[plan_key(strategy), kk] = est.step_time
+        if priced.program is not None:
+            self.programs[plan_key(strategy), kk] = priced.program
         return est.step_time
 
     def confirm(self) -> None:
@@ -246,7 +255,7 @@ class Ranking:
         remembered as seen, so that it keeps its name where a searched plan is the same) and,
         where the goal leaves recomputation to the planner and the model has layers, keep it for
         recompute_hand: with every layer recomputed, selectively or whole."""
-        self.add(strategy, name, math.nan, seen=False)
+        self.add(strategy, name, math.nan, seen=False, hand=True)
         if self.options.recompute is None and layers(self.graph) and not (
                 strategy.recompute or strategy.selective):
             self.hand.append((strategy, name))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from operator import attrgetter
 
 from hidup.cli.collector import no_gc
@@ -43,6 +43,9 @@ class SearchResult:
     # (its data-parallel parts, cost of its plan, proven lower bound, proven optimal, beam's
     # cost), seconds
     exact: tuple[tuple[int, float, float, bool, float], ...] = ()
+    # (plan key, k) -> the whole Program of each plan ranked that was lowered whole
+    # (Ranking.programs); select_plan keeps those of its candidates only
+    programs: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def candidates(self) -> tuple[tuple[str, float], ...]:
@@ -120,7 +123,7 @@ def _search(graph: Graph, world: int, profile: Profile, options: SearchOptions,
     log.info("search: %d labels, %d plans ranked in %.2f s", labels, len(ranked),
              time.perf_counter() - started)
     return SearchResult(best.strategy, best.k, best.dp_cost, best.estimate, tuple(ranked),
-                        time.perf_counter() - started, labels, tuple(proofs))
+                        time.perf_counter() - started, labels, tuple(proofs), ranking.programs)
 
 
 def _rank_finals(ranking: Ranking, runs, least: float, proofs: list | None) -> None:

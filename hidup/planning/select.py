@@ -21,9 +21,9 @@ from hidup.graph.capture import Graph
 from hidup.graph.dtypes import check_precision, run_dtypes
 from hidup.planning.costs import Profile
 from hidup.planning.programme import SearchOptions
-from hidup.planning.ranking import Ranked, rank_plans
+from hidup.planning.ranking import Ranked, plan_key, rank_plans
 from hidup.planning.search import SearchResult, search
-from hidup.program import HOST_MODES, optimizer_cost
+from hidup.program import HOST_MODES, Program, optimizer_cost
 from hidup.strategy import (ACROSS, FIXED, Mesh, Strategy, fixed_strategies, fixed_strategy,
                             microbatch_split, parse_recompute, recomputing, selective_part)
 
@@ -72,6 +72,10 @@ class Selection:
     ranked: tuple[Ranked, ...]  # every plan estimated that fits, fastest first
     search: SearchResult | None = None  # None for a fixed strategy
     notes: tuple[str, ...] = field(default=())  # why there is no Duplex or no searched plan
+    # candidate -> {micro-batch count: its whole Program}, as the search lowered it (those it
+    # ranked: simulator.predict.compare simulates them without lowering them again)
+    programs: dict[str, dict[int, Program]] = field(default_factory=dict, repr=False,
+                                                    compare=False)
 
     @property
     def searched(self) -> bool:
@@ -137,7 +141,14 @@ def select_plan(graph: Graph, profile: Profile, goal: Goal) -> Selection:
         next((replace(r.strategy, name="hidup") for r in ranked if _searched(r)), None)
     if hidup is not None:  # the searched plan first, where the search found one
         candidates = {"hidup": hidup, **candidates}
-    return Selection(strategy, best.k, profile, goal, k, candidates, tuple(ranked), found, notes)
+    programs = {}
+    if found is not None:
+        programs = {name: {kk: found.programs[plan_key(s), kk] for kk in (1, k)
+                           if (plan_key(s), kk) in found.programs}
+                    for name, s in candidates.items()}
+        found = replace(found, programs={})  # the others' Programs are let go
+    return Selection(strategy, best.k, profile, goal, k, candidates, tuple(ranked), found, notes,
+                     programs)
 
 
 def _as_ranked(name: str, strategy: Strategy, ranked) -> Strategy:
