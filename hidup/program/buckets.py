@@ -35,6 +35,33 @@ def runs_under_cap(items: list, key, nbytes, cap: int) -> tuple[list[list], list
     return runs, run
 
 
+class OpenRun:
+    """The open run of `runs_under_cap` when items come one at a time (one key, under the cap),
+    with its bytes so far: `grow` closes runs where runs_under_cap(items + [item]) would, without
+    summing the items again (a step adds hundreds of gradients to one bucket)."""
+
+    def __init__(self):
+        self.items: list = []
+        self.total = 0
+
+    def grow(self, item, key, nbytes, cap: int) -> list[list]:
+        """Add `item`; the runs this closes (as runs_under_cap closes them: the caps of one
+        run's items never decrease)."""
+        closed = []
+        if self.items and key(item) != key(self.items[0]):
+            closed.append(self.take())
+        self.items.append(item)
+        self.total += nbytes(item)
+        if self.total >= cap:
+            closed.append(self.take())
+        return closed
+
+    def take(self) -> list:
+        """The items so far, the run emptied."""
+        items, self.items, self.total = self.items, [], 0
+        return items
+
+
 class GradientBuckets:
     """Lowering's gradient reductions and update. It reads the Lowering's dp_parts, buckets,
     bucket_bytes, flushed, final, mesh, column_axes, optimizer, tasks, pending and waited, and
@@ -98,12 +125,12 @@ class GradientBuckets:
         cap = self.bucket_bytes if kind in self.flushed else \
             min(self.bucket_bytes, FIRST_BUCKET_BYTES)
         one_dim = kind == "across"  # one dim per reduce-scatter bucket
-        closed, self.buckets[kind] = runs_under_cap(
-            self.buckets[kind] + [t], lambda p: self.across[p] if one_dim else None,
+        closed = self.buckets[kind].grow(
+            t, lambda p: self.across[p] if one_dim else None,
             lambda p: self.nbytes(p, self.home(p), grad=True), cap)
         for names in closed:
             self.flush_bucket(kind, names)
-        if not self.buckets[kind]:  # t's bucket reached the cap
+        if not self.buckets[kind].items:  # t's bucket reached the cap
             self.flushed.add(kind)
 
     def flush_bucket(self, kind: str, names: list[str]) -> None:
@@ -210,13 +237,11 @@ class GradientBuckets:
         reduce-scatter bucket into its shards (home)."""
         cap = self.bucket_bytes if "scatter" in self.flushed else \
             min(self.bucket_bytes, FIRST_BUCKET_BYTES)
-        closed, self.scattered = runs_under_cap(self.scattered + [(t, p)],
-                                                lambda b: self.home(b[0]),
-                                                lambda b: self.nbytes(b[0], b[1], grad=True),
-                                                cap)
+        closed = self.scattered.grow((t, p), lambda b: self.home(b[0]),
+                                     lambda b: self.nbytes(b[0], b[1], grad=True), cap)
         for bucket in closed:
             self.flush_scatter(bucket)
-        if not self.scattered:  # t's bucket reached the cap
+        if not self.scattered.items:  # t's bucket reached the cap
             self.flushed.add("scatter")
 
     def flush_scatter(self, bucket: list[tuple[str, Placement]]) -> None:
@@ -255,11 +280,9 @@ class GradientBuckets:
             self.pending.setdefault(key, []).append(task.id)
 
     def update(self) -> None:
-        rest, self.scattered = self.scattered, []
-        self.flush_scatter(rest)
+        self.flush_scatter(self.scattered.take())
         for kind in self.buckets:
-            rest, self.buckets[kind] = self.buckets[kind], []
-            self.flush_bucket(kind, rest)
+            self.flush_bucket(kind, self.buckets[kind].take())
         for key in self.final.values():
             self.wait_for(key)
         numel = sum(math.prod(self.stored_shape(p)) for p in self.final)

@@ -27,7 +27,7 @@ from hidup.graph.ops.gating import exchanges
 from hidup.graph.tokens import TOKENS
 
 from hidup.strategy import Mesh, Strategy, microbatch_split
-from hidup.program.buckets import GradientBuckets
+from hidup.program.buckets import GradientBuckets, OpenRun
 from hidup.program.microbatches import MicroBatches
 from hidup.program.recompute import Recomputation
 from hidup.program.scopes import Scopes
@@ -55,8 +55,9 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
         self.world = world // self.dp_parts  # what the placements split over: a row's ranks
         self.optimizer = optimizer_cost(optimizer)
         self.bucket_bytes, self.flushed = bucket_bytes, set()
-        self.buckets: dict[str, list[str]] = {"world": [], "column": [], "across": []}
-        self.scattered: list[tuple[str, Placement]] = []  # gradients awaiting a reduce-scatter
+        # each kind's bucket of gradients awaiting their all-reduce
+        self.buckets = {"world": OpenRun(), "column": OpenRun(), "across": OpenRun()}
+        self.scattered = OpenRun()  # (gradient, placement) awaiting a reduce-scatter
         self.mbs_split = microbatch_split(graph, k, dp=self.dp_parts)
         self.parts = k * self.dp_parts
         self.joins: bool = self.parts > 1 and any(  # an op reads micro-batches joined or sliced
@@ -276,7 +277,7 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
             len(self.tasks), node.name, node.op, "fwd", m, flops, nbytes, ins, out, tuple(keys),
             (vkey(node.name, opt.output, m),), opt, partial, reads=reads, keeps=keeps,
             alias=self.aliases(node), scratch=self.scratch(node, ins, backward=False),
-            inner=ops.inner_collectives(node, plain_option(opt), ins)))
+            inner=self.inner(node, opt, ins, backward=False)))
         self.convert_for_consumers(node.name, m)
         if node.name == self.g.loss:
             self.loss_keys.append(self._report_loss(m))
@@ -307,6 +308,12 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
         if not node.out.is_float:
             return 0
         return self.local_share(node, backward_saves(self.g, node).scratch[backward], ins)
+
+    def inner(self, node, opt, ins, backward: bool) -> tuple[tuple[str, int], ...]:
+        """(kind, bytes) of the collectives the node runs inside itself (most run none)."""
+        if not ops.runs_inner(node.op):
+            return ()
+        return ops.inner_collectives(node, plain_option(opt), ins, backward)
 
     def local_share(self, node, nbytes: int, ins) -> int:
         """`nbytes` measured at the node's whole shapes, scaled by its inputs' local share; a
@@ -428,7 +435,7 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
             backward_flops(node.op, fwd, ins, out, node.args),
             nbytes, ins, out, (grad_in,) + fwd_keys, tuple(outs), opt, partial, tuple(root),
             again=node.name in self.again, scratch=self.scratch(node, ins, backward=True),
-            inner=ops.inner_collectives(node, plain_option(opt), ins, backward=True)))
+            inner=self.inner(node, opt, ins, backward=True)))
         for t, p, q, mm in done:
             if self.mb_converted(t, q):
                 self.mb_contributed(t, p, q, mm)

@@ -3,4 +3,4 @@ from hidup.graph.ops import (  # noqa: F401 (importing them registers their rule
     conv, dispatch, embedding, factory, gating, grouped, loss, matmul, pointwise, reduction, shape)
 from hidup.graph.ops.registry import (  # noqa: F401
     LocalContext, inner_collectives, local_callable, node_options, options, register, register_local, replicated_ops,
-    source)
+    runs_inner, source)

@@ -55,6 +55,11 @@ def register_inner(ops):
     return deco
 
 
+def runs_inner(op: str) -> bool:
+    """Can an op of this kind run collectives inside itself (register_inner)?"""
+    return op in _INNER
+
+
 def inner_collectives(node: Node, option: ShardingOption, in_shapes: tuple[tuple[int, ...], ...],
                       backward: bool = False) -> tuple[tuple[str, int], ...]:
     """(kind, bytes) of each collective the node runs inside itself under `option` on inputs of
