@@ -132,3 +132,34 @@ def test_split_that_does_not_divide_is_an_error(tiny_graphs):
     with pytest.raises(LoweringError, match=r"tensor x as S\(0\): dim 0 of size 8 .* does not "
                                             r"split into 3 ranks"):
         lower(graph, data_parallel(graph, 3), 3, k=1)
+
+
+def test_a_bucket_grown_one_gradient_at_a_time_closes_where_one_pass_closes():
+    """OpenRun (a bucket's gradients as each is complete) closes runs where one pass over all
+    of them does: at a change of key and once the bytes reach the cap, the cap growing after
+    the first bucket as DDP's does."""
+    import random
+    from hidup.program.buckets import OpenRun
+
+    rng = random.Random(0)
+    for _ in range(200):
+        items = [(rng.choice("ab"), rng.randint(1, 9)) for _ in range(rng.randint(0, 30))]
+        key, nbytes = (lambda item: item[0]), (lambda item: item[1])
+        run, closed, caps = OpenRun(), [], []
+        for item in items:
+            cap = 4 if not closed else 16  # the first bucket small
+            caps.append(cap)
+            closed += run.grow(item, key, nbytes, cap)
+        # one pass over them all, each item under the cap it was added with
+        expected, last, total = [], [], 0
+        for item, cap in zip(items, caps):
+            if last and key(item) != key(last[0]):
+                expected.append(last)
+                last, total = [], 0
+            last.append(item)
+            total += nbytes(item)
+            if total >= cap:
+                expected.append(last)
+                last, total = [], 0
+        assert (closed, run.items) == (expected, last), items
+        assert run.total == sum(map(nbytes, run.items))

@@ -15,38 +15,18 @@ from hidup.strategy.mesh import axes_words
 GATHER_BUCKETS = 8  # a step's gathers are split into about this many buckets or more
 
 
-def runs_under_cap(items: list, key, nbytes, cap: int) -> tuple[list[list], list]:
-    """Split `items`, in order, into consecutive runs (buckets) whose items share `key(item)`.
-    A run closes where the key changes, and as soon as its bytes (the sum of `nbytes(item)`)
-    reach `cap`: only its last item takes it to the cap or past it. Return the closed runs and
-    the last run if it is still open (under the cap; else []). Items that come one at a time
-    are added as `runs_under_cap(open_run + [item], ...)`: the open run (one key, under the
-    cap) is not split again, so the runs close where one pass over all the items closes them."""
-    runs, run, total = [], [], 0
-    for item in items:
-        if run and key(item) != key(run[0]):
-            runs.append(run)
-            run, total = [], 0
-        run.append(item)
-        total += nbytes(item)
-        if total >= cap:
-            runs.append(run)
-            run, total = [], 0
-    return runs, run
-
-
 class OpenRun:
-    """The open run of `runs_under_cap` when items come one at a time (one key, under the cap),
-    with its bytes so far: `grow` closes runs where runs_under_cap(items + [item]) would, without
-    summing the items again (a step adds hundreds of gradients to one bucket)."""
+    """The run of `runs_under_cap` still open (one key, under the cap), grown one item at a time
+    with its bytes so far: items that come one at a time (a step's gradients, as each is
+    complete) close runs where one pass over all of them would, without summing them again."""
 
     def __init__(self):
         self.items: list = []
         self.total = 0
 
     def grow(self, item, key, nbytes, cap: int) -> list[list]:
-        """Add `item`; the runs this closes (as runs_under_cap closes them: the caps of one
-        run's items never decrease)."""
+        """Add `item`; the runs this closes: the open one where the key changes, and the run
+        with `item` once its bytes reach `cap` (a run's caps never decrease)."""
         closed = []
         if self.items and key(item) != key(self.items[0]):
             closed.append(self.take())
@@ -60,6 +40,17 @@ class OpenRun:
         """The items so far, the run emptied."""
         items, self.items, self.total = self.items, [], 0
         return items
+
+
+def runs_under_cap(items: list, key, nbytes, cap: int) -> tuple[list[list], list]:
+    """Split `items`, in order, into consecutive runs (buckets) whose items share `key(item)`.
+    A run closes where the key changes, and as soon as its bytes (the sum of `nbytes(item)`)
+    reach `cap`: only its last item takes it to the cap or past it. Return the closed runs and
+    the last run if it is still open (under the cap; else [])."""
+    run, runs = OpenRun(), []
+    for item in items:
+        runs += run.grow(item, key, nbytes, cap)
+    return runs, run.items
 
 
 class GradientBuckets:
