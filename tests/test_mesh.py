@@ -281,3 +281,27 @@ def test_storage_over_the_dp_axes_that_cannot_be_is_refused_naming_the_axes(tiny
     with pytest.raises(LoweringError, match=r"sharded along outer: it is split on dim 0 inside "
                                             r"each machine already"):
         lower(graph, replace(strategy, across={**strategy.across, bias: 0}), 8)
+
+
+def test_the_groups_along_any_axes_are_the_ranks_differing_only_there():
+    """Mesh.groups against its definition, on meshes of 1 to 4 axes and every set of axes in
+    any order: each group the ranks that differ only in those axes' coordinates (row-major
+    among them), the groups in row-major order of the other axes; made once per mesh and axes."""
+    import itertools
+
+    for shape in [(4,), (2, 4), (3, 5), (2, 2, 2), (2, 3, 4), (1, 8), (2, 2, 2, 3)]:
+        names = tuple(f"a{i}" for i in range(len(shape)))
+        mesh = Mesh(shape, names)
+        coords = {r: mesh.coords(r) for r in range(mesh.world)}
+        for count in range(len(shape) + 1):
+            for axes in itertools.permutations(names, count):
+                inside = sorted(names.index(a) for a in axes)
+                rest = [j for j in range(len(shape)) if j not in inside]
+                by_rest: dict[tuple, list] = {}
+                for r in sorted(coords, key=lambda r: ([coords[r][j] for j in rest],
+                                                       [coords[r][j] for j in inside])):
+                    by_rest.setdefault(tuple(coords[r][j] for j in rest), []).append(r)
+                assert mesh.groups(axes) == tuple(map(tuple, by_rest.values())), (shape, axes)
+    big = Mesh((12500, 8))
+    assert big.groups("gpus") is big.groups(("gpus",))  # made once
+    assert len(big.groups("machines")) == 8 and big.groups("machines")[1][:2] == (1, 9)

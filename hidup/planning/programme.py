@@ -117,6 +117,7 @@ class Search(Pricing, Beam):
         self.dp_parts = mesh.size(dp)  # the mesh's data-parallel parts
         self.world = world // self.dp_parts  # placements: a row's ranks
         self.memory, self.objective, self.beam = memory or math.inf, objective, beam
+        self.least_over = math.inf  # the least memory of a label over the limit at this node
         self.per_state = options.labels
         self.mbs = microbatch_split(graph, k, dp=self.dp_parts)
         rows, columns = mesh.rows(dp), mesh.columns(dp)
@@ -167,10 +168,14 @@ class Search(Pricing, Beam):
         what = self.what()
         for i, node in enumerate(self.g.ops):
             progress(what, i + 1, len(self.g.ops))
+            self.least_over = math.inf
             states = self.extend(states, node)
             if not states:
+                least = "" if self.least_over == math.inf else \
+                    f" (the least a plan holds up to it: {self.least_over / 2**30:.3g} GiB)"
                 raise ValueError(f"search: no option of node {node.name} ({node.op}) fits in "
-                                 f"{self.memory / 2**30:.3g} GiB per device or divides evenly")
+                                 f"{self.memory / 2**30:.3g} GiB per device{least} or divides "
+                                 f"evenly")
         finals = [label for labels in states.values() for label in labels]
         return sorted(finals, key=lambda lab: lab.best)
 
@@ -381,6 +386,8 @@ class Search(Pricing, Beam):
         fits = new if limit == math.inf else [label for label in new if label.memory <= limit]
         if fits:
             out.setdefault(key, []).extend(fits)
+        elif new:  # for run's error, where nothing fits
+            self.least_over = min(self.least_over, min(label.memory for label in new))
 
     def strategy(self, label: _Label, name: str) -> Strategy:
         """The label's plan, of the whole graph (expand)."""
