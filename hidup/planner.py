@@ -96,7 +96,7 @@ def plan(args) -> dict:
     memory = args.memory * 2**30 if args.memory is not None else None
     goal = Goal(args.gpus, args.micro_batches, memory, args.optimizer, args.mesh,
                 beam=args.beam, exact=args.exact, recompute=args.recompute, mode=args.mode,
-                precision=args.precision)
+                precision=args.precision, grows=spec.grows)
     chosen = select_plan(graph, profile, goal)
     found, k = chosen.search, chosen.duplex_k
     typed = run_dtypes(graph, chosen.goal.precision, chosen.profile.device)

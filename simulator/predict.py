@@ -152,7 +152,7 @@ def compare(model: str, cluster: str, goal: Goal, batch: int | None = None,
     hidup.planner choose it), simulated beside every plan it was chosen from (the searched plan
     and the fixed strategies), each with and without Duplex."""
     spec, profile, batch, graph = _setup(model, cluster, goal.gpus, batch)
-    chosen = select_plan(graph, profile, goal)
+    chosen = select_plan(graph, profile, replace(goal, grows=spec.grows))
     options = replace(options, optimizer=goal.optimizer)
     quiet = replace(options, samples=0)  # the interval of the chosen plan only
     names = list(chosen.candidates)

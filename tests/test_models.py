@@ -120,3 +120,14 @@ def test_a_cached_capture_is_the_same_graph_and_a_damaged_cache_is_captured_agai
     assert capture_model(spec, 2 * spec.batch).fingerprint != first.fingerprint  # its own entry
     cached.write_bytes(cached.read_bytes()[:100])  # cut short
     assert capture_model(spec, spec.batch).nodes == first.nodes
+
+
+def test_a_specs_growth_with_the_gpus_is_said_where_the_model_grows():
+    """The zoo's MoE models hold experts per GPU (2, switch-trace 4): a spec says so (what
+    refusals read instead of advising more GPUs); dense ones grow nothing."""
+    from hidup.models import get_model
+
+    assert get_model("bert-sgmoe:tiny", gpus=4).grows == "its experts (2 per GPU)"
+    assert get_model("switch-trace:tiny", gpus=4).grows == "its experts (4 per GPU)"
+    assert get_model("gpt:tiny", gpus=4).grows == "" and get_model("llama:tiny", gpus=4).grows == ""
+    assert get_model("bert-sgmoe:tiny", gpus=4).batch == 4 * get_model("bert-sgmoe:tiny").batch

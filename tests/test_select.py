@@ -65,6 +65,12 @@ def test_the_choice_is_the_fastest_plan_that_fits_by_the_estimate():
                                          r"device's .* GiB on 2 GPUs \(.*\); give more GPUs or "
                                          r"memory"):
         select_plan(graph, profile, Goal(2, memory=0.51 * state))
+    # a model that grows with the GPUs it is made for (the zoo's experts): not "more GPUs"
+    with pytest.raises(ValueError, match=r"fits a device's .* GiB on 2 GPUs \(.*\); give more "
+                                         r"memory, a smaller batch or fewer GPUs \(more GPUs do "
+                                         r"not help: the model was made for 2 and its experts "
+                                         r"\(2 per GPU\) grow with them\)$"):
+        select_plan(graph, profile, Goal(2, memory=0.51 * state, grows="its experts (2 per GPU)"))
     batch = graph.user_inputs[0].out.shape[0]  # over GPUs it does not split into: not "more"
     assert batch % 3
     with pytest.raises(ValueError, match=rf"give more memory, fewer GPUs or a batch that 3 "

@@ -31,6 +31,9 @@ class ModelSpec:
     seq: int = 0  # sequence length of text models
     vocab: int = 0
     key: str = ""  # what made it (name, GPUs, vocabulary, overrides): names its cached capture
+    # what of the model grows with the GPUs it is made for, in words ('' where nothing does):
+    # more GPUs make a larger model, not a smaller share of this one
+    grows: str = ""
 
 
 BERT = {"tiny": dict(vocab=64, dim=32, heads=4, hidden=64, layers=2, seq=16, per_gpu=2,
@@ -57,55 +60,56 @@ MLP = {"tiny": dict(dim=16, hidden=64, layers=2, batch=8),
 AUX_WEIGHT = 0.0  # the load-balancing loss needs whole-batch statistics: off for Duplex
 
 
-def _bert(c, gpus, top_k, vocab):
+def _bert(c, experts, top_k, vocab):
     c = dict(c, vocab=vocab or c["vocab"])
-    experts = 2 * gpus
     cap = capacity(c["seq"], experts, top_k)
     build = lambda: bert.BertMoE(c["vocab"], c["dim"], c["heads"], c["hidden"], c["layers"],  # noqa: E731
                                  c["seq"], experts, top_k, cap, c["dropout"], AUX_WEIGHT)
-    return build, bert.random_inputs(c["vocab"], c["seq"]), c["per_gpu"] * gpus, "mlm", c
+    return build, bert.random_inputs(c["vocab"], c["seq"]), "mlm", c
 
 
-def _vit(c, gpus, top_k, vocab):
-    experts, seq = 2 * gpus, (c["image"] // c["patch"]) ** 2 + 1
+def _vit(c, experts, top_k, vocab):
+    seq = (c["image"] // c["patch"]) ** 2 + 1
     cap = capacity(seq, experts, top_k)
     build = lambda: vit.VitMoE(c["image"], c["patch"], 3, 10, c["dim"], c["heads"], c["hidden"],  # noqa: E731
                                c["layers"], experts, top_k, cap, c["dropout"], AUX_WEIGHT)
-    return build, vit.random_inputs(c["image"], 3, 10), c["per_gpu"] * gpus, "image", {}
+    return build, vit.random_inputs(c["image"], 3, 10), "image", {}
 
 
-def _trace(c, gpus, top_k, vocab):
+def _trace(c, experts, top_k, vocab):
     build = lambda: switch_trace.SwitchTrace(c["dim"], c["heads"], c["hidden"], c["layers"],  # noqa: E731
-                                             c["seq"], 4 * gpus, c["dropout"])
-    return build, switch_trace.random_inputs(c["seq"], c["dim"]), c["per_gpu"] * gpus, "sum", {}
+                                             c["seq"], experts, c["dropout"])
+    return build, switch_trace.random_inputs(c["seq"], c["dim"]), "sum", {}
 
 
-def _gpt(c, gpus, top_k, vocab):
+def _gpt(c, experts, top_k, vocab):
     c = dict(c, vocab=vocab or c["vocab"])
     build = lambda: basic.TransformerLM(c["vocab"], c["dim"], c["heads"], c["layers"], c["seq"])  # noqa: E731
-    return build, basic.lm_inputs(c["vocab"], c["seq"]), c["batch"], "lm", c
+    return build, basic.lm_inputs(c["vocab"], c["seq"]), "lm", c
 
 
-def _llama(c, gpus, top_k, vocab):
+def _llama(c, experts, top_k, vocab):
     c = dict(c, vocab=vocab or c["vocab"])
     build = lambda: llama.Llama(c["vocab"], c["dim"], c["heads"], c["kv_heads"], c["hidden"],  # noqa: E731
                                 c["layers"], c["seq"])
-    return build, basic.lm_inputs(c["vocab"], c["seq"]), c["per_gpu"] * gpus, "lm", c
+    return build, basic.lm_inputs(c["vocab"], c["seq"]), "lm", c
 
 
-def _mlp(c, gpus, top_k, vocab):
+def _mlp(c, experts, top_k, vocab):
     build = lambda: basic.MLP(c["dim"], c["hidden"], c["layers"])  # noqa: E731
-    return build, basic.regression_inputs(c["dim"]), c["batch"], "regression", {}
+    return build, basic.regression_inputs(c["dim"]), "regression", {}
 
 
-_ZOO = {"bert-sgmoe": (_bert, BERT, 2), "bert-switch": (_bert, BERT, 1),
-        "vit-sgmoe": (_vit, VIT, 2), "vit-switch": (_vit, VIT, 1),
-        "switch-trace": (_trace, TRACE, 1), "gpt": (_gpt, GPT, 0), "llama": (_llama, LLAMA, 0),
-        "mlp": (_mlp, MLP, 0)}
+# name -> (builder, sizes, experts a token picks (0: dense), experts per GPU (0: dense)); a size
+# with `per_gpu` has a global batch of that many per GPU, one with `batch` that batch
+_ZOO = {"bert-sgmoe": (_bert, BERT, 2, 2), "bert-switch": (_bert, BERT, 1, 2),
+        "vit-sgmoe": (_vit, VIT, 2, 2), "vit-switch": (_vit, VIT, 1, 2),
+        "switch-trace": (_trace, TRACE, 1, 4), "gpt": (_gpt, GPT, 0, 0),
+        "llama": (_llama, LLAMA, 0, 0), "mlp": (_mlp, MLP, 0, 0)}
 
 
 def names() -> list[str]:
-    return [f"{n}:{s}" for n, (_, sizes, _) in _ZOO.items() for s in sizes]
+    return [f"{n}:{s}" for n, (_, sizes, *_) in _ZOO.items() for s in sizes]
 
 
 def get_model(spec: str, gpus: int = 1, vocab: int | None = None, **overrides) -> ModelSpec:
@@ -115,7 +119,7 @@ def get_model(spec: str, gpus: int = 1, vocab: int | None = None, **overrides) -
     if name not in _ZOO:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(_ZOO)} (with a size, "
                          f"e.g. {names()[0]})")
-    make, sizes, top_k = _ZOO[name]
+    make, sizes, top_k, per_gpu_experts = _ZOO[name]
     size = size or "tiny"
     if size not in sizes:
         raise ValueError(f"model {name} has no size {size!r}; choose one of {sorted(sizes)}")
@@ -125,10 +129,13 @@ def get_model(spec: str, gpus: int = 1, vocab: int | None = None, **overrides) -
     if unknown:
         raise ValueError(f"model {name} has no setting {unknown}; its settings are "
                          f"{sorted(sizes[size])}")
-    build, inputs, batch, task, cfg = make(dict(sizes[size], **overrides), gpus, top_k, vocab)
+    c = dict(sizes[size], **overrides)
+    build, inputs, task, cfg = make(c, per_gpu_experts * gpus, top_k, vocab)
+    batch = c["per_gpu"] * gpus if "per_gpu" in c else c["batch"]
     key = f"{name}:{size} gpus={gpus} vocab={vocab} overrides={sorted(overrides.items())}"
+    grows = f"its experts ({per_gpu_experts} per GPU)" if per_gpu_experts else ""
     return ModelSpec(f"{name}:{size}", build, inputs, batch, task, cfg.get("seq", 0),
-                     cfg.get("vocab", 0), key)
+                     cfg.get("vocab", 0), key, grows)
 
 
 def capture_model(spec: ModelSpec, batch: int) -> Graph:

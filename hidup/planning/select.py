@@ -57,6 +57,9 @@ class Goal:
     precision: str | None = None  # 'fp32' or 'bf16' (autocast, float32 master weights): the
     #   dtypes the plans' values, collectives and memory are counted at (hidup.graph.dtypes);
     #   None: the profile's
+    grows: str = ""  # what of the model grows with `gpus`, in words, where something does (the
+    #   zoo's MoE models: their experts, hidup.models.ModelSpec.grows); a refusal then does not
+    #   advise more GPUs
 
 
 @dataclass(frozen=True)
@@ -124,10 +127,15 @@ def select_plan(graph: Graph, profile: Profile, goal: Goal) -> Selection:
         limit = "no limit" if profile.device_memory is None else \
             f"a device's {profile.device_memory / 2**30:.3g} GiB"
         batch = _batch(graph)
-        fix = "more GPUs or memory, a smaller batch" if batch % goal.gpus == 0 else \
-            (f"more memory, fewer GPUs or a batch that {goal.gpus} divides (more GPUs do not "
-             f"help: the batch of {batch} does not split over {goal.gpus}, so data parallelism "
-             f"cannot share it out)")
+        if batch % goal.gpus:
+            fix = (f"more memory, fewer GPUs or a batch that {goal.gpus} divides (more GPUs do "
+                   f"not help: the batch of {batch} does not split over {goal.gpus}, so data "
+                   f"parallelism cannot share it out)")
+        elif goal.grows:
+            fix = (f"more memory, a smaller batch or fewer GPUs (more GPUs do not help: the "
+                   f"model was made for {goal.gpus} and {goal.grows} grow with them)")
+        else:
+            fix = "more GPUs or memory, a smaller batch"
         raise ValueError(f"no plan{'' if goal.strategy == SEARCH else ' of ' + goal.strategy} "
                          f"with {' or '.join(map(str, sorted(allowed)))} micro-batches lowers "
                          f"and fits {limit} on {goal.gpus} GPUs ({why}); give {fix}"
