@@ -104,7 +104,7 @@ def plan(args) -> dict:
     for i, (name, s) in enumerate(chosen.candidates.items()):
         progress("pricing the plans for the table: plan", i + 1, len(chosen.candidates))
         rows[name] = _times(typed, s, args.gpus, k, chosen.profile, args.optimizer, args.mode,
-                            whole)
+                            whole, chosen.programs.get(name, {}))
     rows[chosen.strategy.name]["chosen_k"] = chosen.k
     limit = chosen.profile.device_memory
     return {"model": spec.name, "batch": batch, "cluster": profile.name, "gpus": args.gpus,
@@ -127,9 +127,11 @@ def plan(args) -> dict:
             "strategy": chosen.strategy, "graph": graph}
 
 
-def _times(graph, strategy, world, k, profile, optimizer: str, mode: str, whole) -> dict:
+def _times(graph, strategy, world, k, profile, optimizer: str, mode: str, whole,
+           lowered: dict) -> dict:
     """The plan's estimated step (ms) and peak memory (GiB) with one micro-batch and with k:
-    as the ranking priced it where it lowered it whole (`whole`: ranking.lowered_whole), else
+    as the ranking priced it where it ranked it whole (`whole`: ranking.lowered_whole), else
+    from its Program as the search lowered it (`lowered`: Selection.programs, by count), else
     lowered here."""
     out, key = {}, plan_key(strategy)
     for kk in (1, k):
@@ -138,7 +140,7 @@ def _times(graph, strategy, world, k, profile, optimizer: str, mode: str, whole)
             out[f"k{kk}_ms"], out[f"k{kk}_gib"] = seen.step_time * 1e3, seen.peak / 2**30
             continue
         try:
-            program = lower(graph, strategy, world, kk, optimizer=optimizer)
+            program = lowered.get(kk) or lower(graph, strategy, world, kk, optimizer=optimizer)
         except (LoweringError, ValueError) as exc:
             out[f"k{kk}_ms"] = out[f"k{kk}_gib"] = None
             log.info("%s with k=%d cannot be lowered: %s", strategy.name, kk, exc)

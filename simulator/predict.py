@@ -76,7 +76,7 @@ def simulate(graph: Graph, plan: Strategy, profile: Profile, gpus: int, k: int,
     precision = options.precision or profile.precision
     graph = run_dtypes(graph, precision, profile.device)
 
-    def program(count: int) -> Program:
+    def lowered_with(count: int) -> Program:
         done = (lowered or {}).get(count)
         if done is not None and bucket == BUCKET_BYTES and done.optimizer == options.optimizer \
                 and done.precision == precision and done.world == gpus:
@@ -84,11 +84,11 @@ def simulate(graph: Graph, plan: Strategy, profile: Profile, gpus: int, k: int,
         return lower(graph, plan, gpus, count, name, bucket_bytes=bucket,
                      optimizer=options.optimizer)
 
-    programs = [program(1)]
+    programs = [lowered_with(1)]
     notes = ()
     if k > 1:
         try:
-            programs.append(program(k))
+            programs.append(lowered_with(k))
         except (LoweringError, NoMicroBatches) as exc:  # the batch does not split so
             notes, k = (f"no Duplex with {k} micro-batches: {exc}",), 1
     for program in programs:
