@@ -4,7 +4,7 @@ no process, process group or trace per rank. Each rank runs the executor's untra
 (hidup.runtime.step: the Program's tasks one by one as Python, as the traced step records them);
 its collectives go to an `Exchange` instead of a process group. What this leaves out, and the
 tests run on real gloo ranks: the process groups themselves, the DeviceMesh, and the traced
-(make_fx) step.
+(recorded) step.
 
     results = run_local(graph, strategy, program, params, buffers, inputs)
     results[r].loss, results[r].grads  # rank r's loss and gradient shards, by parameter node

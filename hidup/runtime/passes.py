@@ -15,16 +15,15 @@ _aten = torch.ops.aten
 
 
 def simplify(gm: torch.fx.GraphModule) -> None:
-    """Drop what only the tracing needed, as every op left costs a call each step: detaches (they
-    cut per-node autograd graphs; nothing records one at run time), views to the same shape,
-    views of views (one view of the first input does), transposes of transposes, and values
-    nothing reads (collectives and in-place updates always stay)."""
+    """Drop what only the tracing needed, as every op left costs a call each step: views to the
+    same shape, views of views (one view of the first input does), transposes of transposes, and
+    values nothing reads (collectives and in-place updates always stay). (Detaches, which cut
+    the per-node autograd graphs while recording, are not recorded: hidup.runtime.record.)"""
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
         source = node.args[0] if node.args else None
-        if node.target is _aten.detach.default or (
-                node.target is _aten.view.default and _shape(node) == _shape(source)):
+        if node.target is _aten.view.default and _shape(node) == _shape(source):
             node.replace_all_uses_with(source)
             gm.graph.erase_node(node)
         elif node.target is _aten.view.default and _is(source, _aten.view.default) and \

@@ -1,7 +1,8 @@
 """The compiled step: a Program -> one FX graph per rank that does the whole training step
 (forward, backward, gradient reductions, SGD update) as generated code.
 
-`trace_step` runs the Program's tasks once under make_fx on fake tensors: a forward task records
+`trace_step` runs the Program's tasks once on fake tensors, recording every ATen op they call
+(hidup.runtime.record, what make_fx records, faster): a forward task records
 its node's ATen ops under autograd, a backward task calls autograd.grad on that node alone (the
 first forward of a recomputed layer records nothing; its 'recompute' tasks do, right before its
 backward), a collective is a functional collective (torch.ops._c10d_functional) issued at its
@@ -18,7 +19,6 @@ from functools import partial
 
 import torch
 import torch.fx.traceback as fx_traceback
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from hidup.graph import ops
 from hidup.graph.capture import Graph
@@ -31,6 +31,7 @@ from hidup.program.tasks import (MB_CONVERSIONS, Compute, Convert, Program, Wait
 from hidup.runtime.collectives import PACKING, issue, stand_in
 from hidup.runtime.layout import mb_join, mb_part, shard_of
 from hidup.runtime.passes import simplify
+from hidup.runtime.record import record
 from hidup.runtime.values import Values
 
 _C = torch.ops._c10d_functional
@@ -460,8 +461,7 @@ def trace_step(spec: StepSpec, params, buffers, inputs, lr, update: bool = True
                ) -> torch.fx.GraphModule:
     """Trace one rank's whole step into an FX graph (on fake tensors: nothing is computed or
     communicated). Arguments as the graph takes them: *params, *buffers, *inputs, lr."""
-    step = untraced_step(spec, len(params), len(buffers), update)
-    with fx_traceback.preserve_node_meta():
-        gm = make_fx(step, tracing_mode="fake")(*params, *buffers, *inputs, lr)
+    gm = record(untraced_step(spec, len(params), len(buffers), update),
+                *params, *buffers, *inputs, lr)
     simplify(gm)
     return gm
