@@ -11,6 +11,8 @@ whole job. What it leaves out, and why nothing is lost:
 - `prim.device` queries (two in three of the calls a step makes) record nothing, as in make_fx.
 - A `detach` is not recorded: its result stands for its input (the detaches cut the step's
   per-node autograd graphs while recording; the recorded graph runs without autograd).
+- A constant made inside (`torch.tensor(...)`) is copied where the graph reads it, as make_fx
+  copies it, so that nothing the step does to it lasts to the next step.
 - Composite ops that autograd would have split up are split the same way make_fx splits them,
   so the graph holds the same kernels.
 The autocast cache is off while recording, as in make_fx (a cached cast of a weight would be a
@@ -26,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, autograd_would_have_
 
 _DEVICE = torch.ops.prim.device.default
 _DETACH = torch.ops.aten.detach.default
+_LIFT, _LIFT_COPY = torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default
 _NOT_SPLIT = (torch.ops.aten.size.default, torch.ops.aten.stride.default,
               torch.ops.aten.storage_offset.default)
 
@@ -84,7 +87,7 @@ class _Recorder(TorchDispatchMode):
         if func is _DETACH:
             self.bind(out, self.value(args[0]))
             return out
-        node = self.graph.call_function(func, self.value(args),
+        node = self.graph.call_function(_LIFT_COPY if func is _LIFT else func, self.value(args),
                                         {k: self.value(v) for k, v in kwargs.items()})
         self.mark(node, out)
         if isinstance(out, torch.Tensor):
