@@ -113,29 +113,57 @@ def zoo_planned(cases, world: int, make_strategy):
 
 def distributed_grads(rank, world, cases, make_strategy=one_d_strategy, mesh=False):
     """{case: (loss, whole gradients, the strategy as text)} after one step of each case whose
-    `make_strategy(graph, name, world, k)` is not None (in the mode `mode_of` gives it; a 2-D
-    `mesh` plan's on 2 ranks' terms)."""
-    out = {}
-    for case, model, graph, strategy in zoo_planned(cases, world, make_strategy):
+    `make_strategy(graph, name, world, k)` is not None (in the mode `mode_of` gives it, on the
+    rank `traced_rank` names; a 2-D `mesh` plan's on 2 ranks' terms)."""
+    runs = []
+    for i, (case, model, graph, strategy) in enumerate(zoo_planned(cases, world, make_strategy)):
         name, strategy_name, k = case
-        out[case] = one_step(model, graph, strategy, world, k, name,
-                             batch_of(get_model(name, gpus=world)),
-                             BUCKETS.get(strategy_name, BUCKET_BYTES),
-                             mode_of(strategy_name, 2 if mesh else world))
-    return out
+        mode = traced_rank(i, rank, world, mode_of(strategy_name, 2 if mesh else world))
+        runs.append((case, executor_for(model, graph, strategy, world, k, name,
+                                        BUCKETS.get(strategy_name, BUCKET_BYTES), mode),
+                     batch_of(get_model(name, gpus=world))))
+    return {case: stepped(ex, batch) for case, ex, batch in recorded_first(runs)}
+
+
+def traced_rank(case: int, rank: int, world: int, mode: str) -> str:
+    """The mode of case number `case` on `rank` in a run on gloo ranks: a traced case is traced
+    on one rank, the next case's on the next rank and so on round the world, and runs untraced
+    on the others. Recording a step is most of what a traced case costs (each rank records its
+    own); the untraced ranks issue the same collectives in the same order (the traced graph's
+    order is the Program's, as the untraced runner's is), so the run checks the recorded step of
+    one rank against one device, and over the cases every rank's."""
+    return mode if mode != "graph" or case % world == rank else "untraced"
+
+
+def recorded_first(runs: list[tuple]) -> list[tuple]:
+    """`runs` (case, executor, batch), after each traced executor has recorded its step: every
+    rank records its cases before any step runs, so that the ranks record at once instead of
+    waiting for each other's recordings at the step's first collective."""
+    for _, ex, batch in runs:
+        if ex.mode == "graph":
+            ex.compiled(False, list(batch))
+    return runs
+
+
+def executor_for(model, graph, strategy, world: int, k: int, name: str,
+                 bucket_bytes: int = BUCKET_BYTES, mode: str = "graph") -> Executor:
+    program = lower(graph, strategy, world, k, name, bucket_bytes)
+    return Executor(graph, strategy, program, dict(model.named_parameters(remove_duplicate=False)),
+                    buffers=dict(model.named_buffers()), mode=mode)
+
+
+def stepped(ex: Executor, batch) -> tuple:
+    """(loss, whole gradients by parameter name, the strategy as text) after one step of the
+    executor without update, on this rank."""
+    loss = ex.step(dict(zip([n.source for n in ex.g.user_inputs], batch)), update=False)
+    grads = {ex.g.node(p).source: ex.full(p, g) for p, g in ex.grads.items()}
+    return float(loss), grads, str(ex.s)
 
 
 def one_step(model, graph, strategy, world: int, k: int, name: str, batch,
              bucket_bytes: int = BUCKET_BYTES, mode: str = "graph"):
-    """(loss, whole gradients by parameter name, the strategy as text) after one step of the
-    executor without update, on this rank."""
-    program = lower(graph, strategy, world, k, name, bucket_bytes)
-    ex = Executor(graph, strategy, program, dict(model.named_parameters(remove_duplicate=False)),
-                  buffers=dict(model.named_buffers()), mode=mode)
-    inputs = dict(zip([n.source for n in graph.user_inputs], batch))
-    loss = ex.step(inputs, update=False)
-    grads = {graph.node(p).source: ex.full(p, g) for p, g in ex.grads.items()}
-    return float(loss), grads, str(strategy)
+    """stepped() of a new executor of the plan."""
+    return stepped(executor_for(model, graph, strategy, world, k, name, bucket_bytes, mode), batch)
 
 
 def local_step(model, graph, strategy, world: int, k: int, name: str, batch,

@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 from conftest import run_ranks
-from test_equivalence import local_step, mode_of, one_step, planned, rel_err
+from test_equivalence import (executor_for, local_step, mode_of, planned, recorded_first,
+                              rel_err, stepped, traced_rank)
 
 from hidup.graph import ops
 from hidup.graph.capture import capture
@@ -78,15 +79,18 @@ def _example(name: str):
 
 
 def third_party_grads(rank, world, cases):
-    """{case: (loss, whole gradients, strategy text, buffers)} after one traced step of each
-    case (the executor writes forward's buffer updates into the model's own buffers, as eager
-    does)."""
-    out = {}
-    for case, model, graph, strategy in planned(cases, world, strategy_of, build, _example):
-        result = one_step(model, graph, strategy, world, case[2], case[0], batch(case[0]),
-                          mode="graph")
-        out[case] = result + ({n: b.clone() for n, b in model.named_buffers()},)
-    return out
+    """{case: (loss, whole gradients, strategy text, buffers)} after one step of each case, traced
+    on one rank (test_equivalence.traced_rank; the executor writes forward's buffer updates into
+    the model's own buffers, as eager does)."""
+    runs, models = [], {}
+    for i, (case, model, graph, strategy) in enumerate(planned(cases, world, strategy_of, build,
+                                                               _example)):
+        models[case] = model
+        runs.append((case, executor_for(model, graph, strategy, world, case[2], case[0],
+                                        mode=traced_rank(i, rank, world, "graph")),
+                     batch(case[0])))
+    return {case: stepped(ex, batch) + ({n: b.clone() for n, b in models[case].named_buffers()},)
+            for case, ex, batch in recorded_first(runs)}
 
 
 def check(results, cases):
