@@ -3,6 +3,7 @@ step's passes read (each node's fake value and its task mark), and nothing only 
 needed (detaches, device queries)."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -45,3 +46,19 @@ def test_a_recorded_step_runs_as_eager_and_keeps_its_marks():
         reference = make_fx(_step, tracing_mode="fake")(w.clone(), x, lr)
     assert [t for t in (n.target for n in reference.graph.nodes if n.op == "call_function")
             if t is not torch.ops.aten.detach.default] == ops
+
+
+def test_the_benchmark_prints_both_tools_on_the_same_graph(capsys):
+    """experiments.record_time: a row per model, both tools' medians and their ratio, and the
+    two graphs of the same size (it refuses to print a row otherwise)."""
+    from experiments import record_time
+
+    assert record_time.main(["--models", "mlp:tiny", "--rounds", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("| model | graph nodes | make_fx (s) |")
+    cells = [c.strip() for c in lines[3].strip("|").split("|")]
+    assert cells[0] == "mlp:tiny" and int(cells[1]) > 0
+    assert float(cells[4]) == pytest.approx(float(cells[2]) / float(cells[3]), rel=0.05, abs=0.02)
+    with pytest.raises(SystemExit):
+        record_time.main(["--models", "nope"])
+    assert "unknown model 'nope'" in capsys.readouterr().err
