@@ -10,16 +10,20 @@ from pathlib import Path
 
 import pytest
 
+from experiments import docs_blocks
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
 def test_own_model_example_plans_predicts_and_learns():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          str(ROOT / "examples" / "own_model.py")], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "SPMD (k=1)" in run.stdout and "Duplex (k=2)" in run.stdout  # predict_plan(plan)
-    losses = [float(x) for x in re.findall(r"step \d+: loss ([0-9.]+)", run.stdout)]
-    assert len(losses) == 4 and losses[-1] < losses[0] / 10, run.stdout  # it learns
+    """What `torchrun --nproc-per-node 2 examples/own_model.py` prints is the README's checked
+    block (test_docs runs it and compares them character for character; it is not run twice):
+    that block shows the plan predicted with and without Duplex, and a model that learns."""
+    (block,) = [b for b in docs_blocks.blocks(ROOT / "README.md") if b.checked
+                and b.command == "torchrun --nproc-per-node 2 examples/own_model.py"]
+    assert "SPMD (k=1)" in block.text and "Duplex (k=2)" in block.text  # predict_plan(plan)
+    losses = [float(x) for x in re.findall(r"step \d+: loss ([0-9.]+)", block.text)]
+    assert len(losses) == 4 and losses[-1] < losses[0] / 10, block.text  # it learns
 
 
 def test_transformers_example_plans_and_learns():
