@@ -22,7 +22,7 @@ PROG = "python -m experiments.suite_profile"
 # (what, a pattern of the stack's frames), most telling first
 WORK = (
     ("module imports", r"_find_and_load|<frozen importlib"),
-    ("make_fx recording a training step (hidup.runtime.step.trace_step)", r"trace_step"),
+    ("recording a training step (hidup.runtime.step.trace_step)", r"trace_step"),
     ("capture (torch.export, hidup.graph.capture)", r"torch/export/|hidup/graph/capture\.py"),
     ("what autograd saves (hidup.graph.saved's probes)", r"hidup/graph/saved\.py"),
     ("other make_fx / FakeTensor work", r"make_fx|proxy_tensor\.py|fake_tensor\.py"),
