@@ -11,7 +11,6 @@ A sample counts under the first kind of work its stack shows, in WORK's order (a
 anywhere in a stack makes it import time, whatever the imported module runs)."""
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from collections import Counter
