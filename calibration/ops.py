@@ -223,10 +223,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the profile to add the kernels to (shipped name or file)")
     ap.add_argument("--out", type=Path, required=True, help="the profile file to write (.json)")
     args = ap.parse_args(argv)
-    for flag in ("steps", "batch"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            ap.error(f"--{flag} must be at least 1, got {value}")
+    ap.at_least_one(args, "steps", "batch")
     if args.warmup < 0 or min(args.micro_batches) < 1:
         ap.error("--warmup must be >= 0 and every --micro-batches >= 1")
     if args.out.suffix != ".json" or not args.out.parent.is_dir():

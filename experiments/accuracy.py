@@ -108,9 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             parse_rate(rate)
         except ValueError as exc:
             ap.error(str(exc))
-    for flag in ("rounds", "ops_steps"):
-        if getattr(args, flag) < 1:
-            ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    ap.at_least_one(args, "rounds", "ops_steps")
     if args.warmup >= args.steps:
         ap.error(f"--warmup ({args.warmup}) must be below --steps ({args.steps})")
     gate = args.max_median_error

@@ -98,10 +98,7 @@ def parse_args(argv=None):
                          "one")
     ap.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
     args = ap.parse_args(argv)
-    for flag in ("rounds", "steps", "threads", "batch"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            ap.error(f"--{flag} must be at least 1, got {value}")
+    ap.at_least_one(args, "rounds", "steps", "threads", "batch")
     if min(args.micro_batches) < 1:
         ap.error("every --micro-batches must be at least 1")
     if args.memory is not None and not args.memory > 0:

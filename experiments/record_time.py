@@ -91,9 +91,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3,
                    help="recordings per tool, taken in turns; the median counts (default 3)")
     args = p.parse_args(argv)
-    for flag in ("gpus", "micro_batches", "rounds"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    p.at_least_one(args, "gpus", "micro_batches", "rounds")
     for name in args.models:  # every name known before anything runs
         try:
             get_model(name, gpus=args.gpus)

@@ -168,11 +168,8 @@ def _check(ap: Parser, args: TrainOptions) -> None:
         ap.error("--checkpoint-every and --resume need --checkpoint FOLDER")
     if args.eval is not None and args.data is None:
         ap.error("--eval needs --data (the vocabulary comes from the training file)")
-    for flag in ("steps", "batch", "micro_batches", "threads", "eval_batches", "checkpoint_every",
-                 "nproc_per_node"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    ap.at_least_one(args, "steps", "batch", "micro_batches", "threads", "eval_batches",
+                    "checkpoint_every", "nproc_per_node")
     if not (args.timeout > 0 and math.isfinite(args.timeout)):
         ap.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if not (args.lr >= 0 and math.isfinite(args.lr)):

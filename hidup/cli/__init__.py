@@ -138,6 +138,14 @@ class Parser(argparse.ArgumentParser):
         say(f"{self.prog}: error: {message}; see --help")
         raise SystemExit(2)
 
+    def at_least_one(self, args, *flags: str) -> None:
+        """A one-line error for the first of `flags` (attribute names of `args`) given below 1:
+        '--FLAG must be at least 1, got VALUE'; a flag left at None is not given."""
+        for flag in flags:
+            value = getattr(args, flag)
+            if value is not None and value < 1:
+                self.error(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+
 
 _RATE = re.compile(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?)(?:bit(?:/s)?|bps)")
 _PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
