@@ -5,7 +5,7 @@ import faulthandler
 import os
 import socket
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
@@ -36,12 +36,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, store, fn, args, out_dir):
+def _worker(rank, world, fn, args, out_dir):
     faulthandler.enable()  # a rank that aborts prints where it was (every thread's stack)
     torch.set_num_threads(1)
     # the ranks meet in a file, not at a TCP store hosted by rank 0 (torchrun keeps the store out
     # of the ranks too, in its agent, as hidup.runtime.launch does)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'store')}",
+                            rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
@@ -77,15 +78,105 @@ def _tests_importable():
             os.environ["PYTHONPATH"] = before
 
 
+def _task(index, fn, units, args, out_dir):
+    """A worker of start_workers: {unit's index: fn(unit, *args)} of the units it claims, each
+    claimed by the first worker free to take it (a file made once), in order."""
+    faulthandler.enable()
+    torch.set_num_threads(1)  # beside the other workers and ranks, on few cores
+    done = {}
+    for i, unit in enumerate(units):
+        try:
+            os.close(os.open(os.path.join(out_dir, f"unit-{i}"), os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            continue
+        done[i] = fn(unit, *args)
+    torch.save(done, os.path.join(out_dir, f"{index}.pt"))
+
+
+class Started:
+    """Processes forked from the server (start_ranks, start_workers), running while the test
+    goes on: `results()` waits for them and gives each one's result, in order; leaving the
+    `with` block ends any still running (the test failed before it asked)."""
+
+    def __init__(self, count: int, worker, args: tuple):
+        mp.set_forkserver_preload(_PRELOAD)
+        self._dir = tempfile.TemporaryDirectory()
+        self.count = count
+        self._context = None
+        if not count:
+            return
+        with _tests_importable():
+            self._context = mp.start_processes(worker, args=(*args, self._dir.name),
+                                               nprocs=count, join=False,
+                                               start_method="forkserver")
+
+    def results(self) -> list:
+        while self._context is not None and not self._context.join():
+            pass
+        return [torch.load(os.path.join(self._dir.name, f"{i}.pt")) for i in range(self.count)]
+
+    def __enter__(self) -> Started:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for process in self._context.processes if self._context is not None else ():
+            if process.is_alive():
+                process.terminate()
+            process.join()
+        self._dir.cleanup()
+
+
+def start_ranks(world: int, fn, *args) -> Started:
+    """Start `fn(rank, world, *args)` on `world` gloo ranks (processes forked from a server
+    that has imported torch and HiDup)."""
+    return Started(world, _worker, (world, fn, args))
+
+
 def run_ranks(world: int, fn, *args) -> list:
-    """Run `fn(rank, world, *args)` on `world` gloo ranks (processes forked from a server that
-    has imported torch and HiDup); return each result."""
-    mp.set_forkserver_preload(_PRELOAD)
-    with tempfile.TemporaryDirectory() as out_dir, _tests_importable():
-        store = os.path.join(out_dir, "store")
-        mp.start_processes(_worker, args=(world, store, fn, args, out_dir), nprocs=world,
-                           join=True, start_method="forkserver")
-        return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
+    """Run `fn(rank, world, *args)` on `world` gloo ranks; return each result."""
+    with start_ranks(world, fn, *args) as ranks:
+        return ranks.results()
+
+
+class Workers(Started):
+    """start_workers' processes: `results()` gives fn's result for each unit, in order."""
+
+    def results(self) -> list:
+        done = {i: r for hand in super().results() for i, r in hand.items()}
+        return [done[i] for i in range(len(done))]
+
+
+def start_workers(fn, units: list, *args) -> Workers:
+    """Start `fn(unit, *args)` for each unit in processes forked from the server (no process
+    group), one per core, each taking the next unit not taken yet: work that holds the
+    interpreter's lock (ranks on threads, tiny models) on every core instead of one."""
+    return Workers(min(len(units), os.cpu_count() or 1), _task, (fn, units, args))
+
+
+def by_model(cases) -> list[list]:
+    """The cases (model NAME, ...) grouped by model (its graph is captured once where they
+    run), the most cases first."""
+    groups: dict = {}
+    for case in cases:
+        groups.setdefault(case[0], []).append(case)
+    return sorted(groups.values(), key=len, reverse=True)
+
+
+def ranks_and_workers(world: int, traced: tuple, untraced: tuple, meanwhile=None) -> tuple:
+    """Per rank {case: result} of two kinds of runs at once: `traced` = (fn, cases, *args) as
+    fn(rank, world, cases, *args) on `world` gloo ranks, and `untraced` = (fn, cases, *args) as
+    fn(a model's cases, world, *args) -> per rank {case: result}, in worker processes
+    (start_workers, by_model); with meanwhile()'s result, run here while they work."""
+    fn, cases, *args = traced
+    local, rest, *local_args = untraced
+    with start_workers(local, by_model(rest), world, *local_args) as workers, \
+            start_ranks(world, fn, cases, *args) if cases else nullcontext() as ranks:
+        extra = meanwhile() if meanwhile is not None else None
+        out = ranks.results() if cases else [{} for _ in range(world)]
+        for per_rank in workers.results():
+            for rank, results in enumerate(per_rank):
+                out[rank].update(results)
+    return out, extra
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import build_model, run_ranks, turned
+from conftest import build_model, ranks_and_workers, run_ranks, turned
 
 from hidup.graph.capture import capture
 from hidup.graph.dtypes import run_dtypes
@@ -187,7 +187,7 @@ def local_step(model, graph, strategy, world: int, k: int, name: str, batch,
             + ((dict(zip(names, r.buffers)),) if buffers_out else ()) for r in ranks]
 
 
-def local_grads(world: int, cases, make_strategy=one_d_strategy) -> list[dict]:
+def local_grads(cases, world: int, make_strategy=one_d_strategy) -> list[dict]:
     """What run_ranks(world, distributed_grads, cases, make_strategy) gives, each case's step
     run by local_step: per rank, {case: (loss, whole gradients, the strategy as text)}."""
     out = [{} for _ in range(world)]
@@ -203,14 +203,13 @@ def local_grads(world: int, cases, make_strategy=one_d_strategy) -> list[dict]:
 def split_run(world: int, cases, make_strategy=one_d_strategy, mesh: bool = False,
               real=None) -> list:
     """Each case's step per rank: those of `real` (default: those users run traced, mode_of)
-    on `world` gloo ranks, the others on threads of this process (local_grads: untraced);
-    merged per rank."""
+    on `world` gloo ranks, the others on threads (local_grads: untraced) in worker processes,
+    at once (conftest.ranks_and_workers); merged per rank."""
     traced = [c for c in cases if (c in real if real is not None else
                                    mode_of(c[1], 2 if mesh else world) == "graph")]
-    local = local_grads(world, [c for c in cases if c not in traced], make_strategy)
-    real = run_ranks(world, distributed_grads, traced, make_strategy, mesh) if traced else \
-        [{} for _ in range(world)]
-    return [{**a, **b} for a, b in zip(real, local)]
+    return ranks_and_workers(world, (distributed_grads, traced, make_strategy, mesh),
+                             (local_grads, [c for c in cases if c not in traced],
+                              make_strategy))[0]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor, scale: float = 0.0) -> float:
@@ -434,7 +433,6 @@ def test_3d_mesh_plans_match_single_device():
     """2 x 2 x 2 ranks: fixed and searched plans on a 3-D mesh, Duplex on and off, equal
     single-device training; the first two on gloo ranks, traced (their collectives in groups
     along one axis and along two), the others on threads (local_grads)."""
-    real = run_ranks(8, distributed_grads, CUBE_CASES[:2], cube_strategy, True)
-    results = [{**a, **b} for a, b in zip(real, local_grads(8, CUBE_CASES[2:], cube_strategy))]
+    results = split_run(8, CUBE_CASES, cube_strategy, True, CUBE_CASES[:2])
     assert len(results[0]) == len(CUBE_CASES), results[0].keys()
     assert_equal_to_one_device(results, 8, CUBE_CASES)

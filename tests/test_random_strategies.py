@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 import random
+from contextlib import nullcontext
 
 import pytest
 import torch
 
-from conftest import build_model, run_ranks
+from conftest import build_model, run_ranks, start_ranks, start_workers
 from hidup.graph.capture import capture
 from hidup.models import get_model
 from hidup.strategy import random_strategy
@@ -43,7 +44,7 @@ def runs(world, name, seeds, step):
     return out
 
 
-def random_runs(world, name, seeds):
+def random_runs(seeds, world, name):
     """runs() of the untraced step, its ranks on threads of this process (local_step; rank 0's
     loss)."""
     return runs(world, name, seeds, lambda *args: local_step(*args)[0])
@@ -67,12 +68,16 @@ STRATEGIES = 12  # per model and world size, half with Duplex (k = 2)
 def test_random_strategy_matches_single_device(world, name):
     print(f"HIDUP_TEST_SEED={SEED}: set it to draw these strategies again")
     seeds = random.Random(f"{SEED} {name} {world}").sample(range(2**31), STRATEGIES)
-    ref_loss, ref_grads = reference(name, world)
-    scale = 1e-3 * max(float(g.norm()) for g in ref_grads.values())
     traced = seeds[:1] if world == 2 else ()
-    results = random_runs(world, name, seeds)
-    if traced:
-        results.update(run_ranks(world, traced_runs, name, traced)[0])
+    # the draws untraced in worker processes (half each), the traced one on gloo ranks and the
+    # reference here, at once
+    with start_workers(random_runs, [seeds[0::2], seeds[1::2]], world, name) as workers, \
+            start_ranks(world, traced_runs, name, traced) if traced else nullcontext() as ranks:
+        ref_loss, ref_grads = reference(name, world)
+        results = {seed: run for half in workers.results() for seed, run in half.items()}
+        if traced:
+            results.update(ranks.results()[0])
+    scale = 1e-3 * max(float(g.norm()) for g in ref_grads.values())
     for seed in traced:  # the traced step computes what its tasks run as Python do, bit for bit
         text, loss, grads = results.pop(("graph", seed))
         assert (text, loss) == results[seed][:2], (SEED, seed, text)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from conftest import run_ranks
+from conftest import ranks_and_workers
 from test_equivalence import (executor_for, local_step, mode_of, planned, recorded_first,
                               rel_err, stepped, traced_rank)
 
@@ -61,13 +61,22 @@ def traced(name: str, how: str, world: int, k: int) -> bool:
         mode_of(how, world) == "graph"
 
 
-def run_cases(world: int, cases) -> list[dict]:
+def run_cases(world: int, cases) -> tuple[list[dict], dict]:
     """Per rank {case: (loss, whole gradients, strategy text, buffers)} after one step of each
-    case: the traced ones on gloo ranks (third_party_grads), the others on threads."""
+    case, and the eager references (references): the traced cases on gloo ranks
+    (third_party_grads), the others on threads (local_cases) in worker processes, and the
+    references here, all at once (conftest.ranks_and_workers)."""
     real = [c for c in cases if traced(*c[:2], world, c[2])]
-    out = run_ranks(world, third_party_grads, real) if real else [{} for _ in range(world)]
-    rest = [c for c in cases if c not in real]
-    for case, model, graph, strategy in planned(rest, world, strategy_of, build, _example):
+    return ranks_and_workers(world, (third_party_grads, real),
+                             (local_cases, [c for c in cases if c not in real]),
+                             lambda: references(cases))
+
+
+def local_cases(cases, world: int) -> list[dict]:
+    """Per rank {case: (loss, whole gradients, strategy text, buffers)} after one step of each
+    case, its ranks on threads of this process (local_step: untraced)."""
+    out = [{} for _ in range(world)]
+    for case, model, graph, strategy in planned(cases, world, strategy_of, build, _example):
         for rank, result in enumerate(local_step(model, graph, strategy, world, case[2],
                                                  case[0], batch(case[0]), buffers_out=True)):
             out[rank][case] = result
@@ -93,8 +102,12 @@ def third_party_grads(rank, world, cases):
             for case, ex, batch in recorded_first(runs)}
 
 
-def check(results, cases):
-    refs = {name: reference(name) for name in {c[0] for c in cases}}
+def references(cases) -> dict:
+    """reference() of each model among the cases, by name."""
+    return {name: reference(name) for name in {c[0] for c in cases}}
+
+
+def check(results, refs, cases):
     for case in cases:
         ref_loss, ref_grads, n_tensors, ref_buffers = refs[case[0]]
         scale = 1e-3 * max(float(g.norm()) for g in ref_grads.values())
@@ -124,7 +137,7 @@ CASES_4 = [c for c in PLANS if c[0] not in ("bart", "t5")] + [("llama", "random"
 @pytest.mark.slow
 @pytest.mark.parametrize("world, cases", [(2, CASES), (4, CASES_4)])
 def test_third_party_models_match_eager(world, cases):
-    check(run_cases(world, cases), cases)
+    check(*run_cases(world, cases), cases)
 
 
 # more families (experiments.third_party.MORE_SPECS: 26, with the first eight 34, encoders,
@@ -141,7 +154,7 @@ MORE = [(m, how, k) for m in MORE_SPECS for how in ("ddp", "fsdp", "megatron", "
 def test_more_families_match_eager_under_plans_that_split(part):
     names = list(MORE_SPECS)[part::3]
     cases = [c for c in MORE if c[0] in names]
-    check(run_cases(2, cases), cases)
+    check(*run_cases(2, cases), cases)
 
 
 # routed experts on a 2 x 2 mesh: data parallel across the machines and expert inside each
@@ -163,7 +176,7 @@ def test_routed_experts_on_a_2x2_mesh_match_eager():
         for rank, result in enumerate(local_step(model, graph, strategy, 4, k, name,
                                                  batch(name), buffers_out=True)):
             out[rank][case] = result
-    check(out, MESH_MOE)
+    check(out, references(MESH_MOE), MESH_MOE)
 
 
 def test_more_families_plans_split_their_ops():
