@@ -351,6 +351,6 @@ def test_recomputed_joins_match_single_device():
     """Mixtral with every layer recomputed, its experts' half once per step after the join of the
     micro-batches, equals single-device eager training on 2 gloo ranks (loss, every gradient)."""
     from conftest import run_ranks
-    from test_third_party import check
+    from test_third_party import check, references
     cases = [("mixtral", "fsdp+recompute", 2), ("mixtral", "expert+selective", 2)]
-    check(run_ranks(2, mixtral_grads, cases), cases)
+    check(run_ranks(2, mixtral_grads, cases), references(cases), cases)
