@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny models captured once, and a runner for functions on N gloo ranks."""
+"""Shared fixtures: tiny models captured once, and runners for functions on N gloo ranks and
+for work in worker processes beside them."""
 from __future__ import annotations
 
 import faulthandler

@@ -432,7 +432,7 @@ def cube_strategy(graph, name: str, world: int, k: int):
 def test_3d_mesh_plans_match_single_device():
     """2 x 2 x 2 ranks: fixed and searched plans on a 3-D mesh, Duplex on and off, equal
     single-device training; the first two on gloo ranks, traced (their collectives in groups
-    along one axis and along two), the others on threads (local_grads)."""
+    along one axis and along two), the others on threads (local_grads, in worker processes)."""
     results = split_run(8, CUBE_CASES, cube_strategy, True, CUBE_CASES[:2])
     assert len(results[0]) == len(CUBE_CASES), results[0].keys()
     assert_equal_to_one_device(results, 8, CUBE_CASES)
