@@ -6,10 +6,12 @@ import contextlib
 import csv
 import io
 import json
+import os
 import re
 
 import pytest
 
+from conftest import start_workers
 from experiments import paper, whatif
 
 
@@ -17,23 +19,33 @@ def _rows(path):
     return list(csv.DictReader(open(path)))
 
 
-@pytest.fixture(scope="module")
-def quick(tmp_path_factory):
-    """`python -m experiments.paper all --quick` once for the module: (folder, stdout)."""
-    out = tmp_path_factory.mktemp("paper")
+def _all_quick(out: str, cwd: str) -> tuple[int, str]:
+    """`python -m experiments.paper all --quick --out OUT`, run from `cwd` in this process: (exit
+    code, what it printed on stdout and stderr)."""
+    os.chdir(cwd)
     buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        code = paper.main(["all", "--quick", "--out", str(out)])
-    assert code == 0, buf.getvalue()[-3000:]
-    return out, buf.getvalue()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        code = paper.main(["all", "--quick", "--out", out])
+    return code, buf.getvalue()
 
 
-@pytest.mark.parametrize("name", list(paper.FIGURES))
-def test_every_figure_writes_its_csv_png_and_table(quick, name):
-    out, printed = quick
-    rows = _rows(out / f"{name}.csv")
-    assert rows and (out / f"{name}.png").stat().st_size > 5_000
-    assert f"wrote {out / name}.csv" in printed
+@pytest.fixture(scope="module", autouse=True)
+def started(tmp_path_factory):
+    """`experiments.paper all --quick` started in a worker process as the module starts, so that
+    the tests that do not read it (above `quick`'s first reader in this file) run meanwhile:
+    (folder, the worker)."""
+    out = tmp_path_factory.mktemp("paper")
+    with start_workers(_all_quick, [str(out)], os.getcwd()) as worker:
+        yield out, worker
+
+
+@pytest.fixture(scope="module")
+def quick(started):
+    """`python -m experiments.paper all --quick` once for the module: (folder, stdout)."""
+    out, worker = started
+    [(code, printed)] = worker.results()
+    assert code == 0, printed[-3000:]
+    return out, printed
 
 
 def test_table_prints_the_figures_table_alone_and_writes_nothing(tmp_path, capsys, monkeypatch):
@@ -61,59 +73,6 @@ def test_table_cells_are_plain_numbers():
 
     assert [cell(17320.4), cell(949.123), cell(1.5e-7), cell("ddp k=1"), cell(3)] == \
         ["17320", "949.1", "1.5e-07", "ddp k=1", "3"]
-
-
-def test_breakdown_is_what_the_simulated_timeline_shows(quick):
-    """The expert-parallel row of the one-machine breakdown, against its own simulated timeline:
-    computation is the compute stream's busy time, communication the collectives' summed time,
-    and the step holds its computation plus the communication left exposed."""
-    from experiments.paper_figures import OPTIMIZER, graph_of
-    from hidup.planning.profile_file import load_profile
-    from hidup.strategy import fixed_strategy
-    from hidup.program import lower
-    from simulator import simulate
-    from simulator.records import COMPUTE_STREAM
-
-    out, _ = quick
-    rows = _rows(out / "breakdown.csv")
-    assert {r["cluster"] for r in rows} == {"one machine", "two machines 100 Gbit/s",
-                                            "two machines 30 Gbit/s"}
-    row = next(r for r in rows if r["cluster"] == "one machine" and r["system"] == "expert")
-    graph = graph_of(row["model"], 8)
-    result = simulate(lower(graph, fixed_strategy("expert", graph, 8), 8, 1, optimizer=OPTIMIZER),
-                      load_profile("v100-8x8-10gbps"))
-    mine = result.records[0]
-    busy = sum(r.duration for r in mine if r.stream == COMPUTE_STREAM)
-    comm = sum(r.duration for r in mine if r.stream == result.comm_stream)
-    assert float(row["computation_s"]) == pytest.approx(busy, rel=1e-5)  # the CSV: 6 figures
-    assert float(row["communication_s"]) == pytest.approx(comm, rel=1e-5)
-    for r in rows:
-        comp, comm, share = (float(r[k]) for k in ("computation_s", "communication_s",
-                                                    "overlap_ratio"))
-        assert 0.0 <= share <= 1.0
-        assert float(r["wall_s"]) >= (comp + comm * (1 - share)) * (1 - 1e-5), r
-
-
-def test_robustness_and_search_time_rows(quick):
-    out, _ = quick
-    rows = _rows(out / "robustness.csv")
-    assert [r["error"] for r in rows] == ["20% random noise", "80% random noise",
-                                          "-50% communication", "+100% communication"]
-    for r in rows:  # relative to the right profile's plan: about 1 or worse, never far better
-        assert 0.95 < float(r["mean_relative_time"]) <= float(r["max_relative_time"]) + 1e-9
-    times = _rows(out / "search-time.csv")
-    assert {(r["layers"], r["gpus"]) for r in times} == {("2", "4"), ("2", "16"), ("4", "4"),
-                                                         ("4", "16")}
-    assert all(float(r["seconds"]) > 0 for r in times)
-
-
-def test_convergence_curves_agree(quick):
-    out, printed = quick
-    rows = _rows(out / "convergence.csv")
-    assert len(rows) == 20
-    for r in rows:  # same seed and data order: equal up to float rounding
-        assert abs(float(r["difference"])) < 1e-4, r
-    assert "largest |loss difference|" in printed
 
 
 def test_bad_flags_stop_with_one_line(capsys):
@@ -202,3 +161,65 @@ def test_llama_table_sets_the_published_rows_beside_the_predictions(tmp_path, ca
     assert "| eager | 5,762 | 82.4 | none |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         llama_table.main(["--gpus", "12"])
+
+
+# the readers of `quick`, last: the tests above run while it is made
+@pytest.mark.parametrize("name", list(paper.FIGURES))
+def test_every_figure_writes_its_csv_png_and_table(quick, name):
+    out, printed = quick
+    rows = _rows(out / f"{name}.csv")
+    assert rows and (out / f"{name}.png").stat().st_size > 5_000
+    assert f"wrote {out / name}.csv" in printed
+
+
+def test_breakdown_is_what_the_simulated_timeline_shows(quick):
+    """The expert-parallel row of the one-machine breakdown, against its own simulated timeline:
+    computation is the compute stream's busy time, communication the collectives' summed time,
+    and the step holds its computation plus the communication left exposed."""
+    from experiments.paper_figures import OPTIMIZER, graph_of
+    from hidup.planning.profile_file import load_profile
+    from hidup.strategy import fixed_strategy
+    from hidup.program import lower
+    from simulator import simulate
+    from simulator.records import COMPUTE_STREAM
+
+    out, _ = quick
+    rows = _rows(out / "breakdown.csv")
+    assert {r["cluster"] for r in rows} == {"one machine", "two machines 100 Gbit/s",
+                                            "two machines 30 Gbit/s"}
+    row = next(r for r in rows if r["cluster"] == "one machine" and r["system"] == "expert")
+    graph = graph_of(row["model"], 8)
+    result = simulate(lower(graph, fixed_strategy("expert", graph, 8), 8, 1, optimizer=OPTIMIZER),
+                      load_profile("v100-8x8-10gbps"))
+    mine = result.records[0]
+    busy = sum(r.duration for r in mine if r.stream == COMPUTE_STREAM)
+    comm = sum(r.duration for r in mine if r.stream == result.comm_stream)
+    assert float(row["computation_s"]) == pytest.approx(busy, rel=1e-5)  # the CSV: 6 figures
+    assert float(row["communication_s"]) == pytest.approx(comm, rel=1e-5)
+    for r in rows:
+        comp, comm, share = (float(r[k]) for k in ("computation_s", "communication_s",
+                                                    "overlap_ratio"))
+        assert 0.0 <= share <= 1.0
+        assert float(r["wall_s"]) >= (comp + comm * (1 - share)) * (1 - 1e-5), r
+
+
+def test_robustness_and_search_time_rows(quick):
+    out, _ = quick
+    rows = _rows(out / "robustness.csv")
+    assert [r["error"] for r in rows] == ["20% random noise", "80% random noise",
+                                          "-50% communication", "+100% communication"]
+    for r in rows:  # relative to the right profile's plan: about 1 or worse, never far better
+        assert 0.95 < float(r["mean_relative_time"]) <= float(r["max_relative_time"]) + 1e-9
+    times = _rows(out / "search-time.csv")
+    assert {(r["layers"], r["gpus"]) for r in times} == {("2", "4"), ("2", "16"), ("4", "4"),
+                                                         ("4", "16")}
+    assert all(float(r["seconds"]) > 0 for r in times)
+
+
+def test_convergence_curves_agree(quick):
+    out, printed = quick
+    rows = _rows(out / "convergence.csv")
+    assert len(rows) == 20
+    for r in rows:  # same seed and data order: equal up to float rounding
+        assert abs(float(r["difference"])) < 1e-4, r
+    assert "largest |loss difference|" in printed
