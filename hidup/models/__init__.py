@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from hidup.graph.cache import cache_folder, code_digest, write_entry
 from hidup.graph.capture import CaptureError, Graph, capture
 from hidup.models import basic, bert, llama, switch_trace, vit
 from hidup.models.moe import capacity
@@ -149,35 +149,25 @@ def capture_model(spec: ModelSpec, batch: int) -> Graph:
         except Exception as exc:  # a cache written by another version, or cut short: capture
             log.info("capture cache %s unreadable (%s); capturing again", path, exc)
     graph = _capture(spec, batch)
-    if path is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_suffix(f".{os.getpid()}.tmp")
-            with open(partial, "wb") as f:
-                _GraphPickler(f).dump(graph)
-            os.replace(partial, path)
-        except (OSError, pickle.PicklingError, TypeError) as exc:
-            log.info("cannot cache the capture in %s (%s)", path, exc)
+    if path is not None and not write_entry(path, lambda f: _GraphPickler(f).dump(graph)):
+        log.info("cannot cache the capture in %s", path)
     return graph
 
 
 def _cache_path(spec: ModelSpec, batch: int) -> Path | None:
-    folder = os.environ.get("HIDUP_CACHE", str(Path.home() / ".cache" / "hidup"))
-    if folder == "off" or not spec.key:
+    folder = cache_folder("graphs")
+    if folder is None or not spec.key:
         return None
-    digest = hashlib.sha256(f"{spec.key} batch={batch} torch={torch.__version__} "
-                            f"code={_capture_code_digest()}".encode())
-    return Path(folder) / "graphs" / f"{spec.name.replace(':', '-')}-{digest.hexdigest()[:16]}.pkl"
+    digest = hashlib.sha256(f"{spec.key} batch={batch} code={_capture_code_digest()}".encode())
+    return folder / f"{spec.name.replace(':', '-')}-{digest.hexdigest()[:16]}.pkl"
 
 
 @functools.cache
 def _capture_code_digest() -> str:
-    """A digest of the code that makes a graph (the zoo, capture, FLOPs), read once a process."""
+    """A digest of the code that makes a graph (the zoo, capture, FLOPs) and of torch's
+    version, read once a process."""
     here, graph = Path(__file__).parent, Path(__file__).parent.parent / "graph"
-    digest = hashlib.sha256()
-    for source in sorted([*here.glob("*.py"), graph / "capture.py", graph / "flops.py"]):
-        digest.update(source.read_bytes())
-    return digest.hexdigest()
+    return code_digest([*here.glob("*.py"), graph / "capture.py", graph / "flops.py"])
 
 
 class _GraphPickler(pickle.Pickler):

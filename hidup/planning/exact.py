@@ -22,8 +22,6 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from hidup.graph.placement import Partial
 from hidup.strategy import Strategy, fitting_options
@@ -66,6 +64,11 @@ class _Model:
         self.rows.append((merged, lower, upper))
 
     def solve(self, time_limit: float):
+        # scipy's optimizer is imported here, where a proof is asked for (--exact): it takes
+        # a third of a second that every command planning without one would pay at start
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import coo_matrix
+
         r, c, v = [], [], []
         for i, (expr, _, _) in enumerate(self.rows):
             for j, a in expr.items():
