@@ -70,6 +70,23 @@ class FlatPartial(Partial):
     __repr__ = __str__
 
 
+def same(a: Placement | None, b: Placement | None) -> bool:
+    """a == b, fast: DTensor's placement types take microseconds to find that two of different
+    types differ (their C++ __eq__ fails to convert the other), so the types are compared first
+    (a flat placement is never equal to one over a machine, as its __eq__ says)."""
+    return a is b or type(a) is type(b) and a == b
+
+
+def is_r(p: Placement | None) -> bool:
+    """p == R (replicated over a machine's ranks; a flat R is not), fast."""
+    return type(p) is Replicate
+
+
+def is_whole(p: Placement | None) -> bool:
+    """plain(p) == R: replicated, over a machine's ranks or over every rank."""
+    return type(p) is Replicate or type(p) is FlatReplicate
+
+
 def is_flat(p: Placement) -> bool:
     """Is p a placement over every rank of a 2-D mesh? (By its exact type: DTensor's placement
     types answer isinstance through a slow metaclass hook, and the search asks this a lot.)"""
@@ -143,7 +160,7 @@ class ShardingOption:
         """Does this op make the gradient of an input it reads as `read` a Partial sum on each
         rank? It does where it reads the input replicated and makes a split or Partial output
         (a column-parallel matmul): each rank differentiates only its part."""
-        return read in (R, FLAT_R) and self.output not in (R, FLAT_R)
+        return is_whole(read) and not is_whole(self.output)
 
 
 def parse_option(text: str) -> ShardingOption:

@@ -21,7 +21,7 @@ from hidup.graph import ops
 from hidup.graph.capture import Graph
 from hidup.graph.flops import backward_flops, forward_flops
 from hidup.graph.placement import (Partial, Placement, R, Replicate, Shard, flat, is_flat,
-                                   plain, plain_option)
+                                   is_r, is_whole, plain_option, same)
 from hidup.graph.saved import backward_saves
 from hidup.graph.ops.gating import exchanges
 from hidup.graph.tokens import TOKENS
@@ -61,7 +61,7 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
         self.mbs_split = microbatch_split(graph, k, dp=self.dp_parts)
         self.parts = k * self.dp_parts
         self.joins: bool = self.parts > 1 and any(  # an op reads micro-batches joined or sliced
-            q != self.mbs_split.home(t) for n in graph.ops
+            not same(q, self.mbs_split.home(t)) for n in graph.ops
             for t, q in zip(n.inputs, self.mbs_split.options[n.name].inputs))
         if self.joins and self.dp_parts > 1:
             raise LoweringError(f"{model or 'the model'}: some op needs the whole batch "
@@ -132,13 +132,13 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
                 continue
             self._conversion_kinds(node.name)
             for t, p in zip(node.inputs, s.options[node.name].inputs):
-                if t in self.has_grad and plain(p) == R:
+                if t in self.has_grad and is_whole(p):
                     kind = "P" if s.options[node.name].partial_gradient(p) else "R"
                     self.r_kinds.setdefault(t, set()).add(kind)
         for p in g.params:
             self._conversion_kinds(p.name)
         self.reduced_at = {t for t in self.has_grad if g.node(t).kind == "op"
-                           and plain(self.home(t)) == R and "P" in self.r_kinds.get(t, ())}
+                           and is_whole(self.home(t)) and "P" in self.r_kinds.get(t, ())}
         self.expected: dict[str, int] = {}
         mb_reads = set()  # (t, p, q) read joined or sliced: its backward adds to t's gradient
         for node in g.ops:
@@ -153,7 +153,7 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
                     if self.mb_converted(t, q):
                         mb_reads.add((t, p, q))
         for t, p, q in mb_reads:  # a join's gradient goes to each micro-batch; a slice's
-            for m in (range(self.k) if q == R else [None]):  # gradients, gathered, to the whole
+            for m in (range(self.k) if is_r(q) else [None]):  # gradients, gathered, to the whole
                 key = gkey(t, p, m)
                 self.expected[key] = self.expected.get(key, 0) + 1
         for t in self.has_grad:  # each conversion a differentiated op reads adds once, in its
@@ -163,7 +163,7 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
                     self.expected[key] = self.expected.get(key, 0) + 1
 
     def _conversion_kinds(self, t: str) -> None:
-        if plain(self.home(t)) == R and self.converted(t):
+        if is_whole(self.home(t)) and self.converted(t):
             self.r_kinds.setdefault(t, set()).add("R")  # a slice's gradient is all-gathered
 
     def out_grad(self, t: str, m: int | None) -> str:
@@ -187,7 +187,7 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
         if key not in self._converted:
             home = self.home(t)
             self._converted[key] = tuple(dict.fromkeys(
-                p for node, _, p in self.uses[t] if p != home and (
+                p for node, _, p in self.uses[t] if not same(p, home) and (
                     not differentiated or node is not None and node.name in self.has_grad)))
         return self._converted[key]
 
@@ -234,7 +234,7 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
         where given), but `skip`."""
         made: set[str] = set()
         for p in self.converted(t):
-            if p != skip and (only is None or p in only):
+            if not same(p, skip) and (only is None or any(same(p, o) for o in only)):
                 self.emit_steps(t, self.steps(t, self.home(t), p), phase, m, made)
 
     def in_keys(self, node, m) -> list[str]:
@@ -411,7 +411,7 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
         self.wait_for(grad_in)
         self.gather_for(node.inputs, "bwd")
         fwd_keys = tuple(  # what the forward read: a parameter resharded after it, gathered again
-            self.gathered_key(t, "bwd") if t in self.regather and p == self.whole(t) else key
+            self.gathered_key(t, "bwd") if t in self.regather and same(p, self.whole(t)) else key
             for t, p, key in zip(node.inputs, opt.inputs, self.in_keys(node, m)))
         for t, key in zip(node.inputs, fwd_keys):  # read now, not as the forward saved them:
             if t in self.regather or node.name in self.again:  # wait for what made them again
@@ -424,7 +424,7 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
             key = "d" + self.read_key(t, p, q, m)
             outs.append(key)
             done.append((t, p, q, m))
-            if plain(p) == R and not opt.partial_gradient(p) and plain(self.gplace(t, p)) != R:
+            if is_whole(p) and not opt.partial_gradient(p) and not is_whole(self.gplace(t, p)):
                 #   a whole
                 #   contribution to a Partial sum: one rank adds it
                 root.append(key)
@@ -449,7 +449,7 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
         if self.expected[key]:
             return
         home = self.home(t)
-        if p != home:
+        if not same(p, home):
             self.grad_conversion(t, p, home, m)
         elif self.g.node(t).kind == "param":
             self.param_grad(t, home)

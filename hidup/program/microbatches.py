@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from hidup.graph.placement import Placement, R, Shard
+from hidup.graph.placement import Placement, R, Shard, is_r, same
 from hidup.program.tasks import Convert, LoweringError, gkey, vkey
 
 
@@ -26,18 +26,18 @@ class MicroBatches:
     # -- micro-batches joined and sliced --------------------------------------------------------
     def joined(self, t: str, q: Placement) -> bool:
         """Is t read whole (q = R) where its micro-batches hold parts or partial sums of it?"""
-        return self.joins and q == R and self.mbs_split.home(t) != R
+        return self.joins and is_r(q) and not is_r(self.mbs_split.home(t))
 
     def mb_converted(self, t: str, q: Placement) -> bool:
         """Is t read split over micro-batches as q, other than it is held (a join or a slice)?"""
-        return self.joins and q != self.mbs_split.home(t)
+        return self.joins and not same(q, self.mbs_split.home(t))
 
     def read_key(self, t: str, p: Placement, q: Placement, m: int | None) -> str:
         """The key of tensor t's value at rank placement p, split over micro-batches as q, that
         micro-batch m reads: as held, or joined (one per step) or sliced (per micro-batch)."""
         if not self.mb_converted(t, q):
             return vkey(t, p, self.in_mb(t, m))
-        return f"{vkey(t, p, None if q == R else m)}~{q}"
+        return f"{vkey(t, p, None if is_r(q) else m)}~{q}"
 
     def sources(self, t: str, p: Placement, q: Placement, m: int | None) -> tuple[str, ...]:
         """The keys read_key(t, p, q, m) is made from: every micro-batch's part for a join, the
@@ -55,21 +55,21 @@ class MicroBatches:
         key, h = self.read_key(t, p, q, m), self.mbs_split.home(t)
         if key in self.written:
             return
-        if q != R and t not in self.once:
+        if not is_r(q) and t not in self.once:
             raise LoweringError(f"tensor {t}: sliced over micro-batches ({q}) from a value "
                                 f"each micro-batch holds ({h}); not supported")
         ins = self.sources(t, p, q, m)
         for key_in in ins:
             self.wait_for(key_in)
-        kind = "mb_slice" if q != R else "mb_gather" if isinstance(h, Shard) else "mb_sum"
-        self.emit_local(kind, t, p, h, q, "fwd", None if q == R else m, ins, key,
+        kind = "mb_slice" if not is_r(q) else "mb_gather" if isinstance(h, Shard) else "mb_sum"
+        self.emit_local(kind, t, p, h, q, "fwd", None if is_r(q) else m, ins, key,
                         self.shape(t, p))
 
     def blocks(self, t: str, p: Placement, split: Placement) -> int:
         """The rank blocks a micro-batch's part of t holds along the dim they split (`split`):
         one where p splits that dim over the ranks (the part is in this rank's block), else one
         per rank. Each must divide evenly."""
-        if not isinstance(split, Shard) or p == split or self.world == 1:
+        if not isinstance(split, Shard) or same(p, split) or self.world == 1:
             return 1
         size = self.shape(t, p, split)[split.dim]
         if size % self.world:
@@ -136,7 +136,7 @@ class MicroBatches:
         if self.expected[key]:
             return
         h = self.mbs_split.home(t)
-        if q == R:
+        if is_r(q):
             for mm in range(self.k):
                 self.emit_local("mb_slice" if isinstance(h, Shard) else "alias", t, p, q, h,
                                 "bwd", mm, (key,), gkey(t, p, mm), self.shape(t, p, R))
@@ -155,4 +155,4 @@ class MicroBatches:
         parts = len(ins) if kind == "mb_gather" else 1
         self.add(Convert(len(self.tasks), kind, t, src, dst, phase, m, shape,
                          math.prod(shape) * self.g.node(t).out.itemsize * parts, (), ins,
-                         (out,), blocks=self.blocks(t, p, src if dst == R else dst)))
+                         (out,), blocks=self.blocks(t, p, src if is_r(dst) else dst)))

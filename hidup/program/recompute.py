@@ -16,7 +16,7 @@ import torch
 
 from hidup.graph import ops
 from hidup.graph.capture import Node
-from hidup.graph.placement import plain_option
+from hidup.graph.placement import plain_option, same
 from hidup.graph.saved import backward_reads
 from hidup.program.tasks import Compute, vkey
 
@@ -103,7 +103,7 @@ class Recomputation:
     def recompute_node(self, node: Node, m: int | None, layer: str) -> None:
         opt = self.s.options[node.name]
         self.gather_for(node.inputs, "bwd")
-        keys = tuple(self.gathered_key(t, "bwd") if t in self.regather and p == self.whole(t)
+        keys = tuple(self.gathered_key(t, "bwd") if t in self.regather and same(p, self.whole(t))
                      else key
                      for t, p, key in zip(node.inputs, opt.inputs, self.in_keys(node, m)))
         for key in keys:

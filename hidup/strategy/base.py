@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from hidup.graph import ops
 from hidup.graph.capture import Graph, Node
-from hidup.graph.placement import R, Partial, Placement, Replicate, Shard, ShardingOption
+from hidup.graph.placement import (R, Partial, Placement, Replicate, Shard, ShardingOption, is_r,
+                                   same)
 from hidup.strategy.mesh import Mesh, dp_axes
 
 
@@ -94,7 +95,8 @@ class Strategy:
     @property
     def split_ops(self) -> int:
         """How many op nodes run on a part of some tensor (not all of it whole)."""
-        return sum(any(p != R for p in (*o.inputs, o.output)) for o in self.options.values())
+        return sum(any(not is_r(p) for p in (*o.inputs, o.output))
+                   for o in self.options.values())
 
     def home(self, name: str) -> Placement:
         """Where a tensor lives after it is produced (before any conversion for a consumer)."""
@@ -114,7 +116,7 @@ class Strategy:
 
 def conversion(src: Placement, dst: Placement) -> str | None:
     """The collective (or local op) that turns `src` into `dst`; None when they are equal."""
-    if src == dst:
+    if same(src, dst):
         return None
     if isinstance(dst, Replicate):
         return "all_gather" if isinstance(src, Shard) else "all_reduce"
@@ -201,7 +203,7 @@ def _split_origins(graph, node: Node, placements, choices) -> set[str]:
     found, todo, seen = set(), list(node.inputs), set()
     while todo:
         t = todo.pop()
-        if t in seen or t not in choices or choices[t].output == R:
+        if t in seen or t not in choices or is_r(choices[t].output):
             continue
         seen.add(t)
         producer = graph.node(t)
@@ -213,8 +215,9 @@ def _split_origins(graph, node: Node, placements, choices) -> set[str]:
 
 def _splits_whole(graph, node: Node, opt: ShardingOption, placements, choices) -> bool:
     """Does the option split a tensor made only of whole (replicated) ones?"""
-    return opt.output != R and all(
-        placed(t, placements, choices) in (R, None) for t in node.inputs)
+    return not is_r(opt.output) and all(
+        is_r(placed(t, placements, choices)) or placed(t, placements, choices) is None
+        for t in node.inputs)
 
 
 def placed(t: str, placements, choices) -> Placement | None:
@@ -229,13 +232,14 @@ def _score(graph, node: Node, opt: ShardingOption, placements, choices, world, s
     for t, want in zip(node.inputs, opt.inputs):
         src = placed(t, placements, choices)
         if src is None:  # an unplaced parameter goes where this consumer wants it
-            if not shard_params and want != R or isinstance(want, Partial):
+            if not shard_params and not is_r(want) or isinstance(want, Partial):
                 return (math.inf,)
-            n_split += want != R
+            n_split += not is_r(want)
             continue
-        kind = conversion(src, want) if not isinstance(want, Partial) or src == want else "bad"
+        kind = conversion(src, want) if not isinstance(want, Partial) or same(src, want) \
+            else "bad"
         if kind == "bad" or (kind is not None and allowed is not None and kind not in allowed):
             return (math.inf,)
         comm += conversion_cost(src, want, graph.node(t).out.nbytes, world)
         n_conv += kind is not None
-    return (comm, n_conv, -n_split, opt.output == R)
+    return (comm, n_conv, -n_split, is_r(opt.output))
