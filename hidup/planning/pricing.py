@@ -27,7 +27,7 @@ from hidup.graph.capture import Node
 from hidup.graph.flops import backward_flops, forward_flops
 from hidup.graph.ops.gating import exchanges
 from hidup.graph.placement import Placement, R, Replicate, Shard, ShardingOption, flat, \
-    is_flat, plain, plain_option
+    is_flat, is_r, is_whole, plain, plain_option, same
 from hidup.strategy import conversion
 from hidup.program.scopes import crossing
 from hidup.program.tasks import LoweringError
@@ -73,14 +73,14 @@ class Pricing:
                 raise LoweringError(f"tensor {t} is not split over the batch: it cannot pass "
                                     f"between a machine's placements and flat ones")
             return sum(self._conversion_cost(t, a, b) for a, b in crossing(c, src, dst)
-                       if plain(a) != plain(b))  # (the alias between the scopes is free)
+                       if not same(plain(a), plain(b)))  # (the alias between the scopes is free)
         kind = conversion(src, dst)
         if kind is None:
             return 0.0
         size = max(self.nbytes(t, src), self.nbytes(t, dst))
         # the dual of a conversion to R runs only where the gradient comes back as a Partial
         # sum: partial_grad_cost charges it then
-        return self._collectives(kind, size, t in self.grads and plain(dst) != R,
+        return self._collectives(kind, size, t in self.grads and not is_whole(dst),
                                  self.per_mb(t), is_flat(dst))
 
     def partial_grad_cost(self, t: str, home: Placement) -> float:
@@ -92,7 +92,7 @@ class Pricing:
         if key not in self._converts:
             whole = flat(R) if is_flat(home) else R
             size = max(self.nbytes(t, home), self.nbytes(t, whole))
-            kind = "all_reduce" if home == whole else _DUAL[conversion(home, whole)]
+            kind = "all_reduce" if same(home, whole) else _DUAL[conversion(home, whole)]
             if self.objective == "comm":
                 cost = float(size)
             else:
@@ -153,7 +153,7 @@ class Pricing:
             sum(self.scope_time(kind, b, is_flat(opt.output))
                 for backward in (False, True)
                 for kind, b in ops.inner_collectives(node, plain_option(opt), tuple(ins), backward))
-        if self.mbs.home(node.name) == R:
+        if is_r(self.mbs.home(node.name)):
             compute /= self.k  # runs once per step
         grads = 0.0
         memory, update, numel = math.prod(out) * node.out.itemsize * self.k * \
@@ -169,7 +169,7 @@ class Pricing:
                     grads += self.reduction(size, self.column, self.columns)  # summed across
                 if self.first[t] == self.position[node.name]:  # its home: where it lives
                     held = (2 + self.optimizer.states) * size  # parameter, gradient, state
-                    if p == R and self.world > 1:  # or stored sharded (the ranking's +sharded
+                    if is_r(p) and self.world > 1:  # or stored sharded (the ranking's +sharded
                         #   variant): a shard of each, and the weight gathered for use
                         held = min(held, size + held / self.world)
                     memory += held

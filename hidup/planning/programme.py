@@ -31,7 +31,7 @@ from hidup.cli.progress import progress
 from hidup.graph.capture import Graph, Node
 from hidup.graph.repeats import Cut
 from hidup.graph.placement import (Partial, Placement, R, Shard, ShardingOption, flat_option,
-                                   is_flat)
+                                   is_flat, same)
 from hidup.planning.beam import Beam, _Label
 from hidup.planning.costs import Profile
 from hidup.planning.pricing import Pricing, _NodeCost, _scaled
@@ -297,11 +297,11 @@ class Search(Pricing, Beam):
                 made = _NOTHING
             else:
                 return None
-            if isinstance(want, Partial) and home != want:
+            if isinstance(want, Partial) and not same(home, want):
                 return None
             if is_flat(want) != is_flat(home) and not isinstance(self.mbs.home(t), Shard):
                 return None  # only a tensor split over the batch passes between the scopes
-            if want != home and want not in made:
+            if not same(want, home) and want not in made:
                 if duplex:
                     try:
                         comm += self.conversion_cost(t, home, want)
