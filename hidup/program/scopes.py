@@ -5,7 +5,7 @@ values under both), and gradients back to their home the same way."""
 from __future__ import annotations
 
 from hidup.graph.placement import (Partial, Placement, R, Shard, flat, is_flat, option_is_flat,
-                                   plain)
+                                   plain, same)
 from hidup.strategy import conversion
 from hidup.program.tasks import LoweringError, gkey, vkey
 
@@ -25,7 +25,7 @@ def crossing(c: Placement, src: Placement, dst: Placement) -> list[tuple]:
 def step_kind(src: Placement, dst: Placement) -> str:
     """What one of crossing's steps runs: an alias where src and dst are the same placement
     (or the same in the two scopes), else their conversion."""
-    return "alias" if plain(src) == plain(dst) else conversion(src, dst)
+    return "alias" if same(plain(src), plain(dst)) else conversion(src, dst)
 
 
 class Scopes:
