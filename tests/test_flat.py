@@ -48,6 +48,18 @@ def test_flat_placements_are_dtensor_types_never_equal_to_a_machines():
     assert all(map(is_flat, opt.inputs)) and str(opt) == "(S(0)@all, S(1)@all) -> S(1)@all"
 
 
+def test_the_fast_comparisons_answer_as_equality_does():
+    """placement.same, is_r and is_whole (the lowering's and the search's comparisons, types
+    first) against `==` on every pair of plain and flat placements, and None."""
+    from hidup.graph.placement import Partial, Replicate, is_r, is_whole, same
+    every = [Shard(0), Shard(1), Shard(0), R, Replicate(), P, Partial(), FlatShard(0),
+             FlatShard(1), FLAT_R, FlatPartial(), None]
+    for a in every:
+        assert is_r(a) == (a == R) and is_whole(a) == (a is not None and plain(a) == R)
+        for b in every:
+            assert same(a, b) == (a == b), (a, b)
+
+
 def test_tp_ep_runs_experts_over_every_rank_and_the_rest_inside_machines(moe):
     strategy = fixed_strategy("tp+ep", moe, 4, TWO)
     flat_ops = [n for n, o in strategy.options.items() if is_flat(o.output)]
