@@ -5,6 +5,7 @@ training is in test_equivalence.py."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -305,3 +306,49 @@ def test_the_groups_along_any_axes_are_the_ranks_differing_only_there():
     big = Mesh((12500, 8))
     assert big.groups("gpus") is big.groups(("gpus",))  # made once
     assert len(big.groups("machines")) == 8 and big.groups("machines")[1][:2] == (1, 9)
+
+
+@pytest.mark.parametrize("name, mesh", [("fsdp+tp", (2, 2)), ("hsdp+tp", (2, 2, 2)),
+                                        ("tp+ep", (2, 2)), ("turned fsdp+tp", (2, 2)),
+                                        ("fsdp", (4,))])
+def test_a_parameters_storage_is_one_dtensor_placement_per_axis(name, mesh):
+    """Strategy.storage: a parameter's stored placement on each mesh axis, and each rank's
+    piece of it (hidup.runtime.layout.piece, what the executor holds and checkpoints write) is
+    DTensor's local shard of those placements at that rank's coordinate, on 2-D meshes (FSDP
+    across the machines with tensor parallelism inside, the turned mesh, experts over every
+    GPU) and 3-D (hybrid sharding over the middle axis)."""
+    import torch
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    from hidup.runtime.layout import piece, whole_shape
+
+    spec = get_model("bert-sgmoe:tiny" if name == "tp+ep" else "gpt:tiny", gpus=math.prod(mesh))
+    graph = capture_model(spec, spec.batch)
+    grid = Mesh.grid(*mesh) if len(mesh) > 1 else Mesh.line(mesh[0])
+    strategy = fixed_strategy(name.split()[-1], graph, grid.world, grid if len(mesh) > 1 else None)
+    if name.startswith("turned"):
+        strategy = turn(strategy)
+        grid = strategy.mesh
+    kinds = set()
+    for param in graph.params:
+        placements = strategy.storage(param.name, grid.world)
+        assert len(placements) == len(grid.names)
+        kinds.add(tuple(map(str, placements)))
+        full = torch.arange(param.out.numel).reshape(param.out.shape)
+        for rank in range(grid.world):
+            shape, offset = _compute_local_shape_and_global_offset(
+                full.shape, grid.shape, list(grid.coords(rank)), placements)
+            index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+            mine = piece(full, placements, grid, rank)
+            assert torch.equal(mine, full[index]), (param.name, placements, rank)
+            assert whole_shape(mine.shape, placements, grid) == tuple(full.shape)
+    # stored sharded across on a dim of its piece that the split axis does not split already
+    # (a column-split weight S(0) inside: S(1) across), or kept whole there (R); on the turned
+    # mesh the split axis is the machines, the storage's the GPUs
+    pairs = {("S(0)", "R"), ("S(1)", "S(0)"), ("S(0)", "S(1)"), ("R", "S(0)"), ("R", "R")}
+    expected = {"fsdp+tp": pairs, "turned fsdp+tp": pairs,
+                "hsdp+tp": {("R",) + pair for pair in pairs},  # replicated across the machines
+                # the experts over every GPU, Megatron's weights split inside, replicated across
+                "tp+ep": {("S(0)", "S(0)"), ("R", "S(0)"), ("R", "S(1)"), ("R", "R")},
+                "fsdp": {("S(0)",)}}[name]  # every dim 0 of gpt:tiny divides by 4
+    assert kinds == expected, kinds

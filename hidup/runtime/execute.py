@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from hidup.graph.capture import Graph
-from hidup.graph.placement import Partial, Placement, Shard, is_flat, plain
+from hidup.graph.placement import Partial, Placement, Shard
 from hidup.strategy import Mesh, Strategy
 from hidup.program.tasks import MODES, Program, task_label
 from hidup.runtime.passes import inductor_segments, with_hooks
@@ -122,25 +122,16 @@ class Executor:
         """The learning rate of the next steps (a tensor the step reads: nothing is retraced)."""
         self.lr.fill_(float(lr))
 
-    @property
-    def row_group(self):
-        """The process group of this rank's row on a mesh (the world on a 1-D one): the ranks a
-        parameter's shards are split over."""
-        if self.p.mesh is None:
-            return None
-        return axes_group(self.device, self.p.mesh, self.p.split_axes)
-
     def full(self, node: str, local: torch.Tensor) -> torch.Tensor:
         """Parameter `node`'s whole tensor from this rank's shard `local` (or its gradient's),
-        gathered over the ranks that hold its pieces (for checks, outside the timed step)."""
-        if node in self.s.across and self.p.mesh:  # this row's piece first
-            axes = self.s.across_axes
-            local = full_tensor(local, Shard(self.s.across[node]), self.p.mesh.size(axes),
-                                axes_group(self.device, self.p.mesh, axes))
-        home = self.s.home(node)
-        if is_flat(home):  # over every rank
-            return full_tensor(local, plain(home), self.p.world)
-        return full_tensor(local, home, self.per_machine, self.row_group)
+        gathered axis by axis, the innermost first, along the axes its storage placements
+        split (Strategy.storage; for checks, outside the timed step)."""
+        mesh = self.p.grid
+        for axis, placement in reversed(list(zip(mesh.names, self.s.storage(node, self.p.world)))):
+            if mesh.size(axis) > 1:
+                group = None if len(mesh.names) == 1 else axes_group(self.device, mesh, (axis,))
+                local = full_tensor(local, placement, mesh.size(axis), group)
+        return local
 
 
 _MESHES: dict = {}

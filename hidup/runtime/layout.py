@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from hidup.graph.placement import Placement, Shard, is_flat, plain
+from hidup.graph.placement import Placement, Shard
 from hidup.strategy import Mesh
 
 
@@ -25,21 +25,32 @@ def shard_of(full: torch.Tensor, placement: Placement, mb_placement: Placement, 
 
 def param_shard(full: torch.Tensor, strategy, node: str, rank: int, per_machine: int
                 ) -> torch.Tensor:
-    """World rank `rank`'s stored shard of parameter `node` (whole: `full`): its row's piece (the
-    strategy's home over a row's `per_machine` ranks), and where the strategy stores it over the
-    mesh's dp axis too, its part's share of that piece; a flat home is
-    over every rank."""
+    """World rank `rank`'s stored shard of parameter `node` (whole: `full`): its piece of the
+    parameter's storage placements (Strategy.storage, one per mesh axis), on a mesh of
+    `per_machine` ranks per row."""
     world = per_machine * strategy.parts
-    home = strategy.home(node)
-    if is_flat(home):  # over every rank
-        return shard_of(full, plain(home), None, 1, None, rank, world).contiguous()
-    mesh = strategy.mesh or Mesh.line(world)
-    x = shard_of(full, strategy.home(node), None, 1, None, mesh.position(rank, strategy.dp)[1],
-                 per_machine)
-    if node in strategy.across and strategy.mesh:  # its place along the storage's axes
-        axes = strategy.across_axes
-        x = x.chunk(mesh.size(axes), dim=strategy.across[node])[mesh.index(rank, axes)]
+    return piece(full, strategy.storage(node, world), strategy.mesh or Mesh.line(world), rank)
+
+
+def piece(full: torch.Tensor, placements, mesh: Mesh, rank: int) -> torch.Tensor:
+    """Rank `rank`'s piece of a whole tensor placed as `placements` (one per axis of `mesh`),
+    as DTensor places it: split along each axis in the mesh's order, the rank's coordinate on
+    that axis choosing its chunk (a dim split on two axes: the outer axis' chunks split again by
+    the inner one's)."""
+    x = full
+    for axis, p, coord in zip(mesh.names, placements, mesh.coords(rank)):
+        if isinstance(p, Shard) and mesh.size(axis) > 1:
+            x = x.chunk(mesh.size(axis), dim=p.dim)[coord]
     return x.contiguous()
+
+
+def whole_shape(shape, placements, mesh: Mesh) -> tuple[int, ...]:
+    """The whole tensor's shape of which a piece of `shape` is placed as `placements`."""
+    out = list(shape)
+    for axis, p in zip(mesh.names, placements):
+        if isinstance(p, Shard):
+            out[p.dim] *= mesh.size(axis)
+    return tuple(out)
 
 
 def mb_part(whole: torch.Tensor, dim: int, k: int, mb: int, blocks: int) -> torch.Tensor:

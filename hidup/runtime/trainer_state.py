@@ -12,9 +12,8 @@ from pathlib import Path
 
 import torch
 
-from hidup.graph.placement import R, Shard, is_flat, plain
 from hidup.runtime.execute import device_mesh
-from hidup.runtime.layout import param_shard
+from hidup.runtime.layout import param_shard, whole_shape
 
 
 class TrainerState:
@@ -148,14 +147,7 @@ class TrainerState:
                                f"build at once, or run one step first")
 
     def _full_shape(self, node: str, local: torch.Tensor) -> tuple[int, ...]:
-        shape = list(local.shape)
-        home = self.strategy.home(node)
-        if isinstance(home, Shard) and self.world > 1:  # split over a machine's ranks, or
-            shape[home.dim] *= self.world if is_flat(home) else self.executor.per_machine  # all
-        if node in self.strategy.across and self.program.mesh:  # and over the storage's axes
-            shape[self.strategy.across[node]] *= self.program.mesh.size(
-                self.strategy.across_axes)
-        return tuple(shape)
+        return whole_shape(local.shape, self._placements(node), self.program.grid)
 
     def _distributed(self, node: str, local: torch.Tensor):
         """A rank's shard as a DTensor over the world in the parameter's placement."""
@@ -171,19 +163,8 @@ class TrainerState:
 
     def _placements(self, node: str) -> list:
         """The DTensor placements of a parameter (and its optimizer states) in this plan, one
-        per mesh axis: on a dp axis replicated or stored sharded there."""
-        inside, names = self._placement(node), self.program.grid.names
-        if is_flat(self.strategy.home(node)):  # over every rank: DTensor's [S(d), S(d)]
-            return [inside] * len(names)
-        across = self.strategy.across.get(node)
-        stored = R if across is None else Shard(across)
-        return [inside if name not in self.program.dp else stored
-                if name in self.strategy.across_axes else R for name in names]
-
-    def _placement(self, node: str):
-        """The DTensor placement of a parameter (and its optimizer states) inside a machine."""
-        home = self.strategy.home(node)
-        return plain(home) if isinstance(home, Shard) and self.world > 1 else R
+        per mesh axis: its storage (Strategy.storage)."""
+        return list(self.strategy.storage(node, self.world))
 
     def _names_of_shards(self) -> dict[int, str]:
         return {id(t): n for n, t in self.executor.params.items()}

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from hidup.graph import ops
 from hidup.graph.capture import Graph, Node
-from hidup.graph.placement import (R, Partial, Placement, Replicate, Shard, ShardingOption, is_r,
-                                   same)
+from hidup.graph.placement import (R, Partial, Placement, Replicate, Shard, ShardingOption,
+                                   is_flat, is_r, plain, same)
 from hidup.strategy.mesh import Mesh, dp_axes
 
 
@@ -97,6 +97,22 @@ class Strategy:
         """How many op nodes run on a part of some tensor (not all of it whole)."""
         return sum(any(not is_r(p) for p in (*o.inputs, o.output))
                    for o in self.options.values())
+
+    def storage(self, name: str, world: int) -> tuple[Placement, ...]:
+        """Where parameter `name` is stored on a rank: one DTensor placement per axis of the
+        plan's mesh (the 1-D mesh of `world` ranks where it has none), as DTensor places its
+        shards: a flat home on every axis ([S(d), S(d)]); else its home on the split axis and,
+        on a dp axis, Shard(d) where it is stored sharded over that axis too (`across`), else
+        Replicate."""
+        home = self.home(name)
+        if self.mesh is None:
+            return (home,)
+        if is_flat(home):
+            return (plain(home),) * len(self.mesh.names)
+        split, across = self.split_axis, self.across.get(name)
+        return tuple(home if axis == split else Shard(across)
+                     if across is not None and axis in self.across_axes else R
+                     for axis in self.mesh.names)
 
     def home(self, name: str) -> Placement:
         """Where a tensor lives after it is produced (before any conversion for a consumer)."""
