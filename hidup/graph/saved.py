@@ -74,16 +74,12 @@ def backward_saves(graph: Graph, node: Node) -> Saves:
         key = node.op, repr(node.args), repr(node.kwargs), node.out_index, \
             tuple((m.shape, m.dtype) for m in metas), dtypes, grads, autocast, device
         # an ATen op's arguments print whole; another's (a region's) may not: kept per graph
-        if not node.op.startswith("aten."):
-            cache = graph.__dict__.setdefault("_backward_saves", {})
-            if key not in cache:
-                cache[key] = _probe(node, metas, dtypes, grads, autocast, device)
-            by_node[node.name] = cache[key]
-        else:
-            if key not in _PROBED:
-                _PROBED[key] = _probed_before(key) or _probe_and_keep(key, node, metas, dtypes,
-                                                                       grads, autocast, device)
-            by_node[node.name] = _PROBED[key]
+        aten = node.op.startswith("aten.")
+        cache = _PROBED if aten else graph.__dict__.setdefault("_backward_saves", {})
+        if key not in cache:
+            probe = lambda: _probe(node, metas, dtypes, grads, autocast, device)  # noqa: E731
+            cache[key] = _kept(key, probe) if aten else probe()
+        by_node[node.name] = cache[key]
     return by_node[node.name]
 
 
@@ -105,21 +101,20 @@ def _code() -> str:
     return code_digest([here / "saved.py", here / "capture.py"])[:16]
 
 
-def _probed_before(key: tuple) -> Saves | None:
-    """The probe of `key` kept on disk (with the key it was made for), else None."""
+def _kept(key: tuple, probe) -> Saves:
+    """The probe of `key` kept on disk (with the key it was made for), else `probe()`, then
+    kept there."""
     path = _probe_file(key)
+    if path is None:
+        return probe()
     try:
-        kept_key, saves = pickle.loads(path.read_bytes()) if path is not None else (None, None)
+        kept_key, saves = pickle.loads(path.read_bytes())
+        if kept_key == repr(key):
+            return Saves(*saves)
     except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError):
-        return None  # none yet, or unreadable: probe again
-    return Saves(*saves) if kept_key == repr(key) else None
-
-
-def _probe_and_keep(key: tuple, node: Node, metas, dtypes, grads, autocast, device) -> Saves:
-    saves = _probe(node, metas, dtypes, grads, autocast, device)
-    path = _probe_file(key)
-    if path is not None:
-        write_entry(path, lambda f: pickle.dump((repr(key), tuple(saves)), f))
+        pass  # none yet, or unreadable: probe again
+    saves = probe()
+    write_entry(path, lambda f: pickle.dump((repr(key), tuple(saves)), f))
     return saves
 
 
