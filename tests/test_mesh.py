@@ -352,3 +352,27 @@ def test_a_parameters_storage_is_one_dtensor_placement_per_axis(name, mesh):
                 "tp+ep": {("S(0)", "S(0)"), ("R", "S(0)"), ("R", "S(1)"), ("R", "R")},
                 "fsdp": {("S(0)",)}}[name]  # every dim 0 of gpt:tiny divides by 4
     assert kinds == expected, kinds
+
+
+def test_a_gradient_is_reduced_axis_by_axis_into_its_stored_shard():
+    """buckets.reductions: along the axes where a parameter's gradient is a partial sum, a
+    reduce-scatter where it is stored sharded (one over every such axis of a dim, in the mesh's
+    order) and then an all-reduce where it is stored whole; nothing where it is complete."""
+    from hidup.graph.placement import P, Shard
+    from hidup.program.buckets import reductions
+
+    axes = ("machines", "outer", "gpus")
+    assert reductions((P, P, P), (R, R, R), axes) == (("all_reduce", axes, R),)  # DDP
+    assert reductions((P, P, Shard(0)), (R, R, Shard(0)), axes) == \
+        (("all_reduce", ("machines", "outer"), R),)  # tensor parallel inside, dp across
+    assert reductions((P, P, R), (R, Shard(1), R), axes) == (  # hybrid sharding
+        ("reduce_scatter", ("outer",), Shard(1)), ("all_reduce", ("machines",), R))
+    assert reductions((P, P, P), (Shard(0), Shard(0), Shard(0)), axes) == (
+        ("reduce_scatter", axes, Shard(0)),)  # FSDP over every GPU
+    assert reductions((P, P, P), (Shard(1), R, Shard(0)), axes) == (
+        ("reduce_scatter", ("machines",), Shard(1)), ("reduce_scatter", ("gpus",), Shard(0)),
+        ("all_reduce", ("outer",), R))
+    assert reductions((R, Shard(0)), (R, Shard(0)), axes[1:]) == ()
+    with pytest.raises(LoweringError, match="'gpus'"):
+        reductions((R, R), (R, Shard(0)), axes[1:])  # a whole gradient is sliced, not reduced
+

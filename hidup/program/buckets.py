@@ -1,13 +1,14 @@
-"""Parameter gradients for hidup.program.lowering.Lowering: once complete on a machine, reduced
-in buckets as DDP does (a partial sum over the world, a whole one over the mesh's columns), then
-the optimizer's update. Parameters stored sharded and read whole are gathered in buckets too,
-and their gradients reduce-scattered into the shards in buckets, as FSDP does: one collective
+"""Parameter gradients for hidup.program.lowering.Lowering: once complete on a rank, reduced
+axis by axis into the parameter's stored shard (`reductions`: a reduce-scatter along the mesh
+axes where the gradient is a partial sum and the parameter stored sharded, an all-reduce along
+those where it is stored whole), in buckets as DDP and FSDP run them, then the optimizer's
+update. Parameters stored sharded and read whole are gathered in buckets too: one collective
 over many tensors flattened together, in the order the step first uses them."""
 from __future__ import annotations
 
 import math
 
-from hidup.graph.placement import Partial, Placement, R, Shard, flat, is_flat
+from hidup.graph.placement import Partial, Placement, R, Replicate, Shard, flat, is_flat, same
 from hidup.program.tasks import (FIRST_BUCKET_BYTES, Compute, Convert, LoweringError, Wait,
                                  gkey, stored_key, vkey)
 from hidup.strategy.mesh import axes_words
@@ -53,10 +54,36 @@ def runs_under_cap(items: list, key, nbytes, cap: int) -> tuple[list[list], list
     return runs, run.items
 
 
+def reductions(grad: tuple[Placement, ...], stored: tuple[Placement, ...],
+               axes: tuple[str, ...]) -> tuple[tuple[str, tuple[str, ...], Placement], ...]:
+    """The collectives that turn a parameter's gradient, complete on a rank as `grad` (one
+    placement per mesh axis, the mesh's `axes`), into the gradient of its stored shard
+    (`stored`, Strategy.storage), as (kind, the axes it runs along, its result's placement
+    there): first, for each dim d the parameter is stored sharded on along axes where the
+    gradient is a partial sum, one reduce-scatter along all of them (in the mesh's order, as
+    DTensor nests the shards of one dim); then one all-reduce along the axes where it is a
+    partial sum and stored whole. () where the gradient is the stored shard's already."""
+    scatter: dict[int, list[str]] = {}
+    reduce: list[str] = []
+    for axis, g, s in zip(axes, grad, stored):
+        if same(g, s):
+            continue
+        if isinstance(g, Partial) and isinstance(s, Shard):
+            scatter.setdefault(s.dim, []).append(axis)
+        elif isinstance(g, Partial) and isinstance(s, Replicate):
+            reduce.append(axis)
+        else:
+            raise LoweringError(f"a parameter's gradient {g} along mesh axis {axis!r} cannot "
+                                f"become its stored placement there ({s}) by a reduction")
+    return tuple(("reduce_scatter", tuple(a), Shard(d)) for d, a in scatter.items()) + \
+        ((("all_reduce", tuple(reduce), R),) if reduce else ())
+
+
 class GradientBuckets:
     """Lowering's gradient reductions and update. It reads the Lowering's dp_parts, buckets,
-    bucket_bytes, flushed, final, mesh, column_axes, optimizer, tasks, pending and waited, and
-    calls its home, gplace, collective_axes, along, shape, nbytes, wait_for and add."""
+    reducing, bucket_bytes, flushed, final, mesh, ranks, optimizer, tasks, pending and waited,
+    and calls its home, gplace, grad_layout, collective_axes, along, shape, nbytes, wait_for
+    and add."""
 
     # -- storage over the dp axes (Strategy.across_axes: on a 2-D mesh, across the machines) ----
     def gather_across(self) -> None:
@@ -101,65 +128,52 @@ class GradientBuckets:
         return tuple(shape)
 
     def param_grad(self, t: str, home: Placement) -> None:
-        """Parameter t's gradient is complete on this machine: a partial sum over its ranks goes
-        to the world's all-reduce bucket; one that is whole there (a shard, or replicated) is
-        final on a 1-D mesh and goes to the mesh columns' bucket on a 2-D one. A flat one (read
-        over every rank) is complete where it is whole, else all-reduced over the world."""
+        """Parameter t's gradient is complete on this rank (at its home): reduced into its
+        stored shard by `reductions`, in buckets of parameters reduced alike (the same
+        collectives along the same axes); complete already where there are none."""
         key = gkey(t, home, None)
-        partial = isinstance(self.gplace(t, home), Partial)
-        if not partial and (self.dp_parts == 1 or is_flat(home)):  # complete over every rank
+        steps = reductions(self.grad_layout(t, home), self.s.storage(t, self.ranks),
+                           self.mesh.names)
+        if not steps:
             self.final[t] = key
             return
         self.final[t] = "grad:" + t
-        kind = "world" if partial else "across" if t in self.across else "column"
+        alike = tuple((kind, axes) for kind, axes, _ in steps)  # a bucket's collectives
+        dims = tuple(p.dim for _, _, p in steps if isinstance(p, Shard))  # one per bucket
+        self.reducing[t] = steps
         # DDP's first bucket is small, so that communication starts early in the backward
-        cap = self.bucket_bytes if kind in self.flushed else \
+        cap = self.bucket_bytes if alike in self.flushed else \
             min(self.bucket_bytes, FIRST_BUCKET_BYTES)
-        one_dim = kind == "across"  # one dim per reduce-scatter bucket
-        closed = self.buckets[kind].grow(
-            t, lambda p: self.across[p] if one_dim else None,
-            lambda p: self.nbytes(p, self.home(p), grad=True), cap)
+        run = self.buckets.setdefault(alike, OpenRun())
+        closed = run.grow(t, lambda p: tuple(q.dim for _, _, q in self.reducing[p]
+                                             if isinstance(q, Shard)) if dims else None,
+                          lambda p: self.nbytes(p, self.home(p), grad=True), cap)
         for names in closed:
-            self.flush_bucket(kind, names)
-        if not self.buckets[kind].items:  # t's bucket reached the cap
-            self.flushed.add(kind)
+            self.flush_bucket(names)
+        if not run.items:  # t's bucket reached the cap
+            self.flushed.add(alike)
 
-    def flush_bucket(self, kind: str, names: list[str]) -> None:
-        """One all-reduce for these gradients (flattened together, as DDP does)."""
+    def flush_bucket(self, names: list[str]) -> None:
+        """The reductions of these gradients (reduced alike), each collective one over them
+        flattened together, as DDP and FSDP run them: a reduce-scatter leaves each its stored
+        shard's part, which the next collective reads."""
         if not names:
             return
         homes = [self.home(p) for p in names]
-        if kind == "across":  # reduce-scattered over the storage's axes into the stored shards
-            rest = tuple(a for a in self.column_axes if a not in self.s.across_axes)
-            scattered = [f"grad:{p}" + ("+scattered" if rest else "") for p in names]
-            self.emit_bucket("reduce_scatter", names, Partial(),
-                             Shard(self.across[names[0]]), "bwd",
-                             [gkey(p, h, None) for p, h in zip(names, homes)], scattered,
-                             [self.shape(p, h) for p, h in zip(names, homes)],
-                             axes=self.s.across_axes,
-                             nbytes=sum(self.nbytes(p, h, grad=True)
-                                        for p, h in zip(names, homes)))
-            if rest:  # and summed over the dp axes that replicate them (hybrid sharding)
-                self.emit_bucket("all_reduce", names, Partial(), R, "bwd", scattered,
-                                 ["grad:" + p for p in names],
-                                 [self.stored_shape(p) for p in names], axes=rest,
-                                 nbytes=sum(self.nbytes(p, h, grad=True)
-                                            for p, h in zip(names, homes))
-                                 // self.mesh.size(self.s.across_axes))
-            return
-        for p, h in zip(names, homes):
-            self.wait_for(gkey(p, h, None))
-        axes = self.mesh.names if kind == "world" else self.column_axes
-        group, groups = self.along(axes)
-        task = Convert(len(self.tasks), "all_reduce", names[0] if len(names) == 1 else
-                       f"bucket({names[0]}..{names[-1]})", Partial(), R, "bwd", None,
-                       self.shape(names[0], homes[0]),
-                       sum(self.nbytes(p, h, grad=True) for p, h in zip(names, homes)), group,
-                       tuple(gkey(p, h, None) for p, h in zip(names, homes)),
-                       tuple("grad:" + p for p in names), (), groups, axes=axes)
-        self.add(task)
-        for key in task.outputs:
-            self.pending.setdefault(key, []).append(task.id)
+        keys = [gkey(p, h, None) for p, h in zip(names, homes)]
+        shapes = [self.shape(p, h) for p, h in zip(names, homes)]
+        nbytes = sum(self.nbytes(p, h, grad=True) for p, h in zip(names, homes))
+        steps = self.reducing[names[0]]
+        for i, (kind, axes, dst) in enumerate(steps):
+            outs = [f"grad:{p}" + ("" if i == len(steps) - 1 else "+scattered") for p in names]
+            self.emit_bucket(kind, names, Partial(), dst, "bwd", keys, outs, shapes, axes=axes,
+                             nbytes=nbytes)
+            if kind == "reduce_scatter":  # what the next collective reads: the shards
+                n = self.mesh.size(axes)
+                shapes = [tuple(x // n if j == dst.dim else x for j, x in enumerate(shape))
+                          for shape in shapes]
+                nbytes //= n
+            keys = outs
 
     # -- sharded storage: parameters gathered before use, gradients scattered into the shards --
     def plan_gathers(self) -> set[str]:
@@ -272,8 +286,8 @@ class GradientBuckets:
 
     def update(self) -> None:
         self.flush_scatter(self.scattered.take())
-        for kind in self.buckets:
-            self.flush_bucket(kind, self.buckets[kind].take())
+        for run in self.buckets.values():
+            self.flush_bucket(run.take())
         for key in self.final.values():
             self.wait_for(key)
         numel = sum(math.prod(self.stored_shape(p)) for p in self.final)

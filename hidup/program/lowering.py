@@ -21,7 +21,7 @@ from hidup.graph import ops
 from hidup.graph.capture import Graph
 from hidup.graph.flops import backward_flops, forward_flops
 from hidup.graph.placement import (Partial, Placement, R, Replicate, Shard, flat, is_flat,
-                                   is_r, is_whole, plain_option, same)
+                                   is_r, is_whole, plain, plain_option, same)
 from hidup.graph.saved import backward_saves
 from hidup.graph.ops.gating import exchanges
 from hidup.graph.tokens import TOKENS
@@ -55,8 +55,10 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
         self.world = world // self.dp_parts  # what the placements split over: a row's ranks
         self.optimizer = optimizer_cost(optimizer)
         self.bucket_bytes, self.flushed = bucket_bytes, set()
-        # each kind's bucket of gradients awaiting their all-reduce
-        self.buckets = {"world": OpenRun(), "column": OpenRun(), "across": OpenRun()}
+        # the buckets of gradients awaiting their reductions, one per way of reducing them
+        #   (buckets.reductions: the collectives and their axes), in the order of first use
+        self.buckets: dict[tuple, OpenRun] = {}
+        self.reducing: dict[str, tuple] = {}  # parameter -> its gradient's reductions
         self.scattered = OpenRun()  # (gradient, placement) awaiting a reduce-scatter
         self.mbs_split = microbatch_split(graph, k, dp=self.dp_parts)
         self.parts = k * self.dp_parts
@@ -178,6 +180,30 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
             return p
         g = R if isinstance(p, Partial) else Partial() if "P" in self.r_kinds.get(t, ()) else R
         return flat(g) if is_flat(p) else g
+
+    def layout(self, t: str, p: Placement) -> tuple[Placement, ...]:
+        """Where tensor t's value held as p is: one DTensor placement per mesh axis. A flat p
+        is that placement along every axis; else p is along the split axis and, along the dp
+        axes, the value is as the data-parallel parts hold it: its micro-batch split's home
+        (split over the batch, whole in each part, or each part's partial sum)."""
+        if is_flat(p):
+            return (plain(p),) * len(self.mesh.names)
+        if not self.column_axes:
+            return (p,)
+        c = self.mbs_split.home(t)
+        return tuple(p if axis == self.row_axes[0] else c for axis in self.mesh.names)
+
+    def grad_layout(self, t: str, p: Placement) -> tuple[Placement, ...]:
+        """Where the gradient of tensor t held as p is, once complete on a rank: one placement
+        per mesh axis, gplace's (split axis) and, along the dp axes, the dual of the value's
+        placement there: a value whole in each part has a partial sum of the parts' gradients,
+        a split one the split gradient, a partial sum a whole gradient."""
+        g = self.gplace(t, p)
+        if is_flat(p):
+            return (plain(g),) * len(self.mesh.names)
+        return tuple(g if axis == self.row_axes[0] else
+                     Partial() if isinstance(v, Replicate) else R if isinstance(v, Partial)
+                     else v for axis, v in zip(self.mesh.names, self.layout(t, p)))
 
     def converted(self, t: str, differentiated: bool = False) -> tuple[Placement, ...]:
         """Placements that consumers (with `differentiated`: those whose backward runs) need t
@@ -366,20 +392,18 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
         return self._kernels[node.name]
 
     def _report_loss(self, m) -> str:
-        """The loss of micro-batch m, replicated: summed over a machine's ranks where it is a
-        partial sum there, and over the columns on a 2-D mesh (each has its part of the batch)."""
+        """The loss of micro-batch m, whole on every rank: all-reduced along the mesh axes where
+        its value is a partial sum (a row's ranks where the loss is Partial there; the dp axes,
+        each part holding its own part of the batch's)."""
         t, home = self.g.loss, self.home(self.g.loss)
-        if home == R and self.dp_parts == 1 or home == flat(R):
+        axes = tuple(a for a, p in zip(self.mesh.names, self.layout(t, home))
+                     if isinstance(p, Partial))
+        if not axes:
             return vkey(t, home, m)
-        if is_flat(home):  # a partial sum over every rank
-            self.emit_convert("all_reduce", t, home, flat(R), "fwd", m, vkey(t, home, m),
-                              vkey(t, flat(R), m), self.shape(t, home), self.nbytes(t, home))
-            return vkey(t, flat(R), m)
-        axes = self.row_axes if self.dp_parts == 1 else \
-            self.mesh.names if home != R else self.column_axes
-        out = vkey(t, R, m) if home != R else f"{vkey(t, R, m)}+machines"
-        self.emit_convert("all_reduce", t, home if home != R else Partial(), R, "fwd", m,
-                          vkey(t, home, m), out, self.shape(t, home), self.nbytes(t, home),
+        whole = flat(R) if is_flat(home) else R
+        out = f"{vkey(t, R, m)}+machines" if same(home, R) else vkey(t, whole, m)
+        self.emit_convert("all_reduce", t, Partial() if same(home, R) else home, whole, "fwd",
+                          m, vkey(t, home, m), out, self.shape(t, home), self.nbytes(t, home),
                           axes=axes)
         return out
 
