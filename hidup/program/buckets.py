@@ -139,14 +139,14 @@ class GradientBuckets:
             return
         self.final[t] = "grad:" + t
         alike = tuple((kind, axes) for kind, axes, _ in steps)  # a bucket's collectives
-        dims = tuple(p.dim for _, _, p in steps if isinstance(p, Shard))  # one per bucket
         self.reducing[t] = steps
         # DDP's first bucket is small, so that communication starts early in the backward
         cap = self.bucket_bytes if alike in self.flushed else \
             min(self.bucket_bytes, FIRST_BUCKET_BYTES)
         run = self.buckets.setdefault(alike, OpenRun())
-        closed = run.grow(t, lambda p: tuple(q.dim for _, _, q in self.reducing[p]
-                                             if isinstance(q, Shard)) if dims else None,
+        # a run closes where the steps differ: within `alike`, where a reduce-scatter's dim
+        # does (one dim per bucket)
+        closed = run.grow(t, self.reducing.__getitem__,
                           lambda p: self.nbytes(p, self.home(p), grad=True), cap)
         for names in closed:
             self.flush_bucket(names)
