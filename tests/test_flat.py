@@ -74,12 +74,15 @@ def test_tp_ep_runs_experts_over_every_rank_and_the_rest_inside_machines(moe):
     others = [t for t in program.collectives if t.phase == "fwd" and t.kind != "all_to_all"
               and t.tensor != moe.loss]
     assert others and all(t.groups == ROWS for t in others)  # a machine's ranks
-    # between the scopes, through the tokens' batch split: the same values under both (alias)
-    crossing = [t for t in program.tasks if isinstance(t, Convert)
-                and is_flat(t.src) != is_flat(t.dst)]
-    assert {t.phase for t in crossing} == {"fwd", "bwd"}
-    assert all(t.kind == "alias" and plain(t.src) == plain(t.dst) == Shard(0)
-               for t in crossing)
+    # between the scopes axis by axis (hidup.program.conversions): a machine's S(0) tokens and
+    # flat S(0)@all are the same pieces (layout [S(0), S(0)]), so the tokens go into the experts
+    # and back by one all-to-all over every rank each way, with no alias between the scopes
+    assert not [t for t in program.tasks if isinstance(t, Convert) and t.kind == "alias"
+                and any("@all" in key for key in (*t.inputs, *t.outputs))]
+    tokens = {(t.phase, t.tensor, str(t.src), str(t.dst)) for t in a2a
+              if t.tensor in ("einsum_1", "einsum_3")}
+    assert tokens == {("fwd", "einsum_1", "S(0)", "S(1)"), ("fwd", "einsum_3", "S(1)", "S(0)"),
+                      ("bwd", "einsum_3", "S(0)", "S(1)"), ("bwd", "einsum_1", "S(1)", "S(0)")}
     # an expert's gradient is complete over every rank: no all-reduce across the machines
     assert all(not program.param_grads[t].startswith("grad:") for t in experts)
     assert all(program.param_grads[p.name].startswith("grad:") for p in moe.params

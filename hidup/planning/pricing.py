@@ -16,7 +16,7 @@ there is all-reduced over the world, and a parameter's gradient that is whole th
 column, the columns sharing each machine's link. A flat option (over every rank:
 hidup.graph.placement) converts over the world, its parameters' gradients are complete there or
 all-reduced over the world, and a tensor passes between a machine's placements and flat ones as
-the lowering passes it (through its micro-batch split: hidup.program.scopes.crossing)."""
+the lowering passes it (axis by axis: hidup.program.conversions)."""
 from __future__ import annotations
 
 import math
@@ -27,9 +27,8 @@ from hidup.graph.capture import Node
 from hidup.graph.flops import backward_flops, forward_flops
 from hidup.graph.ops.gating import exchanges
 from hidup.graph.placement import Placement, R, Replicate, Shard, ShardingOption, flat, \
-    is_flat, is_r, is_whole, plain, plain_option, same
+    is_flat, is_r, is_whole, plain_option, same
 from hidup.strategy import conversion
-from hidup.program.scopes import crossing
 from hidup.program.tasks import LoweringError
 
 _DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all",
@@ -67,21 +66,22 @@ class Pricing:
         return self._converts[key]
 
     def _conversion_cost(self, t: str, src: Placement, dst: Placement) -> float:
-        if is_flat(src) != is_flat(dst):  # through t's micro-batch split, as the lowering
-            c = self.mbs.home(t)
-            if not isinstance(c, Shard):
-                raise LoweringError(f"tensor {t} is not split over the batch: it cannot pass "
-                                    f"between a machine's placements and flat ones")
-            return sum(self._conversion_cost(t, a, b) for a, b in crossing(c, src, dst)
-                       if not same(plain(a), plain(b)))  # (the alias between the scopes is free)
-        kind = conversion(src, dst)
-        if kind is None:
-            return 0.0
-        size = max(self.nbytes(t, src), self.nbytes(t, dst))
-        # the dual of a conversion to R runs only where the gradient comes back as a Partial
-        # sum: partial_grad_cost charges it then
-        return self._collectives(kind, size, t in self.grads and not is_whole(dst),
-                                 self.per_mb(t), is_flat(dst))
+        """The steps the lowering runs between the two layouts (hidup.program.conversions),
+        each along its axes; the alias between a machine's placements and flat ones that hold
+        the same pieces is free."""
+        if is_flat(src) != is_flat(dst) and not isinstance(self.mbs.home(t), Shard):
+            raise LoweringError(f"tensor {t} is not split over the batch: it cannot pass "
+                                f"between a machine's placements and flat ones")
+        lay, itemsize = self.layouts, self.itemsize(t)
+        cost = 0.0
+        for step in lay.steps(t, lay.of(t, src), lay.of(t, dst)):
+            size = max(lay.numel(t, step.before), lay.numel(t, step.after)) * itemsize
+            # the dual of a conversion to R runs only where the gradient comes back as a
+            # Partial sum: partial_grad_cost charges it then
+            cost += self._collectives(step.kind, size,
+                                      t in self.grads and not is_whole(step.dst),
+                                      self.per_mb(t), lay.axes(step))
+        return cost
 
     def partial_grad_cost(self, t: str, home: Placement) -> float:
         """Per micro-batch, making whole the Partial gradient of t's replicated value, which the
@@ -96,31 +96,41 @@ class Pricing:
             if self.objective == "comm":
                 cost = float(size)
             else:
-                cost = self.scope_time(kind, size, is_flat(home))
+                cost = self.scope_time(kind, size, self.scope(is_flat(home)))
             self._converts[key] = cost * self.per_mb(t)
         return self._converts[key]
 
     def _collectives(self, kind: str, size: int, backward: bool, share: float,
-                     over_all: bool = False) -> float:
-        """A conversion's collective of `size` bytes (over a mesh row, or `over_all` ranks),
-        and its dual where the tensor has a gradient, `share` of it per micro-batch (the
-        layers' tensors repeat: computed once)."""
-        key = (kind, size, backward, share, over_all)
+                     axes: tuple[str, ...]) -> float:
+        """A conversion's collective of `size` bytes along the mesh's `axes`, and its dual
+        where the tensor has a gradient, `share` of it per micro-batch (the layers' tensors
+        repeat: computed once)."""
+        key = (kind, size, backward, share, axes)
         if key not in self._conversions:
             if self.objective == "comm":
                 cost = size * share * (kind != "slice")
             else:
-                fwd = 0.0 if kind == "slice" else self.scope_time(kind, size, over_all)
-                bwd = self.scope_time(_DUAL[kind], size, over_all) if backward else 0.0
+                fwd = 0.0 if kind == "slice" else self.scope_time(kind, size, axes)
+                bwd = self.scope_time(_DUAL[kind], size, axes) if backward else 0.0
                 cost = (fwd + bwd) * share
             self._conversions[key] = cost
         return self._conversions[key]
 
-    def scope_time(self, kind: str, size: int, over_all: bool) -> float:
-        """A collective over a mesh row (row_time), or over every rank."""
-        if not over_all:
+    def scope(self, flat: bool) -> tuple[str, ...]:
+        """The axes a placement's collectives run along: a row's, or (`flat`) every axis."""
+        return self.mesh.names if flat else self.layouts.order[-1:]
+
+    def scope_time(self, kind: str, size: int, axes: tuple[str, ...]) -> float:
+        """A collective along the mesh's `axes`, every group's at once: a row's (row_time),
+        every rank's, or another's, the groups sharing each machine's link
+        (Profile.link_load)."""
+        if axes == self.layouts.order[-1:]:
             return self.row_time(kind, size)
-        return sum(self.profile.collective_split(kind, size, self.everyone))
+        if len(axes) == len(self.mesh.names):
+            return sum(self.profile.collective_split(kind, size, self.everyone))
+        groups = self.mesh.groups(axes)
+        latency, transfer = self.profile.collective_split(kind, size, groups[0])
+        return latency + transfer * self.profile.link_load(groups[0], groups)
 
     def row_time(self, kind: str, size: int) -> float:
         """A conversion's collective over a mesh row, every row's at once: rows that cross the
@@ -150,7 +160,7 @@ class Pricing:
         compute = self.profile.kernel_time(fwd, nbytes) + \
             self.profile.kernel_time(backward_flops(node.op, fwd, ins, out, node.args),
                                      2 * nbytes) + \
-            sum(self.scope_time(kind, b, is_flat(opt.output))
+            sum(self.scope_time(kind, b, self.scope(is_flat(opt.output)))
                 for backward in (False, True)
                 for kind, b in ops.inner_collectives(node, plain_option(opt), tuple(ins), backward))
         if is_r(self.mbs.home(node.name)):

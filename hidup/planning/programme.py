@@ -37,6 +37,7 @@ from hidup.planning.costs import Profile
 from hidup.planning.pricing import Pricing, _NodeCost, _scaled
 from hidup.strategy import Mesh, Strategy, dp_axes, fitting_options, microbatch_split
 from hidup.strategy.recompute import recomputable_share
+from hidup.program.conversions import Layouts
 from hidup.program.tasks import LoweringError, Shapes, optimizer_cost
 
 _NOTHING: frozenset = frozenset()
@@ -155,6 +156,8 @@ class Search(Pricing, Beam):
         self._conversions: dict[tuple, float] = {}  # _collectives' key -> seconds
         shapes = Shapes(graph, self.mbs, self.world, k * self.dp_parts, self.dp_parts)
         self.shape, self.nbytes = shapes.shape, shapes.nbytes  # (tensor, placement) -> local
+        self.itemsize = shapes.itemsize
+        self.mesh, self.layouts = mesh, Layouts(graph, self.mbs, mesh, dp, k)
         # what prices each label's `plain` time: this programme at k = 1, another (the same
         # graph with one micro-batch) at k > 1; none for objective 'comm' at k > 1
         self.plain: Search | None = self if k == 1 else None

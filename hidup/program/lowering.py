@@ -10,9 +10,10 @@ its part of the batch: the strategy's conversions run inside each row (the group
 axis), and the parts' parameter gradients are summed across them: a gradient still partial in a
 row in one all-reduce over the world, one already complete there (a shard, or replicated) over
 its column. The reported loss is summed the same way. An op whose option is flat
-(hidup.graph.placement) runs over every rank instead, as on a 1-D mesh of them all: its
-conversions run over the world, and a tensor passes between a machine's placements and flat
-ones through its micro-batch split, which both hold alike (hidup.program.scopes)."""
+(hidup.graph.placement) runs over every rank instead, as on a 1-D mesh of them all. Every
+conversion runs axis by axis between the two placements' layouts (one placement per mesh axis:
+hidup.program.conversions), so a tensor passes between a machine's placements and flat ones as
+any other."""
 from __future__ import annotations
 
 import math
@@ -21,7 +22,7 @@ from hidup.graph import ops
 from hidup.graph.capture import Graph
 from hidup.graph.flops import backward_flops, forward_flops
 from hidup.graph.placement import (Partial, Placement, R, Replicate, Shard, flat, is_flat,
-                                   is_r, is_whole, plain, plain_option, same)
+                                   is_r, is_whole, plain_option, same)
 from hidup.graph.saved import backward_saves
 from hidup.graph.ops.gating import exchanges
 from hidup.graph.tokens import TOKENS
@@ -30,7 +31,7 @@ from hidup.strategy import Mesh, Strategy, microbatch_split
 from hidup.program.buckets import GradientBuckets, OpenRun
 from hidup.program.microbatches import MicroBatches
 from hidup.program.recompute import Recomputation
-from hidup.program.scopes import Scopes
+from hidup.program.conversions import Conversions, Layouts
 from hidup.program.tasks import (BUCKET_BYTES, COLLECTIVES, Compute, Convert,
                                  LoweringError, Program, Task, Wait, gkey,
                                  optimizer_cost, Shapes, param_key, vkey)
@@ -42,7 +43,7 @@ _STRIDED = frozenset(f"aten.{op}" for op in (
     "movedim.int"))
 
 
-class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
+class Lowering(MicroBatches, GradientBuckets, Recomputation, Conversions):
     """Forward: node-major, micro-batch-minor; each conversion is issued right after its producer
     and waited for right before its consumer, so with k >= 2 one micro-batch's communication runs
     while the next one computes. Backward: the same in reverse, each gradient conversion issued as
@@ -76,6 +77,7 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
         self.row_axes = (self.mesh.split_axis(strategy.dp),)
         self.column_axes = strategy.dp
         self._along: dict[tuple[str, ...], tuple] = {}
+        self.layouts = Layouts(graph, self.mbs_split, self.mesh, strategy.dp, k)
         shapes = Shapes(graph, self.mbs_split, self.world, self.parts, self.dp_parts)
         self.shape, self.nbytes, self.itemsize = shapes.shape, shapes.nbytes, shapes.itemsize
         #   (tensor, placement) -> local; tensor -> its run itemsize
@@ -182,28 +184,18 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
         return flat(g) if is_flat(p) else g
 
     def layout(self, t: str, p: Placement) -> tuple[Placement, ...]:
-        """Where tensor t's value held as p is: one DTensor placement per mesh axis. A flat p
-        is that placement along every axis; else p is along the split axis and, along the dp
-        axes, the value is as the data-parallel parts hold it: its micro-batch split's home
-        (split over the batch, whole in each part, or each part's partial sum)."""
-        if is_flat(p):
-            return (plain(p),) * len(self.mesh.names)
-        if not self.column_axes:
-            return (p,)
-        c = self.mbs_split.home(t)
-        return tuple(p if axis == self.row_axes[0] else c for axis in self.mesh.names)
+        """Where tensor t's value held as p is: one DTensor placement per mesh axis, in the
+        mesh's order (Layouts.of)."""
+        return self._in_mesh_order(self.layouts.of(t, p))
 
     def grad_layout(self, t: str, p: Placement) -> tuple[Placement, ...]:
         """Where the gradient of tensor t held as p is, once complete on a rank: one placement
-        per mesh axis, gplace's (split axis) and, along the dp axes, the dual of the value's
-        placement there: a value whole in each part has a partial sum of the parts' gradients,
-        a split one the split gradient, a partial sum a whole gradient."""
-        g = self.gplace(t, p)
-        if is_flat(p):
-            return (plain(g),) * len(self.mesh.names)
-        return tuple(g if axis == self.row_axes[0] else
-                     Partial() if isinstance(v, Replicate) else R if isinstance(v, Partial)
-                     else v for axis, v in zip(self.mesh.names, self.layout(t, p)))
+        per mesh axis, in the mesh's order (Layouts.of_grad)."""
+        return self._in_mesh_order(self.layouts.of_grad(t, p, self.gplace(t, p)))
+
+    def _in_mesh_order(self, layout: tuple[Placement, ...]) -> tuple[Placement, ...]:
+        order = self.layouts.order
+        return tuple(layout[order.index(a)] for a in self.mesh.names)
 
     def converted(self, t: str, differentiated: bool = False) -> tuple[Placement, ...]:
         """Placements that consumers (with `differentiated`: those whose backward runs) need t
@@ -219,15 +211,18 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
 
     # -- emitting tasks -----------------------------------------------------------------------
     def emit_convert(self, kind, t, src, dst, phase, m, in_key, out_key, shape, nbytes,
-                     root_only=False, axes: tuple[str, ...] | None = None) -> None:
-        """A conversion of one tensor; a collective runs along `axes` (default: a row's, or
-        every axis between flat placements)."""
+                     root_axes: tuple[str, ...] = (), axes: tuple[str, ...] | None = None
+                     ) -> None:
+        """A conversion of one tensor; a collective or slice runs along `axes` (default: a
+        row's, or every axis between flat placements); `root_axes`: its result is added on the
+        first rank along them only."""
         self.wait_for(in_key)  # its input complete: no collective still writing it
-        axes = self.collective_axes(axes, src, dst) if kind in COLLECTIVES else ()
-        group, groups = self.along(axes) if axes else ((), ())
+        axes = self.collective_axes(axes, src, dst) if kind in COLLECTIVES or kind == "slice" \
+            else ()
+        group, groups = self.along(axes) if kind in COLLECTIVES else ((), ())
         task = Convert(len(self.tasks), kind, t, src, dst, phase, m, shape, nbytes, group,
-                       (in_key,), (out_key,), (out_key,) if root_only else (), groups,
-                       axes=axes)
+                       (in_key,), (out_key,), (out_key,) if root_axes else (), groups,
+                       axes=axes, root_axes=root_axes)
         self.add(task)
         if task.collective:
             self.pending.setdefault(out_key, []).append(task.id)
@@ -261,7 +256,7 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Scopes):
         made: set[str] = set()
         for p in self.converted(t):
             if not same(p, skip) and (only is None or any(same(p, o) for o in only)):
-                self.emit_steps(t, self.steps(t, self.home(t), p), phase, m, made)
+                self.emit_value_conversion(t, self.home(t), p, phase, m, made)
 
     def in_keys(self, node, m) -> list[str]:
         opt, mb_opt = self.s.options[node.name], self.mbs_split.options[node.name]

@@ -145,9 +145,13 @@ class Convert:
     # a bucket (several inputs, one collective over them flattened together): each input's
     # local shape; () for one tensor (its shape is `shape`)
     in_shapes: tuple[tuple[int, ...], ...] = ()
-    # a collective's: the axes of the Program's mesh it runs along (its groups are the mesh's
-    # groups along them, each rank's the DeviceMesh's group of those axes); () for a local one
+    # a collective's or a slice's: the axes of the Program's mesh it runs along (its groups are
+    # the mesh's groups along them, each rank's the DeviceMesh's group of those axes; a slice
+    # keeps the piece of the rank's place along them); () for another local one
     axes: tuple[str, ...] = ()
+    # with root_only: the axes along which only the first rank adds the result, the others
+    # zeros (a whole gradient made a partial sum there); () with no root_only
+    root_axes: tuple[str, ...] = ()
 
     @property
     def collective(self) -> bool:

@@ -23,7 +23,7 @@ import torch.fx.traceback as fx_traceback
 from hidup.graph import ops
 from hidup.graph.capture import Graph
 from hidup.graph.ops.dispatch import STAND_IN, register_group
-from hidup.graph.placement import (Partial, R, Shard, ShardingOption, is_flat, option_is_flat,
+from hidup.graph.placement import (Partial, R, Shard, ShardingOption, option_is_flat,
                                    plain_option)
 from hidup.strategy import Strategy, microbatch_split
 from hidup.program.tasks import (MB_CONVERSIONS, Compute, Convert, Program, Wait, param_key,
@@ -144,12 +144,12 @@ class _TaskRunner:
         else:
             self.sgd(params, lr)
 
-    def accumulate(self, key: str, value: torch.Tensor, root_only: bool = False,
-                   flat: bool = False) -> None:
-        """Add one contribution to a gradient (or set its first). In place, as autograd's
+    def accumulate(self, key: str, value: torch.Tensor, zero: bool = False) -> None:
+        """Add one contribution to a gradient (or set its first); `zero`: this rank adds zeros
+        (a whole value made a partial sum: another rank adds it). In place, as autograd's
         AccumulateGrad does, into a buffer no other value shares (nor two of its own elements,
         as an expanded one does); else into a new one."""
-        if root_only and self.place(flat)[0] != 0:
+        if zero:
             value = torch.zeros_like(value)
         if key not in self.env:
             self.env[key] = value
@@ -293,8 +293,8 @@ class _TaskRunner:
             master = self.master.get(node.inputs[i])
             if master is not None and g.dtype != master:  # reduced at the parameter's dtype
                 g = g.to(master)
-            self.accumulate(task.outputs[i], g, task.outputs[i] in task.root_only,
-                            option_is_flat(task.option))
+            self.accumulate(task.outputs[i], g, task.outputs[i] in task.root_only and
+                            self.place(option_is_flat(task.option))[0] != 0)
 
     def place(self, flat: bool) -> tuple[int, int]:
         """(rank, ranks) of this rank in its row, or (`flat`) among every rank."""
@@ -314,7 +314,6 @@ class _TaskRunner:
 
     # -- conversions ------------------------------------------------------------------------
     def convert(self, task: Convert) -> None:
-        root, flat = bool(task.root_only), is_flat(task.src) or is_flat(task.dst)  # over all
         for key in task.outputs if task.phase == "recompute" else ():  # made again, not added to
             del self.env[key]
         if task.kind in MB_CONVERSIONS:
@@ -323,21 +322,24 @@ class _TaskRunner:
             return self.bucket_all_reduce(task) if task.kind == "all_reduce" else \
                 self.bucket_shards(task)
         x, out_key = self.read(task.inputs[0]), task.outputs[0]
+        # a whole value made a partial sum along root_axes: the first rank there adds it
+        root = bool(task.root_only) and self.p.grid.index(self.spec.rank, task.root_axes) != 0
         if task.kind == "alias":
-            self.accumulate(out_key, x, root, flat)
-        elif task.kind == "slice":
-            rank, world = self.place(flat)
-            self.accumulate(out_key, x.chunk(world, dim=task.dst.dim)[rank].contiguous(), root,
-                            flat)
+            self.accumulate(out_key, x, root)
+        elif task.kind == "slice":  # this rank's piece along the slice's axes
+            grid = self.p.grid
+            piece = x.chunk(grid.size(task.axes), dim=task.dst.dim)[
+                grid.index(self.spec.rank, task.axes)]
+            self.accumulate(out_key, piece.contiguous(), root)
         elif (n := len(self.members(task))) == 1:  # a group of one: the identity
-            self.pending[task.id] = lambda: self.accumulate(out_key, x, root, flat)
+            self.pending[task.id] = lambda: self.accumulate(out_key, x, root)
         else:
             pack, unpack = PACKING[task.kind]
             sent = pack(x, task, n)
             with self.annotate({"task": task.id, "standin": True}):
                 result = self.collective(task, sent)
             self.pending[task.id] = lambda: self.accumulate(
-                out_key, unpack(self.wait(result), task, n), root, flat)
+                out_key, unpack(self.wait(result), task, n), root)
 
     def read(self, key: str) -> torch.Tensor:
         """A conversion's input: a stored parameter shard at its compute dtype (self.cast)."""
