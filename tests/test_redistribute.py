@@ -119,6 +119,10 @@ def test_a_plan_moves_the_fewest_bytes():
     plan = check((Shard(0), Shard(2)), (R, R), sizes, shape, rng)
     assert [(s.kind, s.axes) for s in plan] == [("all_gather", (0,)), ("all_gather", (1,))]
     assert local_numel((Shard(0), R), sizes, shape) == n // 2
+    # an axis the same at both ends that nests nothing is left alone: a partial sum inside each
+    # machine is all-reduced there, not sliced across the machines to move fewer bytes
+    plan = check((R, P), (R, R), sizes, shape, rng)
+    assert [(s.kind, s.axes) for s in plan] == [("all_reduce", (1,))]
 
 
 def test_layouts_that_are_the_same_need_nothing_and_flat_placements_are_their_own():

@@ -26,9 +26,10 @@ from hidup.graph import ops
 from hidup.graph.capture import Node
 from hidup.graph.flops import backward_flops, forward_flops
 from hidup.graph.ops.gating import exchanges
-from hidup.graph.placement import Placement, R, Replicate, Shard, ShardingOption, flat, \
+from hidup.graph.placement import Partial, Placement, R, Replicate, Shard, ShardingOption, flat, \
     is_flat, is_r, is_whole, plain_option, same
 from hidup.strategy import conversion
+from hidup.program.buckets import reductions
 from hidup.program.tasks import LoweringError
 
 _DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all",
@@ -172,11 +173,9 @@ class Pricing:
             param = self.g.node(t)
             if param.kind == "param":
                 size = self.nbytes(t, p)
-                if opt.partial_gradient(p):  # its gradient is a Partial sum: all-reduced
-                    grads += self.reduction(size, self.everyone, ())
-                elif self.dp_parts > 1 and self.first[t] == self.position[node.name] and \
-                        not is_flat(p):  # (a flat one is complete over every rank)
-                    grads += self.reduction(size, self.column, self.columns)  # summed across
+                partial = opt.partial_gradient(p)
+                if partial or self.first[t] == self.position[node.name]:
+                    grads += self.grad_reduction(t, p, partial, size)
                 if self.first[t] == self.position[node.name]:  # its home: where it lives
                     held = (2 + self.optimizer.states) * size  # parameter, gradient, state
                     if is_r(p) and self.world > 1:  # or stored sharded (the ranking's +sharded
@@ -193,13 +192,20 @@ class Pricing:
             compute = 0.0
         return _NodeCost(compute, grads, memory, update)
 
-    def reduction(self, nbytes: int, group: tuple[int, ...], parts: tuple) -> float:
-        """A gradient's all-reduce over `group`, all of `parts` at once (a 2-D mesh's columns
-        share each machine's link); objective 'comm': its bytes."""
+    def grad_reduction(self, t: str, p: Placement, partial: bool, nbytes: int) -> float:
+        """Reducing parameter t's gradient into its stored shard, where it is read as p (a
+        Partial sum there where `partial`), as the lowering does it (buckets.reductions):
+        along the dp axes, each part's partial sum; along the axes where it is a Partial sum
+        and stored whole an all-reduce (a reduce-scatter where stored sharded); objective
+        'comm': their bytes."""
+        lay = self.layouts
+        g = Partial() if partial else R if is_whole(p) else p  # as the lowering's gplace
+        grad = lay.in_mesh_order(lay.of_grad(t, p, g))
+        stored = lay.in_mesh_order(lay.of(t, p))  # as Strategy.storage (nothing across)
+        steps = reductions(grad, stored, self.mesh.names)
         if self.objective == "comm":
-            return float(nbytes)
-        latency, transfer = self.profile.collective_split("all_reduce", nbytes, group)
-        return latency + transfer * self.profile.link_load(group, parts)
+            return float(nbytes) * len(steps)
+        return sum(self.scope_time(kind, nbytes, axes) for kind, axes, _ in steps)
 
     def costs(self, node: Node, opt: ShardingOption) -> tuple[_NodeCost | None, _NodeCost | None]:
         """The option's cost with k micro-batches (None where its splits do not divide by

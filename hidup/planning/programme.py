@@ -121,10 +121,9 @@ class Search(Pricing, Beam):
         self.least_over = math.inf  # the least memory of a label over the limit at this node
         self.per_state = options.labels
         self.mbs = microbatch_split(graph, k, dp=self.dp_parts)
-        rows, columns = mesh.rows(dp), mesh.columns(dp)
+        rows = mesh.rows(dp)
         self.group, self.everyone = rows[0], tuple(range(world))
         self.row_load = profile.link_load(rows[0], rows)  # rows crossing one link share it
-        self.column, self.columns = columns[0], columns
         self.position = {n.name: i for i, n in enumerate(graph.ops)}
         self.last: dict[str, int] = {}  # tensor -> position of its last consumer
         self.first: dict[str, int] = {}  # tensor -> position of its first consumer

@@ -30,6 +30,7 @@ class Layouts:
         dp = dp_axes(dp)
         self.order = (*dp, mesh.split_axis(dp))  # the axes, in the order shards nest
         self.sizes = tuple(mesh.size(a) for a in self.order)
+        self.names = mesh.names
         # steps along neighbouring axes at once where the order is the mesh's (whose
         #   flattened groups number their ranks so)
         self.flattens = self.order == tuple(a for a in mesh.names if a in self.order)
@@ -50,6 +51,10 @@ class Layouts:
             return (plain(g),) * len(self.order)
         dual = {Replicate: Partial(), Partial: R}
         return tuple(dual.get(type(v), v) for v in self.of(t, p)[:-1]) + (g,)
+
+    def in_mesh_order(self, layout: Layout) -> Layout:
+        """A layout with its placements in the mesh's order of axes."""
+        return tuple(layout[self.order.index(a)] for a in self.names)
 
     def mb_shape(self, t: str) -> tuple[int, ...]:
         """t's shape in one micro-batch (the whole where it is held once per step)."""

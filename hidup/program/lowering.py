@@ -186,16 +186,12 @@ class Lowering(MicroBatches, GradientBuckets, Recomputation, Conversions):
     def layout(self, t: str, p: Placement) -> tuple[Placement, ...]:
         """Where tensor t's value held as p is: one DTensor placement per mesh axis, in the
         mesh's order (Layouts.of)."""
-        return self._in_mesh_order(self.layouts.of(t, p))
+        return self.layouts.in_mesh_order(self.layouts.of(t, p))
 
     def grad_layout(self, t: str, p: Placement) -> tuple[Placement, ...]:
         """Where the gradient of tensor t held as p is, once complete on a rank: one placement
         per mesh axis, in the mesh's order (Layouts.of_grad)."""
-        return self._in_mesh_order(self.layouts.of_grad(t, p, self.gplace(t, p)))
-
-    def _in_mesh_order(self, layout: tuple[Placement, ...]) -> tuple[Placement, ...]:
-        order = self.layouts.order
-        return tuple(layout[order.index(a)] for a in self.mesh.names)
+        return self.layouts.in_mesh_order(self.layouts.of_grad(t, p, self.gplace(t, p)))
 
     def converted(self, t: str, differentiated: bool = False) -> tuple[Placement, ...]:
         """Placements that consumers (with `differentiated`: those whose backward runs) need t

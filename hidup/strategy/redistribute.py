@@ -8,12 +8,13 @@ DTensor nests the shards of a dim in its mesh's order). A step changes one place
 their ranks flattened, as DTensor merges such steps); it is valid where no axis after them
 shards a dim it gathers, scatters or slices (that dim's pieces would not be contiguous there).
 
-Of the plans made of such steps, `redistribute` gives the one that moves the fewest bytes per
-rank (ring collectives: an all-gather or reduce-scatter moves (n-1)/n of the larger side, an
-all-reduce twice that, an all-to-all (n-1)/n of its tensor; a slice nothing), then the one of
-fewest steps, found by Dijkstra's search over the layouts (DTensor's graph-based planner does
-the same). A Partial is never made, only kept or reduced; every layout on the way splits the
-tensor's dims evenly."""
+Of the plans made of such steps along the axes that must change (those where the layouts
+differ, and the later ones whose shards nest in a dim those touch), `redistribute` gives the one
+that moves the fewest bytes per rank (ring collectives: an all-gather or reduce-scatter moves
+(n-1)/n of the larger side, an all-reduce twice that, an all-to-all (n-1)/n of its tensor; a
+slice nothing), then the one of fewest steps, found by Dijkstra's search over the layouts
+(DTensor's graph-based planner does the same). A Partial is never made, only kept or reduced;
+every layout on the way splits the tensor's dims evenly."""
 from __future__ import annotations
 
 import functools
@@ -21,7 +22,6 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass
-from fractions import Fraction
 
 from hidup.graph.placement import Partial, Placement, R, Shard, same
 from hidup.strategy.base import conversion
@@ -81,9 +81,11 @@ def _plan(src: Layout, dst: Layout, sizes: tuple[int, ...], shape: tuple[int, ..
     if all(same(a, b) for a, b in zip(src, dst)):
         return ()
     targets = (R, *(Shard(d) for d in range(len(shape))))
+    movable = _movable(src, dst)
     runs = [tuple(range(i, j)) for i in range(len(sizes))
-            for j in range(i + 1, (len(sizes) if flattens else i + 1) + 1)]
-    start, tie = (Fraction(0), 0), itertools.count()
+            for j in range(i + 1, (len(sizes) if flattens else i + 1) + 1)
+            if all(k in movable for k in range(i, j))]
+    start, tie = (0, 0), itertools.count()
     best = {src: start}
     heap = [(start, next(tie), src, ())]
     while heap:
@@ -103,8 +105,7 @@ def _plan(src: Layout, dst: Layout, sizes: tuple[int, ...], shape: tuple[int, ..
                 if not _valid(state, after, axes, sizes, shape):
                     continue
                 step = Step(axes, a, b, state, after)
-                moved = _moved(step, sizes, shape)
-                new = (cost[0] + moved, cost[1] + 1)
+                new = (cost[0] + _moved(step, sizes, shape), cost[1] + 1)
                 if new < best.get(after, (math.inf, 0)):
                     best[after] = new
                     heapq.heappush(heap, (new, next(tie), after, path + (step,)))
@@ -127,19 +128,34 @@ def _valid(before: Layout, after: Layout, axes: tuple[int, ...], sizes, shape) -
     return True
 
 
+def _movable(src: Layout, dst: Layout) -> set[int]:
+    """The axes a plan may run steps along: those where src and dst differ, and the later ones
+    whose shards nest inside a dim those touch (they must be undone to reach it); an axis that
+    is the same at both ends and nests nothing stays as it is (moving less data through it,
+    as a slice and a gather across machines would, costs links the bytes do not see)."""
+    movable = {i for i, (a, b) in enumerate(zip(src, dst)) if not same(a, b)}
+    while True:
+        dims = {p.dim for i in movable for p in (src[i], dst[i]) if isinstance(p, Shard)}
+        more = {j for j in range(min(movable) + 1, len(src)) if j not in movable and any(
+            isinstance(p, Shard) and p.dim in dims for p in (src[j], dst[j]))}
+        if not more:
+            return movable
+        movable |= more
+
+
 def local_numel(layout: Layout, sizes, shape) -> int:
     """Elements one rank holds of a tensor of `shape` in `layout`."""
     return math.prod(shape) // math.prod(n for p, n in zip(layout, sizes) if isinstance(p, Shard))
 
 
-def _moved(step: Step, sizes, shape) -> Fraction:
-    """Elements a rank sends in the step's ring collective (a slice sends none)."""
+def _moved(step: Step, sizes, shape) -> int:
+    """Elements a rank sends in the step's ring collective (a slice sends none), times the
+    ranks of the mesh (an integer: each collective's group size divides them)."""
     n = math.prod(sizes[i] for i in step.axes)
-    kind, before = step.kind, local_numel(step.before, sizes, shape)
+    kind, scale = step.kind, math.prod(sizes) // n
     if kind == "slice" or n == 1:
-        return Fraction(0)
+        return 0
     if kind == "all_gather":
-        return Fraction(local_numel(step.after, sizes, shape) * (n - 1), n)
-    if kind == "all_reduce":
-        return Fraction(2 * before * (n - 1), n)
-    return Fraction(before * (n - 1), n)  # reduce_scatter, all_to_all
+        return local_numel(step.after, sizes, shape) * (n - 1) * scale
+    before = local_numel(step.before, sizes, shape) * (n - 1) * scale
+    return 2 * before if kind == "all_reduce" else before  # reduce_scatter, all_to_all
