@@ -11,12 +11,12 @@ placement is chosen. Memory counts each parameter, its gradient and the optimize
 the lowering issues them, won 3-5% on two small models and lost 20-25% on the paper's BERT models
 at 16-32 GPUs, where the backward's conversions share the link.) Objective 'comm' counts bytes instead of seconds.
 
-On a 2-D mesh (hidup.strategy.Mesh) conversions are priced inside a row, a gradient partial
-there is all-reduced over the world, and a parameter's gradient that is whole there over its mesh
-column, the columns sharing each machine's link. A flat option (over every rank:
-hidup.graph.placement) converts over the world, its parameters' gradients are complete there or
-all-reduced over the world, and a tensor passes between a machine's placements and flat ones as
-the lowering passes it (axis by axis: hidup.program.conversions)."""
+On a mesh (hidup.strategy.Mesh) a conversion is priced as the lowering runs it, step by step
+between the two placements' layouts, each step along its axes' groups (hidup.program.conversions;
+a flat option's over the world), and a parameter's gradient is reduced into its stored shard as
+the lowering reduces it (hidup.program.buckets.reductions): still partial in a row, all-reduced
+over the world; whole there, over its mesh column, the columns sharing each machine's link; a
+flat parameter's complete over every rank or all-reduced there."""
 from __future__ import annotations
 
 import math
