@@ -96,7 +96,7 @@ def layout_key(t: str, layout: Layout, mb: int | None) -> str:
 
 class Conversions:
     """Lowering's conversions of values and gradients, axis by axis. It reads the Lowering's s
-    (strategy), layouts, uses, mbs_split, home and itemsize, and calls its gplace,
+    (strategy), layouts, uses, mbs_split, home, shape and itemsize, and calls its gplace,
     emit_convert, contributed and scatter_grad."""
 
     def check_flat(self) -> None:
@@ -128,6 +128,7 @@ class Conversions:
         if out in made:
             return
         made.add(out)
+        self.shape(t, src), self.shape(t, dst)  # each splits evenly, else a LoweringError
         self.emit_steps(t, self.layouts.of(t, src), self.layouts.of(t, dst), phase, m,
                         vkey(t, src, m), out, lambda layout: layout_key(t, layout, m), made)
 
@@ -167,6 +168,7 @@ class Conversions:
         one is not, the whole is added on the first rank along them). Each layout on the way
         has a key of its own, since other readers' gradients may pass it."""
         lay = self.layouts
+        self.shape(t, p), self.shape(t, home)  # each splits evenly, else a LoweringError
         src = lay.of_grad(t, p, self.gplace(t, p))
         dst = lay.of_grad(t, home, self.gplace(t, home))
         root = tuple(i for i, (a, b) in enumerate(zip(src, dst))

@@ -58,6 +58,12 @@ def redistribute(src: Layout, dst: Layout, sizes: tuple[int, ...], shape: tuple[
     if len(src) != len(sizes) or len(dst) != len(sizes):
         raise ValueError(f"layouts {_words(src)} -> {_words(dst)} on {len(sizes)} axes: give one "
                          f"placement per axis")
+    for layout in (src, dst):
+        for d in {p.dim for p in layout if isinstance(p, Shard)}:
+            n = math.prod(k for p, k in zip(layout, sizes) if isinstance(p, Shard) and p.dim == d)
+            if d >= len(shape) or shape[d] % n:
+                raise ValueError(f"layout {_words(layout)} on axes of {list(sizes)} ranks: dim "
+                                 f"{d} of shape {tuple(shape)} does not split into {n}")
     for a, b in zip(src, dst):
         if isinstance(b, Partial) and not isinstance(a, Partial):
             raise ValueError(f"layout {_words(src)} -> {_words(dst)}: {b} where the tensor is "
